@@ -1,0 +1,27 @@
+"""The errors autopar raises on bad input.
+
+Each carries a one-line message that names the cause and the fix; callers
+(the CLI, tests) can rely on ``str(err)`` being that line.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base of every error autopar raises on purpose."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured into a joint graph."""
+
+
+class ClusterError(AutoparError):
+    """A cluster, device, preset or mesh description is invalid."""
+
+
+class PlanError(AutoparError):
+    """No plan satisfies the request (e.g. nothing fits the memory limit)."""
+
+
+class PlanFormatError(AutoparError):
+    """A plan file is malformed or was written by a newer autopar."""
