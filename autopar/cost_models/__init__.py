@@ -1,0 +1,1 @@
+"""Cost models: compute, communication and memory, all analytic and free of torch."""

@@ -1,0 +1,122 @@
+"""Time of a collective on one mesh axis, from ring formulas (REFERENCES.md).
+
+Analytic rather than profiled because plans are made for clusters the user
+may not have. Ring algorithms are what NCCL uses for large messages, which
+dominate a training step; tree / NVLS algorithms win on small messages and
+large n, and their gap is left to ``efficiency`` (calibrated later against
+published measurements) rather than modelled here.
+
+Conventions, shared by every function below:
+
+- ``nbytes`` for all_gather and reduce_scatter is the FULL buffer (the
+  gathered output / the unsharded input), so the same number costs both
+  halves of a sharded step; for all_reduce and all_to_all it is the buffer
+  each rank holds; for broadcast and send_recv the buffer sent.
+- ``n`` is the number of ranks in the group; n == 1 costs nothing.
+- ``link.bandwidth`` is bytes/s per GPU per direction; ``efficiency``
+  divides it (1.0 = line rate).
+
+Nothing here compares ``nbytes`` with a number unless it is one, so a sympy
+expression for the size passes through and the time stays symbolic.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any
+
+from autopar.cluster import Cluster, Link, MeshShape
+
+logger = logging.getLogger(__name__)
+
+LINK_EFFICIENCY = 1.0
+"""Fraction of the link's line rate a collective achieves; calibration sets it. Read at call time."""
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+
+
+def _check(kind: str, nbytes: Any, n: int) -> None:
+    """Reject unknown kinds and impossible sizes early: a silent 0 would make the solver pick them."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; use one of {', '.join(COLLECTIVES)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size n must be a positive integer, got {n!r}; pass the mesh axis size")
+    if isinstance(nbytes, numbers.Real) and nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}; pass the buffer size in bytes")
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and x == 0
+
+
+def latency_hops(kind: str, n: int) -> int:
+    """Number of sequential α-latency steps of ``kind`` on a ring of ``n`` ranks.
+
+    all_reduce is a reduce-scatter then an all-gather, 2(n-1) steps; the
+    other ring collectives take n-1; a point-to-point send takes 1.
+    """
+    _check(kind, 0, n)
+    if n == 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    if kind == "send_recv":
+        return 1
+    return n - 1
+
+
+def bus_bytes(kind: str, nbytes: Any, n: int) -> Any:
+    """Bytes each rank sends (the busiest rank, for broadcast) under the conventions above.
+
+    This is the numerator of the bandwidth term: time = latency + bus_bytes / bw.
+    """
+    _check(kind, nbytes, n)
+    if n == 1:
+        return 0
+    if kind == "all_reduce":
+        return nbytes * (2 * (n - 1) / n)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return nbytes * ((n - 1) / n)
+    # broadcast (pipelined ring: every rank but the last forwards the whole buffer) and send_recv.
+    return nbytes
+
+
+def collective_time(
+    kind: str,
+    nbytes: Any,
+    n: int,
+    link: Link,
+    efficiency: float | None = None,
+) -> Any:
+    """Seconds for one ``kind`` collective of ``nbytes`` over ``n`` ranks on ``link``.
+
+    - all_reduce: 2(n-1)·α + 2(n-1)/n·B/bw
+    - all_gather, reduce_scatter, all_to_all: (n-1)·α + (n-1)/n·B/bw
+    - broadcast: (n-1)·α + B/bw (pipelined ring: the buffer is cut into
+      chunks that stream down the ring, so the pipe fills in n-1 hops and
+      then moves B at link speed)
+    - send_recv: α + B/bw
+    - n == 1 or nbytes == 0: 0 (no collective is issued)
+    """
+    _check(kind, nbytes, n)
+    eff = LINK_EFFICIENCY if efficiency is None else efficiency
+    if isinstance(eff, bool) or not isinstance(eff, numbers.Real) or not eff > 0:
+        raise ValueError(f"efficiency must be a positive number, got {eff!r}; pass e.g. 0.8")
+    if n == 1 or _is_zero(nbytes):
+        return 0.0
+    # Multiply by 1/bw (0 for an infinite link) rather than divide, so a symbolic size stays finite.
+    per_byte = 1.0 / (link.bandwidth * eff)
+    return latency_hops(kind, n) * link.latency_s + bus_bytes(kind, nbytes, n) * per_byte
+
+
+def axis_collective_time(
+    kind: str,
+    nbytes: Any,
+    cluster: Cluster,
+    mesh: MeshShape,
+    axis: str,
+    efficiency: float | None = None,
+) -> Any:
+    """:func:`collective_time` on a mesh axis: group size and link come from the cluster's layout."""
+    return collective_time(kind, nbytes, mesh.axis_size(axis), cluster.axis_link(mesh, axis), efficiency)

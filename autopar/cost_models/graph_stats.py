@@ -1,0 +1,60 @@
+"""Read the numbers the cost model needs off a captured joint graph, once.
+
+The result is plain data (``GraphStats``): every configuration the search
+costs afterwards reuses it without touching torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+
+from autopar.capture import CapturedGraph, node_phase
+from autopar.cost_models.compute import graph_compute, is_view, node_bytes
+from autopar.cost_models.memory import saved_activation_bytes
+from autopar.cost_models.step import GraphStats
+
+
+def model_fingerprint(names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> str:
+    """A short hash of parameter names and shapes: tells one model from another."""
+    h = hashlib.sha256()
+    for name, shape in names_and_shapes:
+        h.update(f"{name}:{tuple(shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def graph_stats(captured: CapturedGraph) -> GraphStats:
+    gm = captured.gm
+    compute = graph_compute(gm, node_phase)
+
+    def storage_view(node) -> bool:
+        return node.target is not operator.getitem and is_view(node)
+
+    saved_float, saved_other = saved_activation_bytes(gm, node_phase, storage_view)
+    transient = max(
+        (node_bytes(n) for n in gm.graph.nodes if n.op == "call_function" and node_phase(n) == "backward"),
+        default=0,
+    )
+    float_sizes = [p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point]
+    numels = [_numel(p.shape) for p in captured.params]
+    return GraphStats(
+        model=captured.model_name,
+        fingerprint=model_fingerprint([(p.name, p.shape) for p in captured.params]),
+        num_params=sum(numels),
+        batch_size=captured.batch_size,
+        compute=compute,
+        saved_float_bytes=saved_float,
+        saved_other_bytes=saved_other,
+        traced_float_size=max(float_sizes, default=4),
+        largest_param_numel=max(numels, default=0),
+        param_groups=len({p.name.rsplit(".", 1)[0] for p in captured.params}),
+        peak_transient_bytes=transient,
+        param_names=[p.name for p in captured.params],
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

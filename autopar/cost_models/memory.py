@@ -1,0 +1,134 @@
+"""Memory per device: model states by precision and ZeRO stage, saved activations from the graph.
+
+Model states (Ψ parameters, N data-parallel ranks, K bytes of optimizer state
+per parameter; Rajbhandari et al. 2020, "ZeRO"):
+
+    no ZeRO   params P·Ψ      grads G·Ψ      optimizer K·Ψ
+    ZeRO-1    P·Ψ             G·Ψ            K·Ψ / N
+    ZeRO-2    P·Ψ             G·Ψ / N        K·Ψ / N
+    ZeRO-3    P·Ψ / N         G·Ψ / N        K·Ψ / N
+
+With bf16-mixed precision and Adam, P = G = 2 and K = 12 (fp32 master copy,
+momentum, variance), 16Ψ in all; in fp32, P = G = 4 and K = 8.
+
+Saved activations are what the backward reads from the forward. They are
+read off the captured joint graph, not a per-model formula: every tensor a
+forward node produces that a backward node consumes is kept from the
+forward to the backward, so its bytes count towards the activation memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor under a training precision."""
+
+    name: str
+    param_bytes: int  # the copy the forward uses
+    grad_bytes: int
+    master_bytes: int  # fp32 master copy kept by the optimizer (0 when params are already fp32)
+    activation_bytes: int  # floating-point activations
+    compute_dtype: str  # key into DeviceSpec.peak_flops
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", 4, 4, 0, 4, "fp32"),
+    "bf16-mixed": Precision("bf16-mixed", 2, 2, 4, 2, "bf16"),
+    "fp16-mixed": Precision("fp16-mixed", 2, 2, 4, 2, "fp16"),
+}
+
+# fp32 state tensors the optimizer keeps per parameter.
+OPTIMIZER_STATES: dict[str, int] = {
+    "adamw": 2,  # exp_avg, exp_avg_sq
+    "adam": 2,
+    "sgd": 1,  # momentum buffer
+    "sgd-nomomentum": 0,
+    "adagrad": 1,
+    "rmsprop": 1,
+}
+
+
+def precision_spec(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise PlanError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}") from None
+
+
+def optimizer_states(name: str) -> int:
+    try:
+        return OPTIMIZER_STATES[name.lower()]
+    except KeyError:
+        raise PlanError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZER_STATES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def optimizer_bytes_per_param(precision: Precision, optimizer: str) -> int:
+    return precision.master_bytes + 4 * optimizer_states(optimizer)
+
+
+def model_state_bytes(num_params: float, precision: Precision, optimizer: str, zero: int, dp: int) -> ModelStates:
+    """Per-device bytes of parameters, gradients and optimizer state (the table above)."""
+    if zero not in (0, 1, 2, 3):
+        raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, not {zero!r}")
+    k = optimizer_bytes_per_param(precision, optimizer)
+    return ModelStates(
+        params=precision.param_bytes * num_params / (dp if zero >= 3 else 1),
+        grads=precision.grad_bytes * num_params / (dp if zero >= 2 else 1),
+        optimizer=k * num_params / (dp if zero >= 1 else 1),
+    )
+
+
+def saved_activation_bytes(gm, phase_of, is_view) -> tuple[int, int]:
+    """(floating-point, other) bytes, at the traced dtypes, of tensors the backward reads from the forward.
+
+    A saved view costs nothing of its own: it is followed to the node that
+    owns the storage, and each storage is counted once. Storages owned by
+    placeholders (parameters, buffers, inputs) are not activations; they are
+    counted elsewhere.
+    """
+    counted: set[str] = set()
+    float_bytes = other_bytes = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or phase_of(node) != "forward":
+            continue
+        if not any(phase_of(user) == "backward" for user in node.users):
+            continue
+        root = node
+        while root.op == "call_function" and is_view(root) and root.args and hasattr(root.args[0], "op"):
+            root = root.args[0]
+        if root.op != "call_function" or root.name in counted:
+            continue
+        counted.add(root.name)
+        for t in _tensors(root.meta.get("val")):
+            nbytes = int(t.numel()) * t.element_size()
+            if t.dtype.is_floating_point:
+                float_bytes += nbytes
+            else:
+                other_bytes += nbytes
+    return float_bytes, other_bytes
+
+
+def _tensors(val):
+    import torch
+
+    if isinstance(val, torch.Tensor):
+        yield val
+    elif isinstance(val, (list, tuple)):
+        for v in val:
+            yield from _tensors(v)

@@ -1,0 +1,199 @@
+"""Step time and memory of one data-parallel / ZeRO configuration.
+
+The cost of a configuration is built from plain numbers read once off the
+captured graph (``GraphStats``) and the cluster's figures; nothing here
+touches torch, so a thousand configurations are costed in milliseconds.
+
+Time per step on one device (m micro-batches, N data-parallel ranks, Ψ
+parameters, bucketed gradient communication overlapped with the backward,
+as DDP and DeepSpeed do):
+
+    compute    = m · (t_fwd + t_bwd) · micro_batch / captured_batch
+    ZeRO 0     all-reduce(G·Ψ) once, hidden behind the last micro-batch's backward
+    ZeRO 1     reduce-scatter(G·Ψ) hidden behind the backward, all-gather(P·Ψ) after the step (exposed)
+    ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (exposed)
+    ZeRO 3     per micro-batch: all-gather(P·Ψ) in forward, again in backward, reduce-scatter(G·Ψ);
+               each overlapped with the pass it serves
+    exposed    = Σ max(comm_pass − compute_pass, tail) where tail is the last bucket's share
+    optimizer  = bytes the update reads and writes / HBM bandwidth
+    step       = compute + exposed + optimizer
+
+That is 2Ψ of traffic for ZeRO 0–2 and 3Ψ for ZeRO 3, as in the ZeRO paper.
+Activation and compute figures scale linearly with the micro-batch size
+(every op of a network is linear in the batch dimension); the graph is
+captured once at the example batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, ComputeSummary
+from autopar.cost_models.memory import (
+    Precision,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+)
+from autopar.plan import Estimate, MemoryEstimate
+
+# DDP's default gradient bucket; also the granularity of ZeRO's overlapped communication.
+BUCKET_BYTES = 25e6
+
+
+@dataclass
+class GraphStats:
+    """What the cost model needs from a captured graph, as plain numbers."""
+
+    model: str
+    fingerprint: str
+    num_params: int
+    batch_size: int  # the batch the graph was captured at
+    compute: ComputeSummary
+    saved_float_bytes: float  # saved activations at the captured batch, at the traced float dtype
+    saved_other_bytes: float  # integer / boolean saved tensors (indices, masks)
+    traced_float_size: int  # bytes per element of the traced floating-point activations
+    largest_param_numel: int
+    param_groups: int = 1  # modules that own parameters directly: ZeRO-3's unit of gathering
+    peak_transient_bytes: float = 0.0  # largest single op's inputs + outputs at the captured batch
+    param_names: list[str] = field(default_factory=list)
+    _phase_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def phase_times(self, device, dtype_name: str, efficiency: ComputeEfficiency, bytes_scale: float) -> dict:
+        """Roofline time per phase at the captured batch; cached, since every configuration asks."""
+        key = (device.name, dtype_name, efficiency, bytes_scale)
+        if key not in self._phase_cache:
+            self._phase_cache[key] = self.compute.time_by_phase(device, dtype_name, efficiency, bytes_scale)
+        return self._phase_cache[key]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    micro_batch_size: int = 1
+    recompute: str = "none"
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch_size
+
+
+def estimate_config(
+    stats: GraphStats,
+    cfg: Config,
+    cluster,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    efficiency: ComputeEfficiency = DEFAULT_EFFICIENCY,
+) -> Estimate:
+    """Cost one configuration: step time, throughput, MFU and memory per device."""
+    device = cluster.device_spec
+    mesh = cluster.check_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    dp_link = cluster.axis_link(mesh, "dp")
+    psi = stats.num_params
+    n = cfg.dp
+    mb_scale = cfg.micro_batch_size / stats.batch_size
+
+    # ---- compute ----
+    act_scale = precision.activation_bytes / stats.traced_float_size
+    by_phase = stats.phase_times(device, precision.compute_dtype, efficiency, act_scale)
+    t_fwd = by_phase.get("forward", 0.0) * mb_scale
+    t_bwd = by_phase.get("backward", 0.0) * mb_scale
+    compute = cfg.microbatches * (t_fwd + t_bwd)
+
+    # ---- communication ----
+    grad_bytes = precision.grad_bytes * psi
+    param_bytes = precision.param_bytes * psi
+    collectives: list[dict] = []
+
+    def coll(kind: str, nbytes: float, count: int, pieces: int) -> float:
+        """``count`` rounds of ``kind`` over ``nbytes``, each sent as ``pieces`` collectives (buckets, layers)."""
+        t = pieces * collective_time(kind, nbytes / pieces, n, dp_link)
+        if n > 1 and count > 0:
+            collectives.append(
+                {"kind": kind, "axis": "dp", "bytes": nbytes / pieces, "count": count * pieces, "time_s": t * count}
+            )
+        return t * count
+
+    def tail(comm: float, nbytes: float) -> float:
+        return comm * min(1.0, BUCKET_BYTES / max(nbytes, 1.0))
+
+    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+    groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
+    m = cfg.microbatches
+    if cfg.zero == 0:
+        c = coll("all_reduce", grad_bytes, 1, buckets)
+        comm, exposed = c, max(c - t_bwd, tail(c, grad_bytes))
+    elif cfg.zero == 1:
+        rs = coll("reduce_scatter", grad_bytes, 1, buckets)
+        ag = coll("all_gather", param_bytes, 1, buckets)
+        comm, exposed = rs + ag, max(rs - t_bwd, tail(rs, grad_bytes)) + ag
+    elif cfg.zero == 2:
+        rs = coll("reduce_scatter", grad_bytes, m, buckets)
+        ag = coll("all_gather", param_bytes, 1, buckets)
+        comm = rs + ag
+        exposed = m * max(rs / m - t_bwd, tail(rs / m, grad_bytes)) + ag
+    else:
+        ag = coll("all_gather", param_bytes, 2 * m, groups)
+        rs = coll("reduce_scatter", grad_bytes, m, groups)
+        ag1, rs1 = ag / (2 * m), rs / m
+        comm = ag + rs
+        exposed = m * (
+            max(ag1 - t_fwd, tail(ag1, param_bytes)) + max(ag1 + rs1 - t_bwd, tail(ag1 + rs1, param_bytes))
+        )
+    if n == 1:
+        comm = exposed = 0.0
+
+    # ---- optimizer step: memory-bound over the local shard of optimizer state ----
+    local_opt = psi / (n if cfg.zero >= 1 else 1)
+    k = optimizer_bytes_per_param(precision, optimizer)
+    # reads grads + state + master, writes state + master + the forward copy of the params
+    opt_traffic = local_opt * (precision.grad_bytes + 2 * k + precision.param_bytes)
+    t_opt = opt_traffic / (device.hbm_bandwidth * efficiency.memory)
+
+    step = compute + exposed + t_opt
+
+    # ---- memory ----
+    states = model_state_bytes(psi, precision, optimizer, cfg.zero, n)
+    activations = (stats.saved_float_bytes * act_scale + stats.saved_other_bytes) * mb_scale
+    buffers = stats.peak_transient_bytes * act_scale * mb_scale
+    if n > 1 and cfg.zero < 3:
+        buffers += 2 * min(BUCKET_BYTES, grad_bytes)  # a bucket in flight while the next fills
+    if n > 1 and cfg.zero == 3:
+        # the gathered parameters of the module in use and of the one prefetched
+        buffers += 2 * precision.param_bytes * max(stats.largest_param_numel, psi / groups)
+    peak = states.total + activations + buffers
+    mem = MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        activations=activations,
+        buffers=buffers,
+        peak=peak,
+    )
+
+    gbs = cfg.global_batch_size
+    model_flops = stats.compute.total_flops / stats.batch_size * gbs
+    peak_flops = device.peak_flops[precision.compute_dtype]
+    return Estimate(
+        step_time_s=step,
+        samples_per_s=gbs / step if step > 0 else 0.0,
+        mfu=model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0,
+        memory=mem,
+        memory_limit=memory_limit,
+        fits=peak <= memory_limit,
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        optimizer_s=t_opt,
+        model_flops=model_flops,
+        collectives=collectives,
+    )

@@ -1,0 +1,249 @@
+"""The Plan: what autopar decided, as plain data.
+
+A Plan is the hand-off between planning (which needs no process group and
+no accelerator) and running (``autopar.parallelize`` inside each rank). It
+holds only JSON-able values so that it can be saved, diffed, reviewed and
+loaded by another process or another version of autopar. Nothing in it
+refers to torch objects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanFormatError
+
+FORMAT_VERSION = 1
+
+GB = 1e9
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device, by category. ``peak`` is what must fit in the device."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0  # communication buckets, gathered ZeRO-3 parameters, backward workspace
+    peak: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        """Parameters + gradients + optimizer state: what the ZeRO paper counts."""
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class Estimate:
+    """The cost model's verdict on one configuration (per step, per device)."""
+
+    step_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    mfu: float = 0.0
+    memory: MemoryEstimate = field(default_factory=MemoryEstimate)
+    memory_limit: float = 0.0
+    fits: bool = True
+    compute_s: float = 0.0  # forward + backward compute, all micro-batches
+    comm_s: float = 0.0  # total communication time (overlapped or not)
+    exposed_comm_s: float = 0.0  # the part of comm_s that compute does not hide
+    optimizer_s: float = 0.0
+    bubble_s: float = 0.0
+    model_flops: float = 0.0  # per step, whole cluster, without recompute
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # {"kind", "axis", "bytes", "count", "time_s"}
+
+
+@dataclass
+class Plan:
+    """A parallel training configuration for one model on one cluster."""
+
+    model: str
+    fingerprint: str  # hash of parameter names and shapes: refuses a plan made for another model
+    num_params: int
+    cluster: dict[str, Any]  # Cluster.to_dict()
+    cluster_description: str
+    mesh: dict[str, int]  # {"dp": .., "tp": .., "pp": ..}
+    zero: int = 0
+    recompute: str = "none"
+    microbatches: int = 1
+    global_batch_size: int = 1
+    micro_batch_size: int = 1
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    placements: dict[str, Any] = field(default_factory=dict)  # op -> placement per mesh axis
+    stages: list[Any] = field(default_factory=list)  # pipeline stage cuts
+    estimate: Estimate = field(default_factory=Estimate)
+    solver: dict[str, Any] = field(default_factory=dict)  # status, objective, gap, candidates, time_s
+    warnings: list[str] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    # ---- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanFormatError(f"{source} is not a plan: expected a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if not isinstance(version, int):
+            raise PlanFormatError(f"{source} is not an autopar plan: it has no integer 'format_version'")
+        if version > FORMAT_VERSION:
+            raise PlanFormatError(
+                f"{source} has plan format {version}, newer than this autopar reads ({FORMAT_VERSION}); "
+                "upgrade autopar to load it"
+            )
+        try:
+            body = dict(data)
+            est = dict(body.pop("estimate", {}) or {})
+            mem = MemoryEstimate(**(est.pop("memory", {}) or {}))
+            body["estimate"] = Estimate(memory=mem, **est)
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(body) - known)
+            if unknown:
+                raise TypeError(f"unexpected field(s) {', '.join(unknown)}")
+            plan = cls(**body)
+        except TypeError as err:
+            raise PlanFormatError(f"{source} is malformed: {_short_type_error(err)}") from None
+        for key in ("dp", "tp", "pp"):
+            if not isinstance(plan.mesh.get(key), int) or plan.mesh[key] < 1:
+                raise PlanFormatError(f"{source} is malformed: mesh needs a positive integer '{key}'")
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise PlanFormatError(f"cannot read plan file {path}: {err.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFormatError(f"{path} is not valid JSON (line {err.lineno}: {err.msg})") from None
+        return cls.from_dict(data, source=str(path))
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def mesh_str(self) -> str:
+        return " x ".join(f"{k}={self.mesh[k]}" for k in ("dp", "tp", "pp"))
+
+    def summary(self, width: int = 100) -> str:
+        """A table a person reads: the configuration, time and memory per device."""
+        from rich.console import Console
+        from rich.table import Table
+
+        est, mem = self.estimate, self.estimate.memory
+        buf = io.StringIO()
+        console = Console(file=buf, width=width, color_system=None, force_terminal=False)
+
+        cfg = Table(title=f"autopar plan: {self.model} ({self.num_params / 1e9:.3g}B params)", show_header=False)
+        cfg.add_column("key", style="bold")
+        cfg.add_column("value")
+        cfg.add_row("cluster", self.cluster_description)
+        cfg.add_row("mesh", self.mesh_str())
+        cfg.add_row("ZeRO stage", str(self.zero))
+        cfg.add_row("recompute", self.recompute)
+        cfg.add_row(
+            "batch",
+            f"global {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
+            f"{self.microbatches} micro-batches x dp {self.mesh['dp']}",
+        )
+        cfg.add_row("precision / optimizer", f"{self.precision} / {self.optimizer}")
+        if self.solver:
+            cfg.add_row("search", _solver_line(self.solver))
+        console.print(cfg)
+
+        time_t = Table(title="time per step")
+        for col in ("step", "compute", "comm (exposed / total)", "optimizer", "samples/s", "MFU"):
+            time_t.add_column(col, justify="right")
+        time_t.add_row(
+            _secs(est.step_time_s),
+            _secs(est.compute_s),
+            f"{_secs(est.exposed_comm_s)} / {_secs(est.comm_s)}",
+            _secs(est.optimizer_s),
+            f"{est.samples_per_s:,.1f}",
+            f"{est.mfu * 100:.1f}%",
+        )
+        console.print(time_t)
+
+        mem_t = Table(title="memory per device (GB)")
+        for col in ("params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"):
+            mem_t.add_column(col, justify="right")
+        mem_t.add_row(
+            *(f"{v / GB:.2f}" for v in (mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.peak)),
+            f"{est.memory_limit / GB:.1f}",
+            "yes" if est.fits else "NO",
+        )
+        console.print(mem_t)
+
+        if est.collectives:
+            coll = Table(title="collectives per step")
+            for col in ("collective", "axis", "count", "bytes each", "time"):
+                coll.add_column(col, justify="right")
+            for c in est.collectives:
+                coll.add_row(c["kind"], c["axis"], str(c["count"]), _bytes(c["bytes"]), _secs(c["time_s"]))
+            console.print(coll)
+        alts = self.solver.get("alternatives") or []
+        if len(alts) > 1:
+            alt_t = Table(title="best configuration per ZeRO stage")
+            for col in ("mesh", "ZeRO", "micro-batches", "step", "peak memory (GB)", "fits"):
+                alt_t.add_column(col, justify="right")
+            for a in alts:
+                mesh = " x ".join(f"{k}={a['mesh'][k]}" for k in ("dp", "tp", "pp"))
+                alt_t.add_row(
+                    mesh,
+                    str(a["zero"]),
+                    str(a["microbatches"]),
+                    _secs(a["step_time_s"]),
+                    f"{a['peak_bytes'] / GB:.2f}",
+                    "yes" if a["fits"] else "no",
+                )
+            console.print(alt_t)
+        for w in self.warnings:
+            console.print(f"warning: {w}")
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _solver_line(solver: dict[str, Any]) -> str:
+    parts = [str(solver.get("status", "?"))]
+    if "candidates" in solver:
+        parts.append(f"{solver['candidates']} configurations costed")
+    if solver.get("gap") is not None:
+        parts.append(f"gap {solver['gap'] * 100:.2g}%")
+    if "time_s" in solver:
+        parts.append(f"{solver['time_s']:.2f} s")
+    return ", ".join(parts)
+
+
+def _secs(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _short_type_error(err: TypeError) -> str:
+    msg = str(err)
+    # "__init__() got an unexpected keyword argument 'x'" -> "unexpected keyword argument 'x'"
+    return msg.split(") ", 1)[-1] if "__init__()" in msg else msg

@@ -1,0 +1,64 @@
+"""Model factories for examples, benchmarks and the CLI (``autopar plan examples.models:gpt2_small``).
+
+Every model is built locally from a config: nothing is downloaded. Large
+shapes are built on the meta device, which holds no memory: planning needs
+shapes, not weights. Each factory returns ``(model, example_inputs)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _ids(batch: int, seq: int, vocab: int, device: str = "cpu") -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, batch: int = 1,
+        device: str = "meta"):
+    """A GPT-2-style decoder (HuggingFace GPT2LMHeadModel) of the given shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    with torch.device(device):
+        model = GPT2LMHeadModel(cfg)
+    return model, _ids(batch, seq, vocab, device)
+
+
+def llama(layers: int, hidden: int, heads: int, intermediate: int, vocab: int = 32000, seq: int = 2048,
+          batch: int = 1, kv_heads: int | None = None, device: str = "meta"):
+    """A LLaMA decoder (HuggingFace LlamaForCausalLM) of the given shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads or heads, intermediate_size=intermediate,
+                      vocab_size=vocab, max_position_embeddings=seq)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model, _ids(batch, seq, vocab, device)
+
+
+def gpt2_small():
+    """GPT-2 small (124M parameters), sequence 1024."""
+    return gpt(12, 768, 12, vocab=50257, seq=1024)
+
+
+def gpt_7_5b():
+    """The 7.5B GPT of the ZeRO and Megatron-LM papers: 36 layers, hidden 4096."""
+    return gpt(36, 4096, 32)
+
+
+def llama_7b():
+    """LLaMA-7B shape: 32 layers, hidden 4096, intermediate 11008, vocab 32000."""
+    return llama(32, 4096, 32, 11008)
+
+
+def gpt2_tiny():
+    """A GPT-2 small enough to train on CPU processes in tests and the demo."""
+    return gpt(2, 64, 4, vocab=128, seq=16, batch=8, device="cpu")
+
+
+def llama_tiny():
+    return llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")

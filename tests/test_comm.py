@@ -1,0 +1,115 @@
+"""Collective timing against hand-computed ring formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autopar.cluster import Cluster, Link
+from autopar.cost_models import comm
+from autopar.cost_models.comm import (
+    COLLECTIVES,
+    axis_collective_time,
+    bus_bytes,
+    collective_time,
+)
+
+NVLINK = Link(bandwidth=450e9, latency_s=3e-6, name="nvlink", intra_node=True)
+IB = Link(bandwidth=50e9, latency_s=8e-6, name="infiniband", intra_node=False)
+
+
+def test_all_reduce_1gb_8_gpus_nvlink():
+    t = collective_time("all_reduce", 1e9, 8, NVLINK)
+    expected = 2 * 7 / 8 * 1e9 / 450e9 + 14 * 3e-6
+    assert t == pytest.approx(expected, rel=1e-12)
+    assert t == pytest.approx(3.931e-3, rel=1e-3)  # about 3.9 ms
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_half_ring_collectives(kind):
+    # 16 ranks over InfiniBand, 2 GB full buffer: 15/16 * 2e9 / 50e9 + 15 * 8 us
+    t = collective_time(kind, 2e9, 16, IB)
+    assert t == pytest.approx(15 / 16 * 2e9 / 50e9 + 15 * 8e-6, rel=1e-12)
+    assert t == pytest.approx(0.03762, rel=1e-4)
+
+
+def test_all_reduce_is_reduce_scatter_plus_all_gather():
+    for n in (2, 4, 8, 64):
+        ar = collective_time("all_reduce", 3e8, n, IB)
+        rs = collective_time("reduce_scatter", 3e8, n, IB)
+        ag = collective_time("all_gather", 3e8, n, IB)
+        assert ar == pytest.approx(rs + ag, rel=1e-12)
+
+
+def test_send_recv_and_broadcast():
+    assert collective_time("send_recv", 1e8, 2, IB) == pytest.approx(8e-6 + 1e8 / 50e9)
+    assert collective_time("broadcast", 1e8, 8, NVLINK) == pytest.approx(7 * 3e-6 + 1e8 / 450e9)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+def test_trivial_cases_cost_nothing(kind):
+    assert collective_time(kind, 1e9, 1, NVLINK) == 0
+    assert collective_time(kind, 0, 8, NVLINK) == 0
+    assert bus_bytes(kind, 1e9, 1) == 0
+
+
+def test_local_link_is_free_and_infinite_link_has_only_latency():
+    c = Cluster.preset("dgx-h100", nodes=1)
+    m = c.check_mesh(tp=8)
+    assert axis_collective_time("all_reduce", 1e9, c, m, "dp") == 0
+    inf = Link(bandwidth=math.inf, latency_s=1e-6, name="x", intra_node=True)
+    assert collective_time("all_gather", 1e9, 4, inf) == pytest.approx(3e-6)
+
+
+def test_bus_bytes():
+    assert bus_bytes("all_reduce", 8e9, 8) == pytest.approx(14e9)
+    assert bus_bytes("all_gather", 8e9, 8) == pytest.approx(7e9)
+    assert bus_bytes("reduce_scatter", 8e9, 8) == pytest.approx(7e9)
+    assert bus_bytes("all_to_all", 8e9, 8) == pytest.approx(7e9)
+    assert bus_bytes("broadcast", 8e9, 8) == 8e9
+    assert bus_bytes("send_recv", 8e9, 2) == 8e9
+
+
+def test_efficiency_divides_bandwidth(monkeypatch):
+    base = collective_time("all_gather", 1e9, 8, Link(450e9, 0.0, "nvlink", True))
+    assert collective_time(
+        "all_gather", 1e9, 8, Link(450e9, 0.0, "nvlink", True), efficiency=0.5
+    ) == pytest.approx(2 * base)
+    monkeypatch.setattr(comm, "LINK_EFFICIENCY", 0.8)
+    assert collective_time("all_gather", 1e9, 8, Link(450e9, 0.0, "nvlink", True)) == pytest.approx(
+        base / 0.8
+    )
+    with pytest.raises(ValueError, match="efficiency"):
+        collective_time("all_gather", 1e9, 8, NVLINK, efficiency=0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError) as err:
+        collective_time("allreduce", 1e9, 8, NVLINK)
+    for kind in COLLECTIVES:
+        assert kind in str(err.value)
+    with pytest.raises(ValueError, match="n"):
+        collective_time("all_reduce", 1e9, 0, NVLINK)
+    with pytest.raises(ValueError, match="nbytes"):
+        collective_time("all_reduce", -1, 8, NVLINK)
+    with pytest.raises(ValueError):
+        bus_bytes("gather", 1, 2)
+
+
+def test_axis_collective_time_uses_the_axis_link():
+    c = Cluster.preset("dgx-h100", nodes=8)
+    m = c.check_mesh(tp=8)  # dp=8, one rank per node
+    tp = axis_collective_time("all_reduce", 1e9, c, m, "tp")
+    dp = axis_collective_time("all_reduce", 1e9, c, m, "dp")
+    assert tp == pytest.approx(2 * 7 / 8 * 1e9 / 450e9 + 14 * 3e-6)
+    assert dp == pytest.approx(2 * 7 / 8 * 1e9 / 50e9 + 14 * 8e-6)
+
+
+def test_symbolic_size_stays_symbolic():
+    sympy = pytest.importorskip("sympy")
+    b = sympy.Symbol("b", positive=True)
+    t = collective_time("all_gather", 4 * b, 4, NVLINK)
+    assert float(t.subs(b, 1e9)) == pytest.approx(collective_time("all_gather", 4e9, 4, NVLINK))
+    free = Link(bandwidth=math.inf, latency_s=0.0, name="local", intra_node=True)
+    assert collective_time("all_gather", b, 4, free) == 0
