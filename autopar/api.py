@@ -58,9 +58,8 @@ def plan(
     if limit <= 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
 
-    captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    stats = _stats_for(model, example_inputs, loss_fn, example_targets)
     t_capture = time.perf_counter() - t0
-    stats = graph_stats(captured)
     gbs = stats.batch_size if global_batch_size is None else global_batch_size
     if not isinstance(gbs, int) or gbs < 1:
         raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
@@ -132,6 +131,44 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
         }
         for _, (cfg, est) in sorted(best.items())
     ]
+
+
+_last_stats: tuple[tuple, GraphStats] | None = None
+
+
+def _stats_for(model, example_inputs, loss_fn, example_targets) -> GraphStats:
+    """Capture the model and read its statistics, reusing the last capture of the same model and inputs.
+
+    Users re-plan one model with other options (a ZeRO stage, a batch, a
+    memory limit); a 7B capture takes seconds, its statistics do not change.
+    The key covers the model object, its parameter names, shapes and dtypes,
+    the example inputs' shapes and dtypes, and the loss function.
+    """
+    global _last_stats
+    key = (
+        id(model),
+        type(model),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+        _shapes(example_inputs),
+        _shapes(example_targets),
+        id(loss_fn),
+    )
+    if _last_stats is not None and _last_stats[0] == key:
+        log.info("reusing the capture of %s", type(model).__name__)
+        return _last_stats[1]
+    stats = graph_stats(capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets))
+    _last_stats = (key, stats)
+    return stats
+
+
+def _shapes(x) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return (tuple(x.shape), x.dtype, str(getattr(x, "device", "")))
+    if isinstance(x, dict):
+        return tuple((k, _shapes(v)) for k, v in sorted(x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_shapes(v) for v in x)
+    return repr(x)
 
 
 def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,117 @@
+"""autopar.plan end to end: memory against the ZeRO paper, FLOPs against the transformer formula, errors."""
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import CaptureError, Cluster, ClusterError, PlanError
+from examples.models import gpt
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def gpt_7_5b():
+    # The ZeRO paper's 7.5B GPT (Megatron shape: 36 layers, hidden 4096); a short example sequence
+    # keeps the capture fast and leaves the parameter count unchanged.
+    return gpt(36, 4096, 32, vocab=51200, seq=2048, batch=1)
+
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_model_states_match_the_zero_paper(gpt_7_5b, stage, paper_gb):
+    model, inputs = gpt_7_5b
+    cluster = Cluster.preset("dgx-a100", nodes=8)
+    plan = autopar.plan(model, inputs, cluster, global_batch_size=64, fixed={"dp": 64, "zero": stage})
+    assert 7.4e9 < plan.num_params < 7.6e9
+    states = plan.estimate.memory.model_states
+    # The paper rounds Psi to 7.5B; compare per parameter, then to the paper's figure within 2%.
+    assert states / plan.num_params * 7.5e9 == pytest.approx(paper_gb * GB, rel=0.02)
+    assert plan.zero == stage and plan.mesh == {"dp": 64, "tp": 1, "pp": 1}
+
+
+def test_flops_match_the_dense_transformer_formula():
+    b, s, layers, h, vocab = 2, 1024, 4, 1024, 51200
+    model, inputs = gpt(layers, h, 16, vocab=vocab, seq=s, batch=b)
+    plan = autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=b * 8)
+    formula = 72 * (b * 8) * s * layers * h**2 * (1 + s / (6 * h) + vocab / (12 * layers * h))
+    assert plan.estimate.model_flops == pytest.approx(formula, rel=0.02)
+
+
+def test_search_trades_speed_for_memory_as_the_limit_tightens():
+    model, inputs = gpt(4, 512, 8, vocab=8192, seq=512, batch=1)
+    cluster = Cluster.preset("dgx-a100", nodes=1)
+    roomy = autopar.plan(model, inputs, cluster, global_batch_size=64)
+    assert roomy.estimate.fits
+    need = roomy.estimate.memory.peak
+    tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5)
+    assert tight.estimate.fits and tight.estimate.memory.peak <= need * 0.5
+    assert (tight.zero, tight.microbatches) != (roomy.zero, roomy.microbatches)
+    assert tight.estimate.step_time_s >= roomy.estimate.step_time_s
+    # every configuration costed is accounted for, and the chosen one is the fastest that fits
+    for alt in roomy.solver["alternatives"]:
+        assert alt["step_time_s"] >= roomy.estimate.step_time_s / (1 + 0.01)
+
+
+def test_memory_limit_nothing_meets_names_the_smallest():
+    model, inputs = gpt(2, 256, 4, vocab=1024, seq=128, batch=1)
+    with pytest.raises(PlanError) as err:
+        autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=8, memory_limit=1e6)
+    msg = str(err.value)
+    assert "no configuration fits 0.0 GB per device; the smallest needs" in msg and "\n" not in msg
+
+
+def test_fixed_config_that_overflows_is_returned_with_a_warning():
+    model, inputs = gpt(2, 256, 4, vocab=1024, seq=128, batch=1)
+    plan = autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=8, memory_limit=1e6,
+                        fixed={"zero": 0})
+    assert not plan.estimate.fits
+    assert "over the" in plan.warnings[0]
+
+
+def test_bad_input_errors_are_one_line():
+    model, inputs = gpt(2, 64, 4, vocab=128, seq=16, batch=8)
+    cluster = Cluster.preset("dgx-h100")
+    cases = [
+        (lambda: Cluster.preset("dgx-z900"), ClusterError, "dgx-h100"),
+        (lambda: Cluster(device="TPU-v9"), ClusterError, "H100-80GB"),
+        (lambda: autopar.plan(model, inputs, cluster, fixed={"dp": 3}), ClusterError, "does not match"),
+        (lambda: autopar.plan(model, inputs, cluster, fixed={"dpp": 3}), PlanError, "unknown key"),
+        (lambda: autopar.plan(model, inputs, cluster, precision="fp8"), PlanError, "unknown precision"),
+        (lambda: autopar.plan(model, inputs, cluster, global_batch_size=12), PlanError, "does not split"),
+        (lambda: autopar.plan(model, {"input_ids": torch.zeros(8, 16)}, cluster), CaptureError, "do not fit"),
+        (lambda: autopar.plan(model, {"input_ids": inputs["input_ids"]}, cluster), CaptureError, "no loss"),
+    ]
+    for call, exc, needle in cases:
+        with pytest.raises(exc) as err:
+            call()
+        assert needle in str(err.value), str(err.value)
+        assert "\n" not in str(err.value)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _Gate()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.gate(x)).sum()
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent Python branch
+            return y
+        return -y
+
+
+def test_data_dependent_control_flow_names_the_module():
+    with pytest.raises(CaptureError) as err:
+        autopar.plan(_Branchy(), torch.randn(4, 8), Cluster.local(2))
+    assert "gate" in str(err.value) and "_Gate" in str(err.value)

@@ -1,0 +1,86 @@
+"""The Plan object: JSON round trip, clear errors on bad files, a readable summary."""
+
+import json
+
+import pytest
+
+from autopar import Cluster, Plan, PlanFormatError
+from autopar.plan import FORMAT_VERSION, Estimate, MemoryEstimate
+
+
+def _plan() -> Plan:
+    cluster = Cluster.preset("dgx-h100", nodes=8)
+    est = Estimate(
+        step_time_s=1.5,
+        samples_per_s=341.3,
+        mfu=0.42,
+        memory=MemoryEstimate(params=1e9, grads=2e9, optimizer=3e9, activations=4e9, buffers=5e8, peak=1.05e10),
+        memory_limit=80e9,
+        collectives=[{"kind": "all_reduce", "axis": "dp", "bytes": 25e6, "count": 10, "time_s": 0.01}],
+    )
+    return Plan(
+        model="GPT2LMHeadModel",
+        fingerprint="abc",
+        num_params=7_500_000_000,
+        cluster=cluster.to_dict(),
+        cluster_description=cluster.describe(),
+        mesh={"dp": 64, "tp": 1, "pp": 1},
+        zero=3,
+        global_batch_size=512,
+        micro_batch_size=8,
+        estimate=est,
+        solver={"status": "optimal", "gap": 0.0, "candidates": 4},
+    )
+
+
+def test_json_round_trip(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.estimate.memory.model_states == 6e9
+    assert Cluster.from_dict(loaded.cluster) == Cluster.preset("dgx-h100", nodes=8)
+    assert json.loads(path.read_text())["format_version"] == FORMAT_VERSION
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"model": "x"}', "no integer 'format_version'"),
+        ('{"format_version": 99}', "newer than this autopar reads"),
+        ('{"format_version": 1, "model": "x"}', "malformed"),
+    ],
+)
+def test_bad_files_give_one_line_errors(tmp_path, content, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(PlanFormatError) as err:
+        Plan.load(path)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_field_and_bad_mesh_are_malformed(tmp_path):
+    data = _plan().to_dict()
+    data["surprise"] = 1
+    with pytest.raises(PlanFormatError, match="unexpected field"):
+        Plan.from_dict(data)
+    data = _plan().to_dict()
+    data["mesh"] = {"dp": 0, "tp": 1, "pp": 1}
+    with pytest.raises(PlanFormatError, match="mesh needs a positive integer 'dp'"):
+        Plan.from_dict(data)
+
+
+def test_missing_file_is_clear(tmp_path):
+    with pytest.raises(PlanFormatError, match="cannot read plan file"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_summary_reads_like_a_table():
+    text = _plan().summary()
+    for needle in ("GPT2LMHeadModel", "dp=64 x tp=1 x pp=1", "ZeRO stage", "42.0%", "10.50", "all_reduce",
+                   "8 nodes x 8 H100-80GB"):
+        assert needle in text, needle
