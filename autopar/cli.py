@@ -58,12 +58,13 @@ def _cluster(args):
 def _cmd_plan(args) -> int:
     import autopar
 
+    cluster = _cluster(args)  # cheap checks first, before the model is built
     made = _load_factory(args.model)
     fixed = {k: getattr(args, k) for k in ("dp", "zero", "microbatches") if getattr(args, k) is not None}
     plan = autopar.plan(
         made["model"],
         made["example_inputs"],
-        _cluster(args),
+        cluster,
         loss_fn=made.get("loss_fn"),
         example_targets=made.get("example_targets"),
         optimizer=args.optimizer,

@@ -92,9 +92,10 @@ def estimate_config(
     precision: Precision,
     optimizer: str,
     memory_limit: float,
-    efficiency: ComputeEfficiency = DEFAULT_EFFICIENCY,
+    efficiency: ComputeEfficiency | None = None,
 ) -> Estimate:
     """Cost one configuration: step time, throughput, MFU and memory per device."""
+    efficiency = efficiency or DEFAULT_EFFICIENCY
     device = cluster.device_spec
     mesh = cluster.check_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     dp_link = cluster.axis_link(mesh, "dp")
