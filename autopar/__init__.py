@@ -1,7 +1,7 @@
 """autopar: automatic parallelization of PyTorch training.
 
-    plan = autopar.plan(model, example_inputs, cluster)
-    print(plan.summary())
+plan = autopar.plan(model, example_inputs, cluster)
+print(plan.summary())
 """
 
 from autopar.api import plan

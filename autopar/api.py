@@ -50,7 +50,9 @@ def plan(
     """
     t0 = time.perf_counter()
     if not isinstance(cluster, Cluster):
-        raise PlanError(f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()")
+        raise PlanError(
+            f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()"
+        )
     prec = precision_spec(precision)
     optimizer_states(optimizer)
     fixed = _check_fixed(fixed)
@@ -178,7 +180,9 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
         raise PlanError(f"fixed must be a dict such as {{'dp': 8, 'zero': 1}}, not {type(fixed).__name__}")
     unknown = sorted(set(fixed) - set(FIXED_KEYS))
     if unknown:
-        raise PlanError(f"unknown key(s) in fixed: {', '.join(unknown)}; known keys are {', '.join(FIXED_KEYS)}")
+        raise PlanError(
+            f"unknown key(s) in fixed: {', '.join(unknown)}; known keys are {', '.join(FIXED_KEYS)}"
+        )
     for key in ("dp", "tp", "pp", "microbatches"):
         if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
             raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")

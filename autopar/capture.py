@@ -51,8 +51,15 @@ aten = torch.ops.aten
 _WRAPPED = "model"  # attribute under which the wrapper holds the user's model
 _TARGETS = "_autopar_targets"  # keyword that carries the example targets through export, after user kwargs
 # Kernels that reject mixed dtypes in eager but not on fake tensors.
-_SAME_DTYPE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                   aten.convolution.default, aten.mv.default, aten.dot.default}
+_SAME_DTYPE_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.convolution.default,
+    aten.mv.default,
+    aten.dot.default,
+}
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
 
 
@@ -92,7 +99,7 @@ def node_module(node: fx.Node) -> str:
 
 
 def node_phase(node: fx.Node) -> str:
-    """"input" for placeholders, "forward" for the loss and its ancestors, else "backward"."""
+    """ "input" for placeholders, "forward" for the loss and its ancestors, else "backward"."""
     return node.meta.get("autopar_phase", "input" if node.op == "placeholder" else "backward")
 
 
@@ -119,7 +126,9 @@ def _pick_loss(out: Any, loss_fn: Callable[..., Any] | None, targets: tuple, cls
     if loss_fn is not None:
         loss = loss_fn(out, *targets)
         if not _is_scalar(loss):
-            raise _NoLoss(f"loss_fn returned {_describe(loss)}, not a scalar tensor: make it reduce to a scalar")
+            raise _NoLoss(
+                f"loss_fn returned {_describe(loss)}, not a scalar tensor: make it reduce to a scalar"
+            )
         return loss
     if _is_scalar(out):
         return out
@@ -165,13 +174,16 @@ def _track_modules(model: nn.Module, stack: list[str]) -> Iterator[None]:
     Non-strict export runs real Python, so forward hooks fire; a module whose
     forward raises is never popped, so ``stack[-1]`` names where an error arose.
     """
+
     def pop(mod: nn.Module, args: Any, out: Any) -> None:  # a hook's return value would replace the output
         stack.pop()
 
     handles = []
     try:
         for name, mod in model.named_modules():
-            handles.append(mod.register_forward_pre_hook(functools.partial(lambda n, m, a: stack.append(n), name)))
+            handles.append(
+                mod.register_forward_pre_hook(functools.partial(lambda n, m, a: stack.append(n), name))
+            )
             handles.append(mod.register_forward_hook(pop))
         yield
     finally:
@@ -248,11 +260,14 @@ def _check_dtypes(gm: fx.GraphModule, model: nn.Module) -> None:
     for n in gm.graph.nodes:
         if n.target in _SAME_DTYPE_OPS and node_phase(n) == "forward":
             vals = [a.meta.get("val") for a in n.all_input_nodes]
-            dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if isinstance(v, torch.Tensor)})
+            dtypes = sorted(
+                {str(v.dtype).removeprefix("torch.") for v in vals if isinstance(v, torch.Tensor)}
+            )
             if len(dtypes) > 1:
                 raise CaptureError(
                     f"example inputs do not fit {type(model).__name__}: {n.target.overloadpacket.__name__} got "
-                    f"operands of different dtypes ({', '.join(dtypes)}) (in module {_where(model, node_module(n))})")
+                    f"operands of different dtypes ({', '.join(dtypes)}) (in module {_where(model, node_module(n))})"
+                )
 
 
 def _normalize(example_inputs: Any, example_targets: Any) -> tuple[tuple, dict, tuple]:
@@ -260,10 +275,15 @@ def _normalize(example_inputs: Any, example_targets: Any) -> tuple[tuple, dict, 
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, (tuple, list, torch.Tensor)):
-        args, kwargs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs), {}
+        args, kwargs = (
+            (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs),
+            {},
+        )
     else:
-        raise CaptureError(f"example_inputs must be a Tensor, a tuple of positional arguments or a dict of "
-                           f"keyword arguments, not {type(example_inputs).__name__}")
+        raise CaptureError(
+            f"example_inputs must be a Tensor, a tuple of positional arguments or a dict of "
+            f"keyword arguments, not {type(example_inputs).__name__}"
+        )
     if example_targets is None or isinstance(example_targets, (tuple, list)):
         return args, kwargs, tuple(example_targets or ())
     return args, kwargs, (example_targets,)
@@ -323,21 +343,30 @@ def _backward_hooks(loss: torch.Tensor) -> None:
         todo.extend(nxt for nxt, _ in fn.next_functions)
 
 
-def _trace_joint(ep: torch.export.ExportedProgram, sources: list[Any], n_params: int,
-                 fake_args: list[torch.Tensor], functional: bool) -> fx.GraphModule:
+def _trace_joint(
+    ep: torch.export.ExportedProgram,
+    sources: list[Any],
+    n_params: int,
+    fake_args: list[torch.Tensor],
+    functional: bool,
+) -> fx.GraphModule:
     """make_fx of: run the exported graph, then autograd.grad(loss, params).
 
     ``sources[i]`` says where the i-th exported placeholder comes from: an int
     (index into the joint's flat arguments) or a constant value.
     """
-    loss_idx = next(i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT)
+    loss_idx = next(
+        i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
+    )
 
     def joint(*flat: torch.Tensor) -> tuple[Any, ...]:
         params = list(flat[:n_params])
         exported_args = [flat[s] if isinstance(s, int) else s for s in sources]
         loss = _Replay(ep.graph_module).run(*exported_args)[loss_idx]
         if not params or loss.grad_fn is None:
-            raise CaptureError("the loss does not depend on any trainable parameter: nothing to differentiate")
+            raise CaptureError(
+                "the loss does not depend on any trainable parameter: nothing to differentiate"
+            )
         _backward_hooks(loss)
         return (loss, *torch.autograd.grad(loss, params, allow_unused=True))
 
@@ -442,8 +471,12 @@ def _hf_no_cache(model: nn.Module, kwargs: dict) -> None:
             kwargs.setdefault("use_cache", False)
 
 
-def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] | None = None,
-            example_targets: Any = None) -> CapturedGraph:
+def capture(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[..., Any] | None = None,
+    example_targets: Any = None,
+) -> CapturedGraph:
     """Trace ``model`` on ``example_inputs`` into a joint forward+backward ATen graph on fake tensors.
 
     ``example_inputs`` is a Tensor, a tuple/list of positional arguments or a
@@ -461,7 +494,10 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] |
     # Canonical name = first name of each tensor, so tied weights appear once.  Frozen params are state.
     canon: dict[str, str] = {}
     first: dict[int, str] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         canon[name] = first.setdefault(id(t), name)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fixed = [(n, p) for n, p in model.named_parameters() if not p.requires_grad] + list(model.named_buffers())
@@ -480,8 +516,10 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] |
         with fake_mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
-    fake_of = {id(t): nn.Parameter(fake(t), t.requires_grad) if isinstance(t, nn.Parameter) else fake(t)
-               for _, t in state}
+    fake_of = {
+        id(t): nn.Parameter(fake(t), t.requires_grad) if isinstance(t, nn.Parameter) else fake(t)
+        for _, t in state
+    }
     fake_leaves = [fake(x) for _, x in leaves]
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, in_spec)
     stack: list[str] = []
@@ -506,13 +544,21 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] |
         elif spec.kind == InputKind.USER_INPUT:
             sources.append(next(leaf_sources))
         else:
-            raise CaptureError(f"cannot capture {cls}: unsupported exported input {spec.kind.name} {spec.target}")
+            raise CaptureError(
+                f"cannot capture {cls}: unsupported exported input {spec.kind.name} {spec.target}"
+            )
     if any(s.kind == OutputKind.BUFFER_MUTATION for s in ep.graph_signature.output_specs):
-        log.warning("%s mutates buffers in forward (e.g. BatchNorm running stats); the joint graph drops "
-                    "those updates", cls)
+        log.warning(
+            "%s mutates buffers in forward (e.g. BatchNorm running stats); the joint graph drops "
+            "those updates",
+            cls,
+        )
 
-    fake_args = [fake(p).requires_grad_(True) for _, p in trainable] + [fake(t) for _, t in fixed] + [
-        x for x in fake_leaves if isinstance(x, torch.Tensor)]
+    fake_args = (
+        [fake(p).requires_grad_(True) for _, p in trainable]
+        + [fake(t) for _, t in fixed]
+        + [x for x in fake_leaves if isinstance(x, torch.Tensor)]
+    )
     try:
         with fake_mode, _quiet():
             functional = _needs_functionalization(ep)
@@ -549,7 +595,13 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable[..., Any] |
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grads = {name: g.name for (name, _), g in zip(trainable, out.args[0][1:], strict=True) if g is not None}
     batch = int(user_tensors[0].shape[0]) if user_tensors and user_tensors[0].dim() > 0 else 1
-    log.info("captured %s: %d nodes, %d params, export %.1fs, joint %.1fs", cls, len(gm.graph.nodes),
-             len(trainable), t1 - t0, time.perf_counter() - t1)
+    log.info(
+        "captured %s: %d nodes, %d params, export %.1fs, joint %.1fs",
+        cls,
+        len(gm.graph.nodes),
+        len(trainable),
+        t1 - t0,
+        time.perf_counter() - t1,
+    )
     n_p, n_s = len(trainable), len(state)
     return CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls)

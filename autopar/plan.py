@@ -55,7 +55,9 @@ class Estimate:
     optimizer_s: float = 0.0
     bubble_s: float = 0.0
     model_flops: float = 0.0  # per step, whole cluster, without recompute
-    collectives: list[dict[str, Any]] = field(default_factory=list)  # {"kind", "axis", "bytes", "count", "time_s"}
+    collectives: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # {"kind", "axis", "bytes", "count", "time_s"}
 
 
 @dataclass
@@ -90,7 +92,9 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> Plan:
         if not isinstance(data, dict):
-            raise PlanFormatError(f"{source} is not a plan: expected a JSON object, got {type(data).__name__}")
+            raise PlanFormatError(
+                f"{source} is not a plan: expected a JSON object, got {type(data).__name__}"
+            )
         version = data.get("format_version")
         if not isinstance(version, int):
             raise PlanFormatError(f"{source} is not an autopar plan: it has no integer 'format_version'")
@@ -146,7 +150,9 @@ class Plan:
         buf = io.StringIO()
         console = Console(file=buf, width=width, color_system=None, force_terminal=False)
 
-        cfg = Table(title=f"autopar plan: {self.model} ({self.num_params / 1e9:.3g}B params)", show_header=False)
+        cfg = Table(
+            title=f"autopar plan: {self.model} ({self.num_params / 1e9:.3g}B params)", show_header=False
+        )
         cfg.add_column("key", style="bold")
         cfg.add_column("value")
         cfg.add_row("cluster", self.cluster_description)
@@ -180,7 +186,10 @@ class Plan:
         for col in ("params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"):
             mem_t.add_column(col, justify="right")
         mem_t.add_row(
-            *(f"{v / GB:.2f}" for v in (mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.peak)),
+            *(
+                f"{v / GB:.2f}"
+                for v in (mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.peak)
+            ),
             f"{est.memory_limit / GB:.1f}",
             "yes" if est.fits else "NO",
         )

@@ -62,8 +62,13 @@ RUNS = [
         "recompute_fraction": 1.0,
         "tokens_per_sample": 2048,
         # per-GPU FLOP/s counted with recompute -> step time: F96 / (32 * 137e12)
-        "published_step_s": 96 * 512 * 2048 * 24 * 2304**2
-        * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304)) / (32 * 137e12),
+        "published_step_s": 96
+        * 512
+        * 2048
+        * 24
+        * 2304**2
+        * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
+        / (32 * 137e12),
         "fit": True,
     },
     {
@@ -116,14 +121,18 @@ def main() -> None:
         ComputeEfficiency(matmul=m / 100, memory=b / 100) for m in range(30, 96) for b in range(30, 101, 5)
     ]
     best = min(grid, key=loss)
-    print(f"fitted efficiency: matmul {best.matmul:.2f} of peak FLOP/s, memory {best.memory:.2f} of HBM bandwidth\n")
+    print(
+        f"fitted efficiency: matmul {best.matmul:.2f} of peak FLOP/s, memory {best.memory:.2f} of HBM bandwidth\n"
+    )
     print(f"{'run':<40} {'fit?':>4} {'published tok/s/GPU':>20} {'predicted':>10} {'ratio':>6}")
     for run in RUNS:
         n = run["cluster"].world_size
         tokens = run["config"].global_batch_size * run["tokens_per_sample"]
         pub = tokens / run["published_step_s"] / n
         pred = tokens / predicted_step(run, stats[run["name"]], best) / n
-        print(f"{run['name']:<40} {'yes' if run['fit'] else 'no':>4} {pub:>20,.0f} {pred:>10,.0f} {pred / pub:>6.2f}")
+        print(
+            f"{run['name']:<40} {'yes' if run['fit'] else 'no':>4} {pub:>20,.0f} {pred:>10,.0f} {pred / pub:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,26 +15,56 @@ def _ids(batch: int, seq: int, vocab: int, device: str = "cpu") -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, batch: int = 1,
-        device: str = "meta"):
+def gpt(
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int = 51200,
+    seq: int = 2048,
+    batch: int = 1,
+    device: str = "meta",
+):
     """A GPT-2-style decoder (HuggingFace GPT2LMHeadModel) of the given shape."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
     return model, _ids(batch, seq, vocab, device)
 
 
-def llama(layers: int, hidden: int, heads: int, intermediate: int, vocab: int = 32000, seq: int = 2048,
-          batch: int = 1, kv_heads: int | None = None, device: str = "meta"):
+def llama(
+    layers: int,
+    hidden: int,
+    heads: int,
+    intermediate: int,
+    vocab: int = 32000,
+    seq: int = 2048,
+    batch: int = 1,
+    kv_heads: int | None = None,
+    device: str = "meta",
+):
     """A LLaMA decoder (HuggingFace LlamaForCausalLM) of the given shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads or heads, intermediate_size=intermediate,
-                      vocab_size=vocab, max_position_embeddings=seq)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+    )
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     return model, _ids(batch, seq, vocab, device)

@@ -63,8 +63,9 @@ def test_memory_limit_nothing_meets_names_the_smallest():
 
 def test_fixed_config_that_overflows_is_returned_with_a_warning():
     model, inputs = gpt(2, 256, 4, vocab=1024, seq=128, batch=1)
-    plan = autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=8, memory_limit=1e6,
-                        fixed={"zero": 0})
+    plan = autopar.plan(
+        model, inputs, Cluster.preset("dgx-h100"), global_batch_size=8, memory_limit=1e6, fixed={"zero": 0}
+    )
     assert not plan.estimate.fits
     assert "over the" in plan.warnings[0]
 

@@ -26,16 +26,32 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 
 def tiny_gpt2(dropout: float = 0.0) -> nn.Module:
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def tiny_llama() -> nn.Module:
     cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     return transformers.LlamaForCausalLM(cfg)
 
@@ -121,7 +137,9 @@ def test_hf_causal_lm_matches_eager(make, layer: str) -> None:
     for info, g in zip(cg.params, grads, strict=True):
         torch.testing.assert_close(g, params[info.name].grad, rtol=1e-5, atol=1e-6, msg=info.name)
 
-    mms = [n for n in cg.gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    mms = [
+        n for n in cg.gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    ]
     fwd_modules = {node_module(n) for n in mms if node_phase(n) == "forward"}
     bwd_modules = {node_module(n) for n in mms if node_phase(n) == "backward"}
     assert any(m.startswith(layer + ".") for m in fwd_modules)

@@ -7,8 +7,23 @@ from autopar.cli import main
 
 def test_plan_then_show(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "examples.models:gpt2_tiny", "--cluster", "dgx-a100", "--nodes", "1",
-                 "--zero", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "examples.models:gpt2_tiny",
+                "--cluster",
+                "dgx-a100",
+                "--nodes",
+                "1",
+                "--zero",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "dp=8 x tp=1 x pp=1" in printed and out.exists()
     assert main(["show", str(out)]) == 0

@@ -14,7 +14,9 @@ def _plan() -> Plan:
         step_time_s=1.5,
         samples_per_s=341.3,
         mfu=0.42,
-        memory=MemoryEstimate(params=1e9, grads=2e9, optimizer=3e9, activations=4e9, buffers=5e8, peak=1.05e10),
+        memory=MemoryEstimate(
+            params=1e9, grads=2e9, optimizer=3e9, activations=4e9, buffers=5e8, peak=1.05e10
+        ),
         memory_limit=80e9,
         collectives=[{"kind": "all_reduce", "axis": "dp", "bytes": 25e6, "count": 10, "time_s": 0.01}],
     )
@@ -81,6 +83,13 @@ def test_missing_file_is_clear(tmp_path):
 
 def test_summary_reads_like_a_table():
     text = _plan().summary()
-    for needle in ("GPT2LMHeadModel", "dp=64 x tp=1 x pp=1", "ZeRO stage", "42.0%", "10.50", "all_reduce",
-                   "8 nodes x 8 H100-80GB"):
+    for needle in (
+        "GPT2LMHeadModel",
+        "dp=64 x tp=1 x pp=1",
+        "ZeRO stage",
+        "42.0%",
+        "10.50",
+        "all_reduce",
+        "8 nodes x 8 H100-80GB",
+    ):
         assert needle in text, needle

@@ -82,7 +82,9 @@ def optimizer_bytes_per_param(precision: Precision, optimizer: str) -> int:
     return precision.master_bytes + 4 * optimizer_states(optimizer)
 
 
-def model_state_bytes(num_params: float, precision: Precision, optimizer: str, zero: int, dp: int) -> ModelStates:
+def model_state_bytes(
+    num_params: float, precision: Precision, optimizer: str, zero: int, dp: int
+) -> ModelStates:
     """Per-device bytes of parameters, gradients and optimizer state (the table above)."""
     if zero not in (0, 1, 2, 3):
         raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, not {zero!r}")

@@ -120,7 +120,13 @@ def estimate_config(
         t = pieces * collective_time(kind, nbytes / pieces, n, dp_link)
         if n > 1 and count > 0:
             collectives.append(
-                {"kind": kind, "axis": "dp", "bytes": nbytes / pieces, "count": count * pieces, "time_s": t * count}
+                {
+                    "kind": kind,
+                    "axis": "dp",
+                    "bytes": nbytes / pieces,
+                    "count": count * pieces,
+                    "time_s": t * count,
+                }
             )
         return t * count
 
