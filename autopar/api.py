@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from autopar.capture import capture
 from autopar.cluster import Cluster
-from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.memory import optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
+from autopar.graph_cache import captured_with_stats, example_batch
+from autopar.passes.search import search_meshes
 from autopar.plan import GB, Estimate, Plan
 
 log = logging.getLogger(__name__)
@@ -56,15 +57,47 @@ def plan(
     prec = precision_spec(precision)
     optimizer_states(optimizer)
     fixed = _check_fixed(fixed)
+    cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))  # before any capture
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
 
-    stats = _stats_for(model, example_inputs, loss_fn, example_targets)
-    t_capture = time.perf_counter() - t0
-    gbs = stats.batch_size if global_batch_size is None else global_batch_size
+    gbs = example_batch(example_inputs) if global_batch_size is None else global_batch_size
+    if gbs is None:
+        raise PlanError("example_inputs hold no tensor with a batch dimension; pass a batch of inputs")
     if not isinstance(gbs, int) or gbs < 1:
         raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
+    # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
+    sharding = _searches_sharding(cluster, fixed)
+    captured, stats = captured_with_stats(
+        model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
+    )
+    t_capture = time.perf_counter() - t0
+
+    if sharding:
+        sharded = _plan_sharded(
+            captured,
+            cluster,
+            gbs,
+            prec,
+            optimizer,
+            limit,
+            fixed,
+            time_limit_s,
+        )
+        if sharded is not None:
+            sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
+            return _make_plan(
+                stats,
+                cluster,
+                *sharded.args,
+                precision,
+                optimizer,
+                sharded.solver,
+                [],
+                placements=sharded.placements,
+            )
+        log.info("no sharding fits %.1f GB per device; trying ZeRO stages and micro-batches", limit / GB)
 
     candidates = _candidates(cluster, gbs, fixed)
     costed = [(cfg, estimate_config(stats, cfg, cluster, prec, optimizer, limit)) for cfg in candidates]
@@ -135,44 +168,6 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
     ]
 
 
-_last_stats: tuple[tuple, GraphStats] | None = None
-
-
-def _stats_for(model, example_inputs, loss_fn, example_targets) -> GraphStats:
-    """Capture the model and read its statistics, reusing the last capture of the same model and inputs.
-
-    Users re-plan one model with other options (a ZeRO stage, a batch, a
-    memory limit); a 7B capture takes seconds, its statistics do not change.
-    The key covers the model object, its parameter names, shapes and dtypes,
-    the example inputs' shapes and dtypes, and the loss function.
-    """
-    global _last_stats
-    key = (
-        id(model),
-        type(model),
-        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
-        _shapes(example_inputs),
-        _shapes(example_targets),
-        id(loss_fn),
-    )
-    if _last_stats is not None and _last_stats[0] == key:
-        log.info("reusing the capture of %s", type(model).__name__)
-        return _last_stats[1]
-    stats = graph_stats(capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets))
-    _last_stats = (key, stats)
-    return stats
-
-
-def _shapes(x) -> Any:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return (tuple(x.shape), x.dtype, str(getattr(x, "device", "")))
-    if isinstance(x, dict):
-        return tuple((k, _shapes(v)) for k, v in sorted(x.items()))
-    if isinstance(x, (list, tuple)):
-        return tuple(_shapes(v) for v in x)
-    return repr(x)
-
-
 def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
     if fixed is None:
         return {}
@@ -188,17 +183,90 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
             raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise PlanError(f"fixed['zero'] must be 0, 1, 2 or 3, not {fixed['zero']!r}")
-    for key in ("tp", "pp"):
-        if fixed.get(key, 1) != 1:
-            raise PlanError(
-                f"{key}={fixed[key]} is not costed by this version of autopar (data parallel and ZeRO only); "
-                f"leave {key} at 1"
-            )
+    if fixed.get("pp", 1) != 1:
+        raise PlanError(
+            f"pp={fixed['pp']} is not costed by this version of autopar (no pipeline search yet); leave pp at 1"
+        )
+    if fixed.get("tp", 1) != 1 and ("zero" in fixed or "microbatches" in fixed):
+        raise PlanError("tp > 1 cannot be combined with a fixed zero or microbatches yet; fix tp, or zero")
     if fixed.get("recompute", "none") != "none":
         raise PlanError(
             f"recompute={fixed['recompute']!r} is not costed by this version of autopar; leave it at 'none'"
         )
     return dict(fixed)
+
+
+def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
+    """The MILP sharding search decides unless the request pins the ZeRO stage or micro-batches,
+    which only the data-parallel model costs (until ZeRO and recompute join the MILP)."""
+    return cluster.world_size > 1 and "zero" not in fixed and "microbatches" not in fixed
+
+
+@dataclass
+class _Sharded:
+    args: tuple  # (Config, Estimate) for _make_plan
+    solver: dict[str, Any]
+    placements: dict[str, Any]
+
+
+def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded | None:
+    """Search per-op sharding on every dp × tp mesh; None when no mesh fits the memory limit."""
+    if "dp" in fixed and gbs % fixed["dp"]:
+        raise PlanError(
+            f"global batch {gbs} does not split over {fixed['dp']} data-parallel ranks; choose a multiple"
+        )
+    best, results = search_meshes(
+        captured, cluster, prec, optimizer, limit, time_limit_s, tp=fixed.get("tp"), dp=fixed.get("dp")
+    )
+    if not results:
+        raise PlanError(
+            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}; "
+            "use a global batch that the data-parallel size divides"
+        )
+    if best is None:
+        if fixed.get("tp", 1) > 1:
+            need = min(r.estimate.memory.peak for r in results)
+            raise PlanError(
+                f"no sharding with tp={fixed['tp']} fits {limit / GB:.1f} GB per device; the smallest needs "
+                f"{need / GB:.1f} GB: raise memory_limit, use more devices, or lower the batch"
+            )
+        return None
+    sol = best.solution
+    est = best.estimate
+    est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
+    m = best.microbatches
+    cfg = Config(
+        dp=best.mesh.dp,
+        tp=best.mesh.tp,
+        pp=1,
+        zero=0,
+        microbatches=m,
+        micro_batch_size=gbs // (best.mesh.dp * m),
+    )
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "backend": sol.backend,
+        "candidates": len(results),
+        "meshes": [
+            {
+                "mesh": {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
+                "microbatches": r.microbatches,
+                "status": r.solution.status,
+                "source": r.source,
+                "step_time_s": r.estimate.step_time_s,
+                "peak_bytes": r.estimate.memory.peak,
+                "fits": r.estimate.fits,
+                **{k: round(v, 3) for k, v in r.timings.items()},
+            }
+            for r in results
+        ],
+        "charged": best.charged,
+        "graph_nodes": sol.stats.get("nodes"),
+        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+    }
+    return _Sharded((cfg, est), solver, best.placements)
 
 
 def _candidates(cluster: Cluster, gbs: int, fixed: dict[str, Any]) -> list[Config]:
@@ -238,6 +306,7 @@ def _make_plan(
     optimizer: str,
     solver: dict[str, Any],
     warnings: list[str],
+    placements: dict[str, Any] | None = None,
 ) -> Plan:
     return Plan(
         model=stats.model,
@@ -256,4 +325,5 @@ def _make_plan(
         estimate=est,
         solver=solver,
         warnings=warnings,
+        placements=placements or {},
     )

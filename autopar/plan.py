@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,30 @@ class Plan:
             for c in est.collectives:
                 coll.add_row(c["kind"], c["axis"], str(c["count"]), _bytes(c["bytes"]), _secs(c["time_s"]))
             console.print(coll)
+        params = self.param_placements()
+        if params:
+            pt = Table(title="parameter placements (layers folded)")
+            for col in ("parameter", "copies", *self.mesh_axes()):
+                pt.add_column(col, justify="left" if col == "parameter" else "right")
+            for (name, placement), count in params.items():
+                pt.add_row(name, str(count), *placement)
+            console.print(pt)
+        meshes = self.solver.get("meshes") or []
+        if len(meshes) > 1:
+            mt = Table(title="meshes searched")
+            for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
+                mt.add_column(col, justify="right")
+            for r in meshes:
+                mt.add_row(
+                    " x ".join(f"{k}={r['mesh'][k]}" for k in ("dp", "tp", "pp")),
+                    str(r.get("microbatches", 1)),
+                    r["status"],
+                    r.get("source", "milp"),
+                    _secs(r["step_time_s"]),
+                    f"{r['peak_bytes'] / GB:.2f}",
+                    "yes" if r["fits"] else "no",
+                )
+            console.print(mt)
         alts = self.solver.get("alternatives") or []
         if len(alts) > 1:
             alt_t = Table(title="best configuration per ZeRO stage")
@@ -221,6 +246,21 @@ class Plan:
         for w in self.warnings:
             console.print(f"warning: {w}")
         return buf.getvalue()
+
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh dims placements are written over (pipeline stages are not a placement dim)."""
+        return ("dp", "tp")
+
+    def param_placements(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """(parameter name with layer numbers folded to '*', placement per mesh dim) -> how many parameters."""
+        out: dict[tuple[str, tuple[str, ...]], int] = {}
+        for entry in self.placements.values():
+            if "param" not in entry:
+                continue
+            name = re.sub(r"\.\d+\.", ".*.", entry["param"], count=1)
+            key = (name, tuple(entry["outputs"][0]))
+            out[key] = out.get(key, 0) + 1
+        return out
 
     def __str__(self) -> str:
         return self.summary()

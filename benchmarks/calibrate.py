@@ -42,11 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar import Cluster  # noqa: E402
-from autopar.api import _stats_for  # noqa: E402
 from autopar.cluster import DEVICES  # noqa: E402
 from autopar.cost_models.compute import ComputeEfficiency  # noqa: E402
 from autopar.cost_models.memory import PRECISIONS  # noqa: E402
 from autopar.cost_models.step import Config, estimate_config  # noqa: E402
+from autopar.graph_cache import captured_with_stats  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
 
 H100_GRAND_TETON = dataclasses.replace(
@@ -108,7 +108,7 @@ def main() -> None:
     stats = {}
     for run in RUNS:
         model, inputs = run["model"]()
-        stats[run["name"]] = _stats_for(model, inputs, None, None)
+        stats[run["name"]] = captured_with_stats(model, inputs)[1]
 
     def loss(eff: ComputeEfficiency) -> float:
         return sum(

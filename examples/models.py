@@ -36,6 +36,8 @@ def gpt(
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
     )
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)

@@ -1,7 +1,8 @@
 """Time to move a tensor from one placement on the mesh to another.
 
 A placement lists, per mesh dim, "R" (replicated), "S(d)" (sharded on
-tensor dim d) or "P" (a partial sum awaiting reduction). A change on one
+tensor dim d) or "P" (a partial sum awaiting reduction; "P(avg)", "P(max)"
+for other reductions, which cost the same). A change on one
 mesh dim is one collective over that dim's ranks:
 
     from \\ to   R               S(j)              P
@@ -50,12 +51,12 @@ def transition(src: str, dst: str) -> str | None:
         return None
     if src == "R":
         return None  # slicing a replica or zeroing copies needs no communication
-    if src == "P":
-        return "all_reduce" if dst == "R" else "reduce_scatter"
+    if src.startswith("P"):  # "P" (sum) or "P(avg)", "P(max)", ...: reduce first
+        return "reduce_scatter" if dst.startswith("S") else "all_reduce"
     # src is a shard
     if dst == "R":
         return "all_gather"
-    if dst == "P":
+    if dst.startswith("P"):
         return "forbidden"
     return "all_to_all"
 

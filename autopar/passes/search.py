@@ -1,0 +1,298 @@
+"""Sharding search on one mesh, and the costing of a chosen answer.
+
+strategies → MILP instance → solve → per-node placements + an Estimate.
+
+The Estimate reads the chosen strategies back through the same cost terms
+the MILP minimised, then adds what the linear objective cannot express:
+gradient synchronisation overlaps the backward pass (bucketed, as DDP
+does), so only the part of it that outlasts the backward compute, or the
+last bucket, is exposed. Baseline layouts (pure data parallel, ZeRO-3
+style parameter sharding, Megatron-style tensor parallel) are costed by
+the same code with the parameters' placements restricted, so every
+comparison uses one model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.capture import CapturedGraph, node_module
+from autopar.cluster import Cluster, MeshShape
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.compute import ComputeEfficiency
+from autopar.cost_models.memory import Precision
+from autopar.cost_models.step import BUCKET_BYTES
+from autopar.passes.coarsen import repeated_groups
+from autopar.passes.sharding_problem import ShardingProblem, build_problem, charged_collectives
+from autopar.passes.solve import Solution, solve_strategies
+from autopar.passes.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.plan import Estimate, MemoryEstimate
+
+log = logging.getLogger(__name__)
+
+AXES = ("dp", "tp")
+
+
+@dataclass
+class ShardingResult:
+    mesh: MeshShape
+    microbatches: int
+    sp: ShardingProblem
+    solution: Solution
+    estimate: Estimate
+    placements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
+    source: str = "milp"  # "milp", or the seed layout that beat the MILP at its time limit
+
+
+def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
+    return [cluster.axis_link(mesh, axis) for axis in AXES]
+
+
+def solve_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float = 60.0,
+    allowed: Callable[[str, Strategy], bool] | None = None,
+    strategies: dict[str, NodeStrategies] | None = None,
+    efficiency: ComputeEfficiency | None = None,
+) -> ShardingResult:
+    """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``."""
+    timings: dict[str, float] = {}
+    shape = (mesh.dp, mesh.tp)
+    t = time.perf_counter()
+    if strategies is None:
+        strategies = enumerate_strategies(captured.gm, shape, AXES)
+    timings["strategies_s"] = time.perf_counter() - t
+    if allowed is not None:
+        strategies = _restrict(strategies, allowed)
+    links = mesh_links(cluster, mesh)
+    local = captured.batch_size // mesh.dp
+    groups = None
+    deadline = time.perf_counter() + time_limit_s
+    timings["build_s"] = timings["solve_s"] = 0.0
+    # gradient accumulation only to fit: fewest micro-batches first
+    for m in [k for k in range(1, local + 1) if local % k == 0]:
+        t = time.perf_counter()
+        sp = build_problem(
+            captured,
+            strategies,
+            shape,
+            links,
+            cluster.device_spec,
+            precision,
+            optimizer,
+            efficiency=efficiency,
+            memory_limit=memory_limit,
+            microbatches=m,
+        )
+        index = {name: i for i, name in enumerate(sp.nodes)}
+        if groups is None:
+            options = {name: sp.strategies[i] for name, i in index.items()}
+            groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
+        sp.problem.groups = [[index[n] for n in g] for g in groups] or None
+        timings["build_s"] += time.perf_counter() - t
+        t = time.perf_counter()
+        solution = solve_strategies(sp.problem, time_limit_s=max(deadline - time.perf_counter(), 1.0))
+        timings["solve_s"] += time.perf_counter() - t
+        if solution.choice:
+            break
+    estimate = evaluate(
+        sp, solution, shape, cluster, captured.batch_size, memory_limit, links, precision.compute_dtype
+    )
+    placements = read_placements(captured, sp, solution.choice) if solution.choice else {}
+    charged = describe_collectives(captured, sp, solution.choice, shape) if solution.choice else []
+    return ShardingResult(mesh, m, sp, solution, estimate, placements, timings, charged)
+
+
+def describe_collectives(
+    captured: CapturedGraph, sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    params = {p.placeholder for p in captured.params}
+    out = []
+    for c in charged_collectives(sp, choice, mesh_shape):
+        src = by_name[c["from"]]
+        out.append(
+            {
+                "kind": c["kind"],
+                "axis": AXES[c["mesh_dim"]],
+                "bytes": c["bytes"],
+                "from": c["from"],
+                "to": c["to"],
+                "reason": c["reason"],
+                "from_module": node_module(src),
+                "to_module": node_module(by_name[c["to"]]),
+                "phase": src.meta.get("autopar_phase", ""),
+                "from_param": c["from"] in params,
+            }
+        )
+    return out
+
+
+def _restrict(strategies: dict[str, NodeStrategies], allowed: Callable[[str, Strategy], bool]) -> dict:
+    out = {}
+    for name, ns in strategies.items():
+        keep = [s for s in ns.strategies if allowed(name, s)]
+        out[name] = NodeStrategies(ns.node, ns.op, ns.inputs, keep or ns.strategies, ns.rule)
+    return out
+
+
+def evaluate(
+    sp: ShardingProblem,
+    solution: Solution,
+    mesh_shape: tuple[int, ...],
+    cluster: Cluster,
+    batch: int,
+    memory_limit: float,
+    links: list,
+    compute_dtype: str = "bf16",
+) -> Estimate:
+    """Step time, memory and collectives of the chosen strategies."""
+    choice = solution.choice
+    if not choice:
+        return Estimate(step_time_s=float("inf"), memory_limit=memory_limit, fits=False)
+    p = sp.problem
+    node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
+    param_idx = set(sp.param_nodes)
+    compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
+    optimizer_s = sum(node_time[i] for i in param_idx)
+    backward = sum(node_time[i] for i in sp.backward_nodes)
+    grad = set(sp.grad_edges)
+    data_comm = grad_comm = 0.0
+    grad_bytes = 0.0
+    for e, (u, v) in enumerate(p.edges):
+        c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
+        if e in grad:
+            grad_comm += c
+            grad_bytes += sp.edge_info[e][3]
+        else:
+            data_comm += c
+    tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
+    exposed = data_comm + max(grad_comm - backward, tail)
+    step = compute + exposed + optimizer_s
+
+    # memory: model states are live throughout; activations peak somewhere in between
+    states = sum(p.node_memory[i][choice[i]] for i in param_idx)
+    events: dict[int, float] = {}
+    for i, (s, e) in enumerate(p.node_intervals):
+        if i in param_idx:
+            continue
+        m = p.node_memory[i][choice[i]]
+        if m:
+            events[s] = events.get(s, 0.0) + m
+            events[e] = events.get(e, 0.0) - m
+    live = peak_act = 0.0
+    for t in sorted(events):
+        live += events[t]
+        peak_act = max(peak_act, live)
+    peak = states + peak_act
+    collectives = _aggregate(charged_collectives(sp, choice, mesh_shape), mesh_shape, links)
+    devices = 1
+    for n in mesh_shape:
+        devices *= n
+    flops = sum(sp.flops)
+    peak_flops = cluster.device_spec.peak_flops[compute_dtype]
+    return Estimate(
+        step_time_s=step,
+        samples_per_s=batch / step if step > 0 else 0.0,
+        mfu=flops / (step * devices * peak_flops) if step > 0 else 0.0,
+        memory=MemoryEstimate(params=states, activations=peak_act, peak=peak),
+        memory_limit=memory_limit,
+        fits=peak <= memory_limit,
+        compute_s=compute,
+        comm_s=data_comm + grad_comm,
+        exposed_comm_s=exposed,
+        optimizer_s=optimizer_s,
+        model_flops=flops,
+        collectives=collectives,
+    )
+
+
+def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
+    """Collectives per (kind, mesh axis): how many, average bytes, total time."""
+    agg: dict[tuple[str, str], dict] = {}
+    for r in records:
+        d = r["mesh_dim"]
+        key = (r["kind"], AXES[d])
+        a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
+        a["bytes"] += r["bytes"]
+        a["count"] += 1
+        a["time_s"] += collective_time(r["kind"], r["bytes"], mesh_shape[d], links[d])
+    for a in agg.values():
+        a["bytes"] = a["bytes"] / max(a["count"], 1)  # bytes each, on average
+    return sorted(agg.values(), key=lambda a: (a["axis"], a["kind"]))
+
+
+def read_placements(
+    captured: CapturedGraph, sp: ShardingProblem, choice: list[int]
+) -> dict[str, dict[str, Any]]:
+    """Per node: op, module, chosen output placements and the placements its inputs are brought to."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    param_of = {p.placeholder: p.name for p in captured.params}
+    out = {}
+    for i, name in enumerate(sp.nodes):
+        s = sp.strategies[i][choice[i]]
+        node = by_name[name]
+        out[name] = {
+            "op": str(node.target) if node.op == "call_function" else node.op,
+            "module": node_module(node),
+            "outputs": [list(p) if p is not None else None for p in s.outputs],
+            "inputs": [list(p) if p is not None else None for p in s.inputs],
+        }
+        if name in param_of:
+            out[name]["param"] = param_of[name]
+    return out
+
+
+def search_meshes(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float = 60.0,
+    tp: int | None = None,
+    dp: int | None = None,
+) -> tuple[ShardingResult | None, list[ShardingResult]]:
+    """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
+
+    Tensor-parallel sizes that cross a node are tried too: the link model
+    makes them expensive, not forbidden. Returns (best or None, all results).
+    """
+    world = cluster.world_size
+    sizes = [t for t in range(1, world + 1) if world % t == 0]
+    if tp is not None:
+        sizes = [tp]
+    if dp is not None:
+        sizes = [t for t in sizes if world // t == dp]
+    results = []
+    budget = time_limit_s
+    sizes = [t for t in sizes if captured.batch_size % (world // t) == 0]  # dp shards the batch
+    for t in sizes:
+        mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
+        start = time.perf_counter()
+        res = solve_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, max(budget, 1.0))
+        budget -= time.perf_counter() - start
+        log.info(
+            "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
+            mesh,
+            res.solution.status,
+            res.estimate.step_time_s,
+            res.estimate.memory.peak / 1e9,
+            ", ".join(f"{k} {v:.2f}" for k, v in res.timings.items()),
+        )
+        results.append(res)
+    fitting = [r for r in results if r.solution.choice and r.estimate.fits]
+    best = min(fitting, key=lambda r: r.estimate.step_time_s) if fitting else None
+    return best, results

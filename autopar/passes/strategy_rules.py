@@ -1,0 +1,73 @@
+"""autopar's own sharding rules, for ops DTensor has no (useful) rule for.
+
+A rule takes the fx node and returns *single-mesh-dim* rows in plain form: each
+row lists a placement ("R", "S(d)", "P", or None for a non-tensor slot) for every
+output, then for every tensor input in the order :func:`strategies._tensor_inputs`
+gives them.  :mod:`autopar.passes.strategies` expands the rows across the mesh
+(one row per mesh dim, every combination) and drops those whose shards do not
+divide, exactly as it does for DTensor's single-dim rules.  The all-"R" row must
+be listed: nothing is added implicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+Row = list[str | None]
+
+
+def _mask_placement(mask: object, dim: int) -> str:
+    """Placement of an attention mask when q/k/v are sharded on ``dim``.
+
+    A mask broadcast along that dim (size 1 there) stays whole on every rank.
+    """
+    if isinstance(mask, fx.Node):
+        v = mask.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[dim] != 1:
+            return f"S({dim})"
+    return "R"
+
+
+def _masks(node: fx.Node) -> list[object]:
+    m = node.kwargs.get("attn_mask")
+    return [m] if isinstance(m, fx.Node) else []
+
+
+def sdpa_flash_cpu(node: fx.Node) -> list[Row]:
+    """``_scaled_dot_product_flash_attention_for_cpu(q, k, v, ...) -> (out, logsumexp)``.
+
+    q/k/v/out are (batch, heads, seq, head_dim) and logsumexp (batch, heads, seq):
+    attention is independent per batch element and per head, so both shard on
+    dim 0 or dim 1 with no communication (heads on dim 1 is Megatron's attention
+    split).  Sharding seq would break the causal mask, so it is not offered.
+    """
+    masks = _masks(node)
+    rows: list[Row] = [["R", "R", "R", "R", "R"] + ["R"] * len(masks)]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s, s, s, s, s] + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
+    """``..._for_cpu_backward(grad_out, q, k, v, out, logsumexp, ...) -> (dq, dk, dv)``.
+
+    Same independence as the forward: batch or heads sharded throughout, or all "R".
+    """
+    masks = _masks(node)
+    rows: list[Row] = [["R"] * (3 + 6 + len(masks))]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
+}

@@ -1,0 +1,85 @@
+"""The sharding search picks the layouts practitioners pick: Megatron tensor parallel for a wide layer
+at a small batch, plain data parallel for a narrow layer at a large batch."""
+
+import pytest
+
+import autopar
+from autopar import Cluster
+from examples.models import llama
+
+
+def _tp(plan, param_suffix):
+    """tp placement of the parameters whose name ends with ``param_suffix``."""
+    found = {
+        e["outputs"][0][1]
+        for e in plan.placements.values()
+        if e.get("param", "").endswith(param_suffix)
+    }
+    assert found, param_suffix
+    return found
+
+
+def _forward_activation_collectives(plan, module_prefix, min_bytes):
+    """Collectives between activations (not parameters, not gradient sync) inside one layer's forward.
+
+    Collectives of fewer than ``min_bytes`` (statistics of a norm: latency, not bandwidth) are left out.
+    """
+
+    def inside(module):
+        return module == module_prefix or module.startswith(module_prefix + ".")
+
+    return [
+        c
+        for c in plan.solver["charged"]
+        if c["reason"] == "data"
+        and inside(c["from_module"])
+        and inside(c["to_module"])
+        and c["phase"] == "forward"
+        and not c["from_param"]
+        and c["bytes"] >= min_bytes
+    ]
+
+
+@pytest.fixture(scope="module")
+def wide_plan():
+    model, inputs = llama(2, 8192, 64, 28672, vocab=8192, seq=1024, batch=1)
+    return autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=1)
+
+
+def test_wide_layer_small_batch_is_megatron_tensor_parallel(wide_plan):
+    plan = wide_plan
+    assert plan.mesh == {"dp": 1, "tp": 8, "pp": 1}
+    # Linear weights are (out, in): column-parallel shards dim 0, row-parallel dim 1
+    for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"):
+        assert _tp(plan, name) == {"S(0)"}, name
+    for name in ("o_proj.weight", "down_proj.weight"):
+        assert _tp(plan, name) == {"S(1)"}, name
+    attention = [e for e in plan.placements.values() if "scaled_dot_product" in e["op"] and "backward" not in e["op"]]
+    assert attention and all(e["inputs"][0][1] == "S(1)" for e in attention)  # split by heads
+    # one all-reduce, or one reduce-scatter + all-gather pair, per sub-block (attention, MLP)
+    activation = 1024 * 8192 * 2  # one (seq, hidden) activation in bf16
+    kinds = [c["kind"] for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
+    assert "all_to_all" not in kinds
+    assert kinds.count("all_reduce") + kinds.count("reduce_scatter") == 2, kinds
+    assert kinds.count("all_gather") == kinds.count("reduce_scatter"), kinds
+
+
+def test_narrow_layer_large_batch_is_data_parallel():
+    model, inputs = llama(4, 512, 8, 1408, vocab=4096, seq=512, batch=1)
+    plan = autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=256)
+    mesh = (plan.mesh["dp"], plan.mesh["tp"])
+    sharded_dims = [d for d, n in enumerate(mesh) if n > 1]
+    matmuls = [e for e in plan.placements.values() if e["op"] in ("aten.mm.default", "aten.addmm.default")]
+    forward = [e for e in matmuls if not any("P" in p for out in e["outputs"] for p in out)]
+    assert forward
+    # every activation matmul splits the batch over all devices: no tensor parallelism of activations
+    for e in plan.placements.values():
+        if e["op"] == "aten.mm.default" and e["module"].startswith("model.layers"):
+            rows, cols = e["inputs"]
+            if all(rows[d] == "S(0)" for d in sharded_dims):
+                continue  # activations (batch*seq) x weight: data parallel
+            # weight-gradient matmuls contract over the batch: partial sums, reduced once per step
+            assert all(o == "P" for o in e["outputs"][0] if o != "R"), e
+    # the forward moves parameters (when they are stored sharded), never activations
+    forward = [c for c in plan.solver["charged"] if c["phase"] == "forward" and c["bytes"] > 1e4]
+    assert all(c["from_param"] for c in forward), forward[:3]

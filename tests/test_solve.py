@@ -1,0 +1,465 @@
+"""The strategy solver against brute force, and its reductions, fallbacks and messages."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar.passes.solve import MEMORY_RTOL, StrategyProblem, solve_strategies
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def brute_force(p: StrategyProblem) -> tuple[float, float, float]:
+    """(optimal objective, smallest peak memory, peak of the optimum without a limit), exhaustively."""
+    sizes = [len(c) for c in p.node_costs]
+    grid = np.indices(sizes).reshape(len(sizes), -1).T
+    cost = np.zeros(len(grid))
+    for v, c in enumerate(p.node_costs):
+        cost += np.asarray(c, dtype=float)[grid[:, v]]
+    for e, (u, v) in enumerate(p.edges):
+        cost += np.asarray(p.edge_costs[e], dtype=float)[grid[:, u] * sizes[v] + grid[:, v]]
+    ok = np.ones(len(grid), dtype=bool)
+    for group in p.groups or []:
+        for v in group[1:]:
+            ok &= grid[:, v] == grid[:, group[0]]
+    peak = np.zeros(len(grid))
+    horizon = max((e for _, e in p.node_intervals), default=0)
+    for t in range(horizon):
+        usage = np.zeros(len(grid))
+        for v, (s, e) in enumerate(p.node_intervals):
+            if s <= t < e:
+                usage += np.asarray(p.node_memory[v], dtype=float)[grid[:, v]]
+        peak = np.maximum(peak, usage)
+    allowed = ok & np.isfinite(cost)
+    if not allowed.any():
+        return math.inf, math.inf, math.inf
+    min_peak = float(peak[allowed].min())
+    free_peak = float(peak[np.argmin(np.where(allowed, cost, np.inf))])
+    if p.memory_limit is not None:
+        ok &= peak <= p.memory_limit * (1 + MEMORY_RTOL)
+    best = float(cost[ok].min()) if ok.any() else math.inf
+    return best, min_peak, free_peak
+
+
+def evaluate(p: StrategyProblem, choice: list[int]) -> tuple[float, float]:
+    """(objective, peak memory) of a choice, computed independently of the solver."""
+    total = sum(p.node_costs[v][s] for v, s in enumerate(choice))
+    total += sum(
+        p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]] for e, (u, v) in enumerate(p.edges)
+    )
+    horizon = max((e for _, e in p.node_intervals), default=0)
+    usage = np.zeros(horizon + 1)
+    for v, (s, e) in enumerate(p.node_intervals):
+        usage[s] += p.node_memory[v][choice[v]]
+        usage[e] -= p.node_memory[v][choice[v]]
+    return total, float(np.cumsum(usage).max(initial=0.0))
+
+
+def random_problem(
+    rng: np.random.Generator,
+    n: int,
+    max_strategies: int = 4,
+    memory: bool = False,
+    groups: bool = False,
+    forbidden: bool = False,
+    max_assignments: int = 20_000,
+) -> StrategyProblem:
+    """A random DAG with every kind of edge matrix the reductions look at."""
+    sizes: list[int] = []
+    total = 1
+    for _ in range(n):
+        s = int(rng.integers(1, max_strategies + 1))
+        while total * s > max_assignments and s > 1:
+            s -= 1
+        sizes.append(s)
+        total *= s
+    group_list: list[list[int]] | None = None
+    if groups:
+        by_size: dict[int, list[int]] = {}
+        for v, s in enumerate(sizes):
+            by_size.setdefault(s, []).append(v)
+        group_list = [vs[: int(rng.integers(2, 4))] for vs in by_size.values() if len(vs) >= 2 and vs[0] != 1]
+    integral = rng.random() < 0.5  # integer data gives ties, which dominance must break correctly
+    draw = (
+        (lambda *shape: rng.integers(0, 5, shape).astype(float))
+        if integral
+        else (lambda *shape: rng.random(shape))
+    )
+    costs = [draw(s).tolist() for s in sizes]
+    mem = [
+        rng.integers(0, 6, s).astype(float).tolist() if integral else (rng.random(s) * 5).tolist()
+        for s in sizes
+    ]
+    if forbidden:
+        for c in costs:
+            if len(c) > 1 and rng.random() < 0.3:
+                c[int(rng.integers(len(c)))] = math.inf
+    intervals = []
+    for _ in range(n):
+        start = int(rng.integers(0, n))
+        intervals.append((start, start + int(rng.integers(0, 4))))
+    edges: list[tuple[int, int]] = []
+    for v in range(1, n):
+        for u in rng.choice(v, size=min(v, int(rng.integers(1, 3))), replace=False).tolist():
+            edges.append((u, v))
+    for _ in range(int(rng.integers(0, 3))):  # parallel edges, either direction
+        u, v = edges[int(rng.integers(len(edges)))] if edges else (0, 0)
+        if u != v:
+            edges.append((u, v) if rng.random() < 0.5 else (v, u))
+    edge_costs = []
+    for u, v in edges:
+        su, sv = sizes[u], sizes[v]
+        kind = rng.random()
+        if kind < 0.15:
+            m = np.zeros((su, sv))
+        elif kind < 0.3:  # separable: depends on each end alone
+            m = draw(su)[:, None] + draw(sv)[None, :]
+        elif kind < 0.5:  # resharding-like: free when the strategies agree
+            m = draw(su, sv) + 0.5
+            np.fill_diagonal(m, 0.0)
+        else:
+            m = draw(su, sv)
+        if forbidden and rng.random() < 0.2:
+            m[int(rng.integers(su)), int(rng.integers(sv))] = math.inf
+        edge_costs.append(m.ravel().tolist())
+    p = StrategyProblem(costs, mem, intervals, edges, edge_costs, groups=group_list)
+    if memory:
+        _, min_peak, free_peak = brute_force(p)
+        if math.isfinite(min_peak):
+            # mostly between the smallest peak and the unconstrained optimum's; sometimes below
+            p.memory_limit = float(min_peak + (rng.random() * 1.1 - 0.1) * max(free_peak - min_peak, 1.0))
+    return p
+
+
+def check_against_brute_force(p: StrategyProblem, **kwargs) -> None:
+    want, _, _ = brute_force(p)
+    sol = solve_strategies(p, **kwargs)
+    if not math.isfinite(want):
+        assert sol.status == "infeasible", sol
+        assert sol.choice == [] and sol.objective == math.inf
+        return
+    assert sol.status == "optimal", sol
+    assert sol.objective == pytest.approx(want, rel=1e-9, abs=1e-12)
+    # lower bounds on the optimum: exact (priced eliminations), and to the solver's tolerances
+    for bound, rtol in ((sol.stats.get("priced_bound"), 1e-9), (sol.stats.get("best_bound"), 1e-6)):
+        if bound is not None:
+            assert bound <= want + rtol * abs(want) + 1e-12
+    got, peak = evaluate(p, sol.choice)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    if p.memory_limit is not None:
+        assert peak <= p.memory_limit * (1 + MEMORY_RTOL)
+    for group in p.groups or []:
+        assert len({sol.choice[v] for v in group}) == 1
+
+
+def chain_problem(n: int, seed: int = 0, memory_limit: float | None = None) -> StrategyProblem:
+    """Transformer-ish chain with skip edges: sharding more saves memory but costs more time."""
+    rng = np.random.default_rng(seed)
+    shard = np.array([1.0, 2.0, 4.0, 8.0])
+    costs = [
+        (rng.random() * (1 + 0.3 * np.log2(shard)) * (1 + 0.2 * rng.random(4))).tolist() for _ in range(n)
+    ]
+    memory = [(rng.integers(1, 10) * 1e6 / shard).tolist() for _ in range(n)]
+    intervals = [(v, 2 * n - v) if v % 3 == 0 else (v, v + 2) for v in range(n)]
+    edges = [(v - 1, v) for v in range(1, n)] + [(v - 4, v) for v in range(4, n, 4)]
+    edge_costs = []
+    for _ in edges:
+        m = rng.random((4, 4)) * 0.3
+        np.fill_diagonal(m, 0.0)
+        edge_costs.append(m.ravel().tolist())
+    return StrategyProblem(costs, memory, intervals, edges, edge_costs, memory_limit=memory_limit)
+
+
+def ladder_problem(blocks: int, seed: int = 0, grouped: bool = False) -> StrategyProblem:
+    """A training graph's shape: a forward chain with residual skips, weights feeding it, and the
+    backward chain in reverse, each backward node reading its forward node (the "ladder").
+    Forward outputs live until their backward node, weights throughout."""
+    rng = np.random.default_rng(seed)
+    shard = np.array([1.0, 2.0, 2.0, 4.0])
+    costs: list[list[float]] = []
+    memory: list[list[float]] = []
+    position: list[int] = []
+    edges: list[tuple[int, int]] = []
+
+    def node(size: float, pos: int) -> int:
+        costs.append((rng.random() / shard + rng.random(4) * 0.3 * (shard > 1)).tolist())
+        memory.append((size / shard).tolist())
+        position.append(pos)
+        return len(costs) - 1
+
+    forward, weights, prev = [], [], -1
+    for _ in range(blocks):
+        block_input, ids = prev, []
+        for i in range(6):
+            ids.append(node(float(rng.integers(1, 5)), i))
+            if prev >= 0:
+                edges.append((prev, ids[-1]))
+            prev = ids[-1]
+        if block_input >= 0:
+            edges.append((block_input, ids[3]))
+        weights.append(node(6.0, 6))
+        edges.append((weights[-1], ids[1]))
+        forward.append(ids)
+    backward_of = {}
+    for ids in reversed(forward):
+        for i, f in reversed(list(enumerate(ids))):
+            g = node(memory[f][0], 7 + i)
+            edges += [(prev, g), (f, g)]
+            backward_of[f] = g
+            prev = g
+    horizon = len(costs)
+    intervals = [
+        (0, horizon) if v in weights else (v, backward_of[v] + 1) if v in backward_of else (v, v + 2)
+        for v in range(horizon)
+    ]
+    edge_costs = []
+    for _ in edges:
+        m = rng.random((4, 4)) * 0.5
+        np.fill_diagonal(m, 0.0)
+        edge_costs.append(m.ravel().tolist())
+    groups = None
+    if grouped:
+        by_pos: dict[int, list[int]] = {}
+        for v, pos in enumerate(position):
+            by_pos.setdefault(pos, []).append(v)
+        groups = list(by_pos.values())
+    return StrategyProblem(costs, memory, intervals, edges, edge_costs, groups=groups)
+
+
+# -- correctness against brute force -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_brute_force_random(memory: bool) -> None:
+    rng = np.random.default_rng(1234 + memory)
+    for _ in range(100):
+        p = random_problem(rng, int(rng.integers(2, 13)), memory=memory)
+        check_against_brute_force(p)
+
+
+def test_brute_force_forbidden_strategies() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        p = random_problem(rng, int(rng.integers(2, 11)), memory=bool(rng.random() < 0.5), forbidden=True)
+        check_against_brute_force(p)
+
+
+def test_groups_share_a_strategy() -> None:
+    rng = np.random.default_rng(99)
+    for _ in range(40):
+        p = random_problem(rng, int(rng.integers(3, 13)), memory=bool(rng.random() < 0.5), groups=True)
+        check_against_brute_force(p)
+
+
+def test_groups_matter() -> None:
+    # Alone each node prefers a different strategy; tied together they must agree.
+    p = StrategyProblem(
+        node_costs=[[0.0, 3.0], [3.0, 0.0], [1.0, 0.0]],
+        node_memory=[[0.0, 0.0]] * 3,
+        node_intervals=[(0, 1)] * 3,
+        edges=[],
+        edge_costs=[],
+        groups=[[0, 2], [1, 2]],
+    )
+    sol = solve_strategies(p)
+    assert sol.choice in ([0, 0, 0], [1, 1, 1])
+    assert sol.objective == 3.0
+    check_against_brute_force(p)
+
+
+def test_small_costs_next_to_large_penalties() -> None:
+    # Seconds-scale costs (1e-4) beside finite "forbidden" penalties (1e6), as the sharding
+    # pass writes them: scaling must keep the small ones above the solver's tolerances.
+    rng = np.random.default_rng(17)
+    for _ in range(30):
+        p = random_problem(rng, int(rng.integers(4, 12)), memory=bool(rng.random() < 0.5))
+        p.node_costs = [[c * 1e-4 for c in cs] for cs in p.node_costs]
+        p.edge_costs = [[1e6 if rng.random() < 0.1 else c * 1e-4 for c in cs] for cs in p.edge_costs]
+        check_against_brute_force(p)
+
+
+@pytest.mark.parametrize("backend", ["scip", "cbc"])
+def test_other_backends(backend: str) -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        p = random_problem(rng, int(rng.integers(4, 11)), memory=True)
+        check_against_brute_force(p, backend=backend)
+
+
+# -- reductions and formulations agree -----------------------------------------------------------
+
+
+def test_reduction_keeps_optimality() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(12):
+        p = random_problem(rng, 40, memory=False, max_assignments=10**30)
+        if trial % 2:
+            p.memory_limit = None
+        else:
+            p.memory_limit = float(evaluate(p, solve_strategies(p).choice)[1] * 0.8)
+        reduced = solve_strategies(p)
+        full = solve_strategies(p, reduce=False)
+        assert reduced.status == full.status
+        if full.status == "optimal":
+            assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
+            assert reduced.stats["strategies_after_reduction"] < full.stats["strategies_after_reduction"]
+
+
+def test_memory_forms_agree() -> None:
+    p = chain_problem(120, seed=2)
+    free = solve_strategies(p)
+    peak = evaluate(p, free.choice)[1]
+    p.memory_limit = 0.6 * peak
+    direct = solve_strategies(p, memory_form="direct")
+    cumulative = solve_strategies(p, memory_form="cumulative")
+    unreduced = solve_strategies(p, reduce=False, memory_form="cumulative")
+    assert direct.status == cumulative.status == unreduced.status == "optimal"
+    assert direct.stats["memory_form"] == "direct" and cumulative.stats["memory_form"] == "cumulative"
+    assert cumulative.objective == pytest.approx(direct.objective, rel=1e-9)
+    assert unreduced.objective == pytest.approx(direct.objective, rel=1e-9)
+    assert evaluate(p, direct.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
+    assert direct.objective > free.objective
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_ladder(grouped: bool) -> None:
+    p = ladder_problem(6, seed=11, grouped=grouped)
+    free = solve_strategies(p)
+    assert free.status == "optimal" and free.stats["nodes_after_reduction"] == 0
+    assert free.objective == pytest.approx(solve_strategies(p, reduce=False).objective, rel=1e-9)
+    lo = evaluate(p, [int(np.argmin(m)) for m in p.node_memory])[1]
+    p.memory_limit = lo + 0.4 * (evaluate(p, free.choice)[1] - lo)
+    reduced = solve_strategies(p)
+    full = solve_strategies(p, reduce=False)
+    assert reduced.status == full.status == "optimal"
+    assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
+    assert reduced.stats["memory_rows_after_reduction"] <= reduced.stats["binding_memory_rows"]
+    assert evaluate(p, reduced.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
+
+
+def test_chain_without_memory_reduces_to_nothing() -> None:
+    p = chain_problem(2000, seed=1)
+    sol = solve_strategies(p)
+    assert sol.status == "optimal" and sol.backend == "reduction"
+    assert sol.stats["nodes_after_reduction"] == 0
+    assert sol.objective == pytest.approx(evaluate(p, sol.choice)[0], rel=1e-12)
+
+
+# -- infeasibility and time limits ---------------------------------------------------------------
+
+
+def test_infeasible_memory_limit() -> None:
+    p = chain_problem(30, seed=4)
+    # every node's smallest memory is its last strategy (most sharded), so the minimum peak is
+    # the largest sum of those over time
+    horizon = max(e for _, e in p.node_intervals)
+    min_peak = max(
+        sum(m[-1] for m, (s, e) in zip(p.node_memory, p.node_intervals, strict=True) if s <= t < e)
+        for t in range(horizon)
+    )
+    p.memory_limit = min_peak * 0.99
+    sol = solve_strategies(p)
+    assert sol.status == "infeasible"
+    assert sol.choice == [] and sol.objective == math.inf and sol.gap is None
+    assert sol.stats["min_peak_memory"] == pytest.approx(min_peak)
+    p.memory_limit = sol.stats["min_peak_memory"]
+    assert solve_strategies(p).status == "optimal"
+
+
+def test_infeasible_groups_min_peak() -> None:
+    # Two grouped nodes live at different times want opposite strategies for low memory.
+    p = StrategyProblem(
+        node_costs=[[0.0, 0.0], [0.0, 0.0]],
+        node_memory=[[1.0, 5.0], [5.0, 2.0]],
+        node_intervals=[(0, 1), (1, 2)],
+        edges=[],
+        edge_costs=[],
+        memory_limit=3.0,
+        groups=[[0, 1]],
+    )
+    sol = solve_strategies(p)
+    assert sol.status == "infeasible"
+    assert sol.stats["min_peak_memory"] == pytest.approx(5.0)
+    assert sol.stats["min_peak_memory_exact"]
+
+
+def test_tiny_time_limit_returns_greedy() -> None:
+    p = chain_problem(3000, seed=6)
+    p.memory_limit = 0.5 * evaluate(p, solve_strategies(p).choice)[1]
+    sol = solve_strategies(p, time_limit_s=0.0)
+    assert sol.status == "feasible"
+    assert sol.backend == "greedy"
+    assert len(sol.choice) == 3000
+    objective, peak = evaluate(p, sol.choice)
+    assert peak <= p.memory_limit * (1 + MEMORY_RTOL)
+    assert sol.objective == pytest.approx(objective, rel=1e-12)
+
+
+def test_time_limit_stops_the_solver() -> None:
+    p = chain_problem(3000, seed=6)
+    p.memory_limit = 0.5 * evaluate(p, solve_strategies(p).choice)[1]
+    sol = solve_strategies(p, time_limit_s=0.3)
+    assert sol.status in ("feasible", "optimal")
+    assert sol.solve_time_s < 3.0
+    assert evaluate(p, sol.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
+    if sol.status == "feasible" and sol.gap is not None:
+        assert sol.gap >= 0
+
+
+# -- input validation ----------------------------------------------------------------------------
+
+
+def _tiny(**changes) -> StrategyProblem:
+    fields = dict(
+        node_costs=[[1.0, 2.0], [1.0, 2.0, 3.0]],
+        node_memory=[[1.0, 1.0], [1.0, 1.0, 1.0]],
+        node_intervals=[(0, 1), (1, 2)],
+        edges=[(0, 1)],
+        edge_costs=[[0.0] * 6],
+        node_names=["embed", "mlp"],
+    )
+    fields.update(changes)
+    return StrategyProblem(**fields)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            dict(node_memory=[[1.0, 1.0], [1.0, 1.0]]),
+            r"node 1 \('mlp'\): node_memory has 2 entries, node_costs has 3",
+        ),
+        (dict(node_costs=[[], [1.0, 2.0, 3.0]]), r"node 0 \('embed'\): has no strategies"),
+        (
+            dict(node_costs=[[1.0, float("nan")], [1.0, 2.0, 3.0]]),
+            r"node 0 \('embed'\): node_costs contains NaN",
+        ),
+        (dict(node_memory=[[1.0, -1.0], [1.0, 1.0, 1.0]]), r"node 0 \('embed'\): node_memory is negative"),
+        (dict(node_intervals=[(2, 1), (1, 2)]), r"node 0 \('embed'\): node_intervals entry \(2, 1\)"),
+        (dict(node_intervals=[(0, 1)]), r"node_intervals has 1 entries, node_costs has 2"),
+        (dict(edge_costs=[[0.0] * 5]), r"edge 0 \(0 -> 1\): edge_costs has 5 entries, expected 2 x 3 = 6"),
+        (dict(edges=[(0, 2)]), r"edge 0 \(0, 2\): node index out of range"),
+        (dict(edges=[(1, 1)], edge_costs=[[0.0] * 9]), r"edge 0 \(1, 1\): an edge from a node to itself"),
+        (dict(edge_costs=[[0.0] * 5 + [float("-inf")]]), r"edge 0 \(0 -> 1\): edge_costs contains -inf"),
+        (dict(groups=[[0, 1]]), r"group 0: node 1 \('mlp'\) has 3 strategies but node 0 \('embed'\) has 2"),
+        (dict(groups=[[0, 5]]), r"group 0: node index 5 out of range"),
+        (dict(memory_limit=-1.0), r"memory_limit -1.0 must be"),
+    ],
+)
+def test_validation_messages(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        solve_strategies(_tiny(**changes))
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="backend 'gurobi' is not one of highs, scip, cbc"):
+        solve_strategies(_tiny(), backend="gurobi")
+
+
+def test_forbidden_everywhere_is_infeasible() -> None:
+    sol = solve_strategies(_tiny(node_costs=[[math.inf, math.inf], [1.0, 2.0, 3.0]]))
+    assert sol.status == "infeasible"
+    assert "node 0 ('embed') has no allowed strategy" in sol.stats["infeasible_reason"]
