@@ -86,6 +86,7 @@ def plan(
             time_limit_s,
         )
         if sharded is not None:
+            sharded.solver["capture_s"] = round(t_capture, 3)
             sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
             return _make_plan(
                 stats,

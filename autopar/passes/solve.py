@@ -55,12 +55,17 @@ The pipeline
    strategies, separable edges, fixed variables, and elimination of variables whose
    memory cannot matter. Without a memory limit this alone solves transformer-shaped
    training graphs of tens of thousands of nodes.
-3. A greedy answer on what is left (best response in order, memory repair cheapest
-   cost per byte first, local improvement): the hint for SCIP and the fallback
-   whenever the solver returns nothing better in time.
+3. Heuristic answers on what is left: greedy (best response in order, memory repair
+   cheapest cost per byte first, local improvement), and with a memory limit a
+   Lagrangian one (memory priced into the costs, each priced problem solved exactly
+   by elimination, the price searched until the answer fits), which also gives a
+   lower bound. The best is the hint for SCIP and the fallback whenever the solver
+   returns nothing better in time.
 4. The MILP, through MathOpt for HiGHS and SCIP (built as one ``ModelProto`` from
-   arrays) or pywraplp for CBC, with the time that is left; a timer interrupts the
-   solver at the deadline.
+   arrays) or pywraplp for CBC, with the time that is left; a timer interrupts HiGHS
+   at the deadline. Beyond ``_HIGHS_MIP_MAX_NNZ`` nonzeros HiGHS's branch and bound
+   cannot be held to a time limit (see ``solve_strategies``), so only the LP
+   relaxation is solved there, then rounded and repaired; its optimum is the bound.
 5. The answer is mapped back through the reductions and checked on the original
    problem: objective recomputed, peak memory verified.
 """
@@ -97,6 +102,8 @@ _MIP_REL_GAP = 1e-9
 _BACKENDS = ("highs", "scip", "cbc")
 # HiGHS runs without presolve and costly heuristics on models with more nonzeros (_run_solver).
 _HIGHS_LARGE_NNZ = 200_000
+# Above this many nonzeros HiGHS solves only the LP relaxation, which is rounded (see solve_strategies).
+_HIGHS_MIP_MAX_NNZ = 400_000
 # Below this much time left, the solver is not started and the greedy answer is returned.
 _MIN_SOLVER_TIME_S = 0.01
 
@@ -520,9 +527,9 @@ def _priced(core: CoreProblem, tol: float, deadline: float) -> tuple[np.ndarray 
     With memory priced instead of limited, nothing stops the eliminations of
     :mod:`autopar.passes.solve_reduce`, so each priced problem is solved exactly and
     whole chains switch strategy together, which single-variable greedy moves cannot do.
-    An item's price is ``lam`` per byte above its minimum, weighted by the overflow so far
-    of the rows it is live in; ``lam`` doubles until an answer fits, then is bisected
-    towards the cheapest answer that fits. Each exact priced optimum also bounds the true
+    An item's price is ``lam`` per byte above its minimum, times how many times a row it is
+    live in has been the most overflowed one; ``lam`` doubles (and the worst row gains
+    weight) until an answer fits, then is bisected towards the cheapest answer that fits. Each exact priced optimum also bounds the true
     one from below (Lagrangian duality: ``cost(x) + lam * sum_r w_r (usage_r(x) - cap_r)``
     with ``x`` the priced optimum), which gives a gap when the MILP has none. Returns
     ``(None, None)`` when an elimination would be too large or there is too little time.
@@ -577,7 +584,7 @@ def _priced(core: CoreProblem, tol: float, deadline: float) -> tuple[np.ndarray 
     for _ in range(40):  # raise the price, spreading it over every row that overflowed
         if time.perf_counter() > deadline:
             return result(None)
-        weight += np.maximum(over, 0.0) / over.max()
+        weight[int(np.argmax(over))] += 1.0
         lam *= 2.0
         local, over = solve(lam)
         if local is None:
@@ -818,7 +825,9 @@ class _SolverResult:
     wall_s: float
 
 
-def _run_solver(milp: _Milp, backend: str, time_limit_s: float, hint: np.ndarray | None) -> _SolverResult:
+def _run_solver(
+    milp: _Milp, backend: str, time_limit_s: float, hint: np.ndarray | None, relax: bool = False
+) -> _SolverResult:
     """Solve with HiGHS or SCIP through MathOpt, or with CBC through pywraplp.
 
     MathOpt takes the model as one ``ModelProto`` filled from the arrays, and reports the
@@ -840,7 +849,7 @@ def _run_solver(milp: _Milp, backend: str, time_limit_s: float, hint: np.ndarray
     model.variables.ids.extend(range(n))
     model.variables.lower_bounds.extend(milp.lb.tolist())
     model.variables.upper_bounds.extend(milp.ub.tolist())
-    model.variables.integers.extend(milp.integer.tolist())
+    model.variables.integers.extend([False] * n if relax else milp.integer.astype(bool).tolist())
     nz = np.nonzero(milp.obj)[0]
     model.objective.linear_coefficients.ids.extend(nz.tolist())
     model.objective.linear_coefficients.values.extend(milp.obj[nz].tolist())
@@ -912,6 +921,8 @@ def _run_solver(milp: _Milp, backend: str, time_limit_s: float, hint: np.ndarray
         "TERMINATION_REASON_"
     )
     status = {"NO_SOLUTION_FOUND": "NOT_SOLVED"}.get(reason, reason)
+    if relax:
+        status = "LP_" + status  # the relaxation's status: its optimum bounds the MILP's
     values = None
     if res.solutions and res.solutions[0].HasField("primal_solution"):
         sol = res.solutions[0].primal_solution
@@ -970,13 +981,23 @@ def _run_pywraplp(milp: _Milp, time_limit_s: float, hint: np.ndarray | None) -> 
     )
 
 
+def _lp_seconds(nnz: int) -> float:
+    """A rough guess of HiGHS's dual simplex time on these relaxations, 2 cores (measured:
+    20 s at 6.3e5 nonzeros, over 115 s at 1.9e6): superlinear, as simplex iterations grow
+    with the rows."""
+    return 20.0 * (nnz / 6.3e5) ** 1.7
+
+
 # -- the smallest peak memory --------------------------------------------------------------------
 
 
 def _min_peak_memory(
     p: StrategyProblem, var_of_node: np.ndarray, members: list[list[int]], backend: str, time_limit_s: float
 ) -> tuple[float, bool]:
-    """The smallest peak memory any choice reaches (edge costs ignored), and whether it is exact.
+    """The smallest peak memory any choice reaches, and whether it is exact.
+
+    Strategies with infinite node cost are excluded; edge costs, forbidden pairs included,
+    are ignored, so where those pairs matter this is a lower bound on what would fit.
 
     Cheap in the usual case: when one strategy of a variable minimises the memory of all its
     nodes at once, that strategy is optimal for the peak, and the peak is the largest sum of
@@ -1183,8 +1204,31 @@ def solve_strategies(
     greedy_start = time.perf_counter()
     greedy = _Greedy(core, tol).run(deadline)
     best = finish(greedy) if greedy is not None else None
-    # Memory priced into exact eliminations: at most a quarter of the time that is left.
-    priced, priced_bound = _priced(core, tol, greedy_start + 0.25 * (deadline - greedy_start))
+    stats["greedy_time_s"] = time.perf_counter() - greedy_start
+
+    milp = None
+    skip_solver = deadline - time.perf_counter() < _MIN_SOLVER_TIME_S
+    if not skip_solver:
+        build_start = time.perf_counter()
+        milp = _build_milp(core, limit if limit else 1.0, memory_form)
+        rows_, cols_, nnz_ = milp.shape
+        stats.update(
+            milp_constraints=rows_, milp_variables=cols_, milp_nonzeros=nnz_, memory_form=milp.memory_form
+        )
+        stats["build_time_s"] = time.perf_counter() - build_start
+        # Past this size HiGHS's branch and bound cannot be held to the time limit (its root
+        # waits on an interior-point "analytic centre" solve that no limit or interrupt stops,
+        # tens of seconds here): solve the LP relaxation instead, round it, repair it; and
+        # when even that cannot finish in the time left, do not start it.
+        relax = name == "highs" and nnz_ > _HIGHS_MIP_MAX_NNZ
+        skip_solver = relax and _lp_seconds(nnz_) > deadline - time.perf_counter()
+        stats["relaxation_only"] = relax
+
+    # Memory priced into exact eliminations: a quarter of the time left, or all of it when
+    # the solver will not run.
+    priced_start = time.perf_counter()
+    share = 1.0 if skip_solver else 0.25
+    priced, priced_bound = _priced(core, tol, priced_start + share * (deadline - priced_start))
     stats["priced_bound"] = priced_bound
     if priced is not None:
         priced = _Greedy(core, tol).run(deadline, start=priced)
@@ -1193,25 +1237,21 @@ def solve_strategies(
         if found is not None and (best is None or found[1] < best[1]):
             best, greedy = found, priced
     stats["greedy_objective"] = best[1] if best is not None else None
-    stats["greedy_time_s"] = time.perf_counter() - greedy_start
+    stats["priced_time_s"] = time.perf_counter() - priced_start
 
     result = None
     proved = True
-    if deadline - time.perf_counter() >= _MIN_SOLVER_TIME_S:
-        build_start = time.perf_counter()
-        memory_scale = limit if limit else 1.0
-        milp = _build_milp(core, memory_scale, memory_form)
+    if milp is not None and not skip_solver and deadline - time.perf_counter() >= _MIN_SOLVER_TIME_S:
         hint = _hint_values(milp, core, greedy) if best is not None and name != "highs" else None
-        rows_, cols_, nnz_ = milp.shape
-        stats.update(
-            milp_constraints=rows_, milp_variables=cols_, milp_nonzeros=nnz_, memory_form=milp.memory_form
-        )
-        stats["build_time_s"] = time.perf_counter() - build_start
-        result = _run_solver(milp, name, deadline - time.perf_counter(), hint)
+        result = _run_solver(milp, name, deadline - time.perf_counter(), hint, relax=relax)
         stats.update(solver_status=result.status, solver_time_s=result.wall_s, best_bound=result.bound)
         if result.values is not None:
             local = _local_from_values(milp, core, result.values)
-            found = finish(local)
+            x = result.values[: milp.n_x]
+            if relax and np.abs(x - np.round(x)).max() > 1e-9:
+                proved = False
+                local = _Greedy(core, tol).run(deadline, start=local)
+            found = finish(local) if local is not None else None
             if found is None:
                 # Within the solver's tolerance but over the limit by more than MEMORY_RTOL once
                 # rounded: nudge it back under with the greedy repair, and claim no optimality.
@@ -1227,7 +1267,7 @@ def solve_strategies(
             return _infeasible(problem, reason, stats, start, name, var_of_node, members, 10.0)
         logger.warning("solve: no feasible answer found within %.3g s", time_limit_s)
         return Solution([], math.inf, "unknown", None, time.perf_counter() - start, name, stats)
-    if proved and result is not None and result.status == "OPTIMAL":
+    if proved and result is not None and result.status in ("OPTIMAL", "LP_OPTIMAL"):
         return answer(best, "optimal", 0.0, name)
     if result is not None and result.status == "INFEASIBLE":
         logger.warning("solve: %s reports infeasible but the greedy answer fits; returning it", name)
