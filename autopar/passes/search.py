@@ -27,6 +27,7 @@ from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.passes.coarsen import repeated_groups
+from autopar.passes.seeds import seed_filter, seeds_for
 from autopar.passes.sharding_problem import ShardingProblem, build_problem, charged_collectives
 from autopar.passes.solve import Solution, solve_strategies
 from autopar.passes.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -276,14 +277,39 @@ def search_meshes(
         sizes = [tp]
     if dp is not None:
         sizes = [t for t in sizes if world // t == dp]
-    results = []
-    budget = time_limit_s
     sizes = [t for t in sizes if captured.batch_size % (world // t) == 0]  # dp shards the batch
+    results = []
+    per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
+    params = {p.placeholder: p.name for p in captured.params}
+    conv1d = captured.model_name.startswith("GPT2")
     for t in sizes:
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         start = time.perf_counter()
-        res = solve_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, max(budget, 1.0))
-        budget -= time.perf_counter() - start
+        strategies = enumerate_strategies(captured.gm, (mesh.dp, mesh.tp), AXES)
+        enum_s = time.perf_counter() - start
+        res = solve_mesh(
+            captured, cluster, mesh, precision, optimizer, memory_limit, per_mesh, strategies=strategies
+        )
+        res.timings["strategies_s"] = enum_s
+        # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
+        # the backward, which the MILP's linear objective does not see
+        for kind in seeds_for(t, list(params.values())):
+            seeded = solve_mesh(
+                captured,
+                cluster,
+                mesh,
+                precision,
+                optimizer,
+                memory_limit,
+                per_mesh / 2,
+                allowed=seed_filter(kind, params, conv1d),
+                strategies=strategies,
+            )
+            if seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9):
+                log.info("mesh %s: the %s layout beats the MILP's answer at its time limit", mesh, kind)
+                seeded.source = kind
+                seeded.timings = {k: v + seeded.timings.get(k, 0.0) for k, v in res.timings.items()}
+                res = seeded
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
