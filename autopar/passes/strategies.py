@@ -138,7 +138,7 @@ def divides(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[i
     Uneven shards are ruled out, not padded: divisibility is a constraint of the plan.
     """
     ways: dict[int, int] = {}
-    for p, n in zip(placements, mesh_shape, strict=False):
+    for p, n in zip(placements, mesh_shape, strict=True):
         d = shard_dim(p)
         if d is None:
             continue
@@ -155,7 +155,7 @@ def _canon(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
     """
     if all(n > 1 for n in mesh_shape):
         return placements
-    return tuple("R" if n == 1 else p for p, n in zip(placements, mesh_shape, strict=False))
+    return tuple("R" if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
 
 
 def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
@@ -514,7 +514,7 @@ class _Enumerator:
             plain: list[list[str | None]] = []
             for r in rules:
                 row = [None if p is None else placement_str(p, j >= n_out) for j, p in enumerate(r)]
-                if any(s is None and p is not None for s, p in zip(row, r, strict=False)):
+                if any(s is None and p is not None for s, p in zip(row, r, strict=True)):
                     continue  # a strided shard: no plain form
                 plain.append(row)
             return self._expand_plain(plain, n_out, in_shapes, out_shapes)
@@ -605,7 +605,7 @@ class _Enumerator:
                 placement_str(p, j >= n_res) if p is not None else None
                 for j, p in enumerate((*res_t, *combo))
             ]
-            if any(r is None and p is not None for r, p in zip(row, (*res_t, *combo), strict=False)):
+            if any(r is None and p is not None for r, p in zip(row, (*res_t, *combo), strict=True)):
                 continue
             rows.append(row)
         if not rows:
@@ -743,7 +743,10 @@ class _Enumerator:
                 for p, shape in zip(s.outputs, out_shapes, strict=False)
             ):
                 continue
-            if any(p is not None and not divides(p, shape, ms) for p, shape in zip(s.inputs, in_shapes, strict=False)):
+            if any(
+                p is not None and not divides(p, shape, ms)
+                for p, shape in zip(s.inputs, in_shapes, strict=True)
+            ):
                 continue
             if self._invents_partial(s, offered):
                 continue
@@ -757,7 +760,7 @@ class _Enumerator:
     def _invents_partial(s: Strategy, offered: list[set[tuple[int, str]]]) -> bool:
         wanted: dict[tuple[int, str], bool] = {}
         sharded: set[int] = set()
-        for p, have in zip(s.inputs, offered, strict=False):
+        for p, have in zip(s.inputs, offered, strict=True):
             if p is None:
                 continue
             for d, q in enumerate(p):
