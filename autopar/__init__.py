@@ -6,8 +6,18 @@ print(plan.summary())
 
 from autopar.api import plan
 from autopar.cluster import Cluster
-from autopar.errors import AutoparError, CaptureError, ClusterError, PlanError, PlanFormatError
+from autopar.errors import (
+    AutoparError,
+    CaptureError,
+    ClusterError,
+    LaunchError,
+    PlanError,
+    PlanFormatError,
+    RuntimeMismatchError,
+)
 from autopar.plan import Estimate, MemoryEstimate, Plan
+from autopar.runtime.launch import launch
+from autopar.runtime.parallelize import parallelize
 
 __all__ = [
     "AutoparError",
@@ -15,9 +25,13 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "Estimate",
+    "LaunchError",
     "MemoryEstimate",
     "Plan",
     "PlanError",
     "PlanFormatError",
+    "RuntimeMismatchError",
+    "launch",
+    "parallelize",
     "plan",
 ]

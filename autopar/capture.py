@@ -289,6 +289,26 @@ def _normalize(example_inputs: Any, example_targets: Any) -> tuple[tuple, dict, 
     return args, kwargs, (example_targets,)
 
 
+def input_tensors(model: nn.Module, inputs: Any, targets: Any = None) -> list[torch.Tensor]:
+    """The tensors of one batch in the order of ``CapturedGraph.inputs`` (the joint graph's user placeholders)."""
+    args, kwargs, targets = _normalize(inputs, targets)
+    _hf_no_cache(model, kwargs)
+    leaves = pytree.tree_leaves((args, {**kwargs, _TARGETS: targets}))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def model_loss(
+    model: nn.Module, inputs: Any, loss_fn: Callable[..., Any] | None = None, targets: Any = None
+) -> torch.Tensor:
+    """The loss the captured graph computes, computed eagerly: the single-device reference."""
+    args, kwargs, targets = _normalize(inputs, targets)
+    _hf_no_cache(model, kwargs)
+    try:
+        return _pick_loss(model(*args, **kwargs), loss_fn, targets, type(model).__name__)
+    except _NoLoss as exc:
+        raise CaptureError(str(exc)) from None
+
+
 def _pick_device(tensors: list[torch.Tensor]) -> torch.device:
     """The first real device among inputs, then weights; all-meta models are captured as CPU."""
     return next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))

@@ -25,3 +25,11 @@ class PlanError(AutoparError):
 
 class PlanFormatError(AutoparError):
     """A plan file is malformed or was written by a newer autopar."""
+
+
+class LaunchError(AutoparError):
+    """A rank of a launched job failed, died or ran past its time limit."""
+
+
+class RuntimeMismatchError(AutoparError):
+    """A plan does not fit the job that runs it (world size, model, batch)."""

@@ -94,3 +94,20 @@ def gpt2_tiny():
 
 def llama_tiny():
     return llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
+
+
+class MLP(torch.nn.Module):
+    """Two-layer perceptron whose forward returns its mean-squared-error loss."""
+
+    def __init__(self, width: int = 32, hidden: int = 128) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.down(torch.nn.functional.gelu(self.up(x))), target)
+
+
+def mlp_tiny():
+    """An MLP small enough for tests: batch 8, width 32, hidden 128."""
+    return MLP(), (torch.randn(8, 32), torch.randn(8, 32))

@@ -1,0 +1,321 @@
+"""Shard: the joint graph and a plan's placements → one rank's local joint graph.
+
+The local graph takes this rank's shards of the parameters, fixed state and
+inputs, and returns the loss (whole, the same on every rank) and each
+parameter's gradient shard, laid out the way the plan places that parameter.
+Every change of placement the plan asks for is a ``_c10d_functional``
+collective (all-reduce, all-gather, reduce-scatter, all-to-all) with its wait
+in the graph.
+
+How: the joint graph is re-run node by node on DTensors, each argument first
+redistributed to the placement the plan's strategy reads it in, and that run is
+traced by ``make_fx``.  DTensor then does what would otherwise be written by
+hand and get subtly wrong — local view sizes, redistribution between any two
+placements, partial reductions — and the trace keeps only local ATen ops and
+functional collectives, so the generated graph carries no DTensor overhead at
+run time.  Ops DTensor has no rule for (the CPU flash-attention kernels, ops
+the strategy pass replicated) run on the local tensors of their planned input
+placements, and their outputs are declared in the planned output placements;
+the strategy pass only offered placements for which that is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.capture import CapturedGraph
+from autopar.passes import strategy_rules
+from autopar.passes.strategies import placement_str
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def placement(s: str) -> Placement:
+    """DTensor placement of the plain form ``"R"``, ``"S(d)"``, ``"P"``, ``"P(avg)"``."""
+    if s == "R":
+        return Replicate()
+    if s == "P":
+        return Partial()
+    if s.startswith("P(") and s.endswith(")"):
+        return Partial(s[2:-1])
+    if s.startswith("S(") and s.endswith(")"):
+        return Shard(int(s[2:-1]))
+    raise ValueError(f"not a placement: {s!r}")
+
+
+def placements(spec: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
+    return tuple(placement(s) for s in spec)
+
+
+@dataclass
+class LocalGraph:
+    """One rank's joint graph and how its arguments and results are laid out.
+
+    ``gm(*args)`` takes, in the captured graph's placeholder order, the local
+    shard of every tensor whose placement is ``arg_placements[i]``, and returns
+    ``(loss, *grads)`` with grads in ``grad_placements`` (None for a parameter
+    without gradient).
+    """
+
+    gm: fx.GraphModule
+    arg_placements: list[tuple[str, ...]]
+    grad_placements: list[tuple[str, ...] | None]
+
+    def collectives(self) -> Counter:
+        """How many of each functional collective the graph runs per step."""
+        return Counter(
+            n.target._opname
+            for n in self.gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "_opname", "") in COLLECTIVES
+        )
+
+
+def _tensor_leaves(args: Any, kwargs: Any) -> list[fx.Node]:
+    flat = pytree.tree_leaves((args, dict(kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _redistribute(x: Any, target: tuple[str, ...] | None) -> Any:
+    if target is None or not isinstance(x, DTensor):
+        return x
+    want = placements(target)
+    if tuple(x.placements) == want:
+        return x
+    current = tuple(placement_str(p) for p in x.placements)
+    if current == tuple(target):  # a masked partial is a partial sum: same plain form, keep it
+        return x
+    return _to(x, want)
+
+
+def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
+    """``x.redistribute(want)``, extended where DTensor's public redistribute stops.
+
+    A partial average becomes a partial sum of the scaled value first (gloo has no
+    AVG reduction); a whole value becomes a partial one locally (kept on the first
+    rank of the mesh dim, zeros elsewhere for a sum), which DTensor keeps internal.
+    """
+    mesh = x.device_mesh
+    have = list(x.placements)
+    for i, p in enumerate(have):
+        if isinstance(p, Partial) and p.reduce_op == "avg" and want[i] != p:
+            have[i] = Partial("sum")
+            x = _relabel(x.to_local() / mesh.size(i), x, have)
+    step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
+    if tuple(have) != step:
+        x = x.redistribute(mesh, step)
+    if step != want:
+        coord = mesh.get_coordinate()
+        local = x.to_local()
+        for i, w in enumerate(want):
+            if step[i] != w and w.reduce_op == "sum" and coord[i] != 0:
+                local = torch.zeros_like(local)
+        x = _relabel(local, x, list(want))
+    return x
+
+
+def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTensor:
+    return DTensor.from_local(
+        local, like.device_mesh, pls, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
+    """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
+
+    A shard keeps this rank's chunk; a partial keeps the value on the first rank of
+    its mesh dim and zeros elsewhere, so that the ranks sum to it.
+    """
+    local = t
+    coord = mesh.get_coordinate()
+    for i, p in enumerate(want):
+        if isinstance(p, Shard):
+            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
+        elif isinstance(p, Partial) and coord[i] != 0:
+            local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:
+    """Dense strides for ``shape`` that order the dims the way ``like``'s strides do."""
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    strides = [0] * like.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _match_layout(x: DTensor, like: torch.Tensor) -> DTensor:
+    """``x`` with its local tensor laid out like the captured value ``like``.
+
+    The captured graph's views were recorded for its tensors' layouts (a
+    ``view`` after a transpose is legal only on the right strides); a local
+    shard produced another way (a kernel run on shards, a collective's output)
+    can come out dense in another order.  Copy it into the captured order.
+    """
+    local = x.to_local()
+    if local.dim() != like.dim() or not is_non_overlapping_and_dense(like):
+        return x
+    want = _layout_strides(local.shape, like)
+    if all(local.stride(d) == want[d] for d in range(local.dim()) if local.shape[d] > 1):
+        return x
+    fixed = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+    return _relabel(fixed, x, list(x.placements))
+
+
+class _ShardInterpreter(fx.Interpreter):
+    """Runs the joint graph on DTensors, honouring the plan's placement of every node."""
+
+    def __init__(self, gm: fx.GraphModule, plan_placements: dict[str, dict], mesh: DeviceMesh) -> None:
+        super().__init__(gm)
+        self.plan = plan_placements
+        self.mesh = mesh
+        self.local_only: Counter = Counter()
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in ("call_function", "get_attr"):
+            return super().run_node(n)
+        entry = self.plan.get(n.name)
+        if n.op == "get_attr":  # a constant of the model: whole on every rank, then as planned
+            return self._whole(super().run_node(n), entry)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.target is operator.getitem or entry is None:
+            return n.target(*args, **kwargs)
+        if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
+            # a factory (arange, full, ...) or an op on constants: whole on every rank
+            return self._whole(n.target(*args, **kwargs), entry)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._replicated, (args, kwargs))
+        wanted = iter(entry["inputs"])
+
+        def bring(x: Any, node: Any) -> Any:
+            if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+                return _redistribute(x, next(wanted, None))
+            return x
+
+        node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
+        val_leaves = pytree.tree_leaves((args, kwargs))
+        val_leaves = [bring(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)]
+        args, kwargs = pytree.tree_unflatten(val_leaves, spec)
+        if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
+            return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        try:
+            out = n.target(*args, **kwargs)
+        except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
+            out = self._local(n, args, kwargs, entry)
+        return self._declare(out, entry, n)
+
+    def _replicated(self, t: torch.Tensor) -> DTensor:
+        if isinstance(t, DTensor):
+            return t
+        return DTensor.from_local(t, self.mesh, (Replicate(),) * self.mesh.ndim, run_check=False)
+
+    def _whole(self, out: Any, entry: dict | None) -> Any:
+        """Tensors every rank holds whole, laid out as ``entry`` plans (replicated when it does not)."""
+        flat, spec = pytree.tree_flatten(out)
+        outs = iter(entry["outputs"] if entry else [])
+        res = []
+        for o in flat:
+            if isinstance(o, torch.Tensor):
+                p = next(outs, None) or ("R",) * self.mesh.ndim
+                o = _from_whole(o, self.mesh, placements(p))
+            res.append(o)
+        return pytree.tree_unflatten(res, spec)
+
+    def _local(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """Run ``n`` on local shards; its outputs are what the plan says they are."""
+        self.local_only[str(n.target)] += 1
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        out = n.target(*local_args, **local_kwargs)
+        vals = n.meta["val"]
+        flat_out, spec = pytree.tree_flatten(out)
+        flat_val = pytree.tree_leaves(vals)
+        outs = iter(entry["outputs"])
+        wrapped = []
+        for o, v in zip(flat_out, flat_val, strict=True):
+            p = next(outs, None)
+            if isinstance(o, torch.Tensor) and p is not None:
+                o = DTensor.from_local(
+                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
+                )
+            wrapped.append(o)
+        return pytree.tree_unflatten(wrapped, spec)
+
+    def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:
+        """Bring each output to the placement the plan chose for it, in the memory layout of the capture."""
+        flat, spec = pytree.tree_flatten(out)
+        vals = pytree.tree_leaves(node.meta.get("val"))
+        outs = iter(entry["outputs"])
+        res = []
+        for k, o in enumerate(flat):
+            p = next(outs, None) if isinstance(o, torch.Tensor) else None
+            o = _redistribute(o, p)
+            if isinstance(o, DTensor) and k < len(vals) and isinstance(vals[k], torch.Tensor):
+                o = _match_layout(o, vals[k])
+            res.append(o)
+        return pytree.tree_unflatten(res, spec)
+
+
+def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh: DeviceMesh) -> LocalGraph:
+    """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``)."""
+    gm = captured.gm
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    arg_pl = [tuple(plan_placements[p.name]["outputs"][0]) for p in phs]
+    param_ph = [p.placeholder for p in captured.params]
+    grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
+    interp = _ShardInterpreter(gm, plan_placements, mesh)
+
+    def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dt = [
+            DTensor.from_local(
+                t,
+                mesh,
+                placements(pl),
+                run_check=False,
+                shape=ph.meta["val"].shape,
+                stride=ph.meta["val"].stride(),
+            )
+            for t, pl, ph in zip(local, arg_pl, phs, strict=True)
+        ]
+        loss, *grads = interp.run(*dt)
+        out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
+        for g, pl in zip(grads, grad_pl, strict=True):
+            out.append(None if g is None else _to(g, placements(pl)).to_local())
+        return tuple(out)
+
+    fake_local = []
+    for ph, pl in zip(phs, arg_pl, strict=True):
+        v = ph.meta["val"]
+        shape = list(v.shape)
+        for i, s in enumerate(pl):
+            if s.startswith("S("):
+                d = int(s[2:-1])
+                shape[d] //= mesh.size(i)
+        fake_local.append(torch.empty(shape, dtype=v.dtype))
+    # DTensor warns, once per trace, that a 2-D gather runs as two collectives: the plan costed it so
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
+    finally:
+        quiet.setLevel(level)
+    if interp.local_only:
+        log.debug("ran on local shards: %s", dict(interp.local_only))
+    return LocalGraph(local_gm, arg_pl, grad_pl)

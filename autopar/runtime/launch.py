@@ -1,0 +1,127 @@
+"""Local launcher: run a function on every rank of a cluster of local processes.
+
+``autopar.launch(fn, cluster, *args)`` is torchrun for one machine without a
+command line: it spawns ``cluster.world_size`` processes, gives each torchrun's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), starts the
+process group on the cluster's backend (gloo for ``Cluster.local``), calls
+``fn(*args)`` and returns what every rank returned, in rank order.
+
+A rank that raises or dies ends the job: the launcher stops the other ranks at
+once, so none hangs in a collective waiting for it, and raises
+:class:`~autopar.errors.LaunchError` naming the rank and its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.cluster import Cluster
+from autopar.errors import LaunchError
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
+        )
+        # plain pickle: tensors sent through torch's shared-memory reductions die with the process
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the job
+        log.debug("rank %d failed", rank, exc_info=True)
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
+        results.put((rank, False, f"{type(exc).__name__}: {exc}{at}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    cluster: Cluster | int,
+    *args: Any,
+    timeout_s: float = 900.0,
+    collective_timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on every rank of ``cluster`` (a Cluster or a process count); results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). The job is
+    stopped after ``timeout_s`` seconds, and a collective that waits longer than
+    ``collective_timeout_s`` fails on its rank.
+    """
+    if isinstance(cluster, int):
+        cluster = Cluster.local(cluster)
+    world = cluster.world_size
+    backend = cluster.backend or "gloo"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world, port, backend, args, results, collective_timeout_s),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise LaunchError(
+                        f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) before returning; "
+                        "the other ranks were stopped"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"the job did not finish within {timeout_s:.0f} s; all ranks were stopped"
+                    ) from None
+                continue
+            if not ok:
+                raise LaunchError(f"rank {rank} failed: {value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world)]

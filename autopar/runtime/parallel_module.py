@@ -1,0 +1,194 @@
+"""ParallelModule: one rank's share of the model, trained by running its local joint graph.
+
+The local joint graph (:mod:`autopar.passes.shard`) maps this rank's parameter,
+state and input shards to the loss and this rank's gradient shards, with every
+collective inside.  A training step is one call of that graph per micro-batch,
+without autograd: the backward is already in the graph.  The module owns the
+parameter shards as ``nn.Parameter``s, so any torch optimizer steps them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autopar.capture import CapturedGraph, input_tensors
+from autopar.errors import RuntimeMismatchError
+from autopar.passes.shard import LocalGraph, placements
+from autopar.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...]) -> torch.Tensor:
+    """This rank's shard of ``t`` (held whole) for placements ``spec``; whole values are copied."""
+    coord = mesh.get_coordinate()
+    for i, p in enumerate(spec):
+        if p.startswith("S("):
+            t = t.chunk(mesh.size(i), int(p[2:-1]))[coord[i]]
+        elif p != "R":
+            raise RuntimeMismatchError(f"a placement of {p} cannot hold a model's weights or inputs")
+    return t.detach().clone().contiguous()
+
+
+class ParallelModule(nn.Module):
+    """The model on this rank: parameter shards, the local joint graph, and the plan it came from."""
+
+    def __init__(
+        self, model: nn.Module, captured: CapturedGraph, local: LocalGraph, mesh: DeviceMesh, plan: Plan
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self.graph = local.gm
+        self._collectives = local.collectives()
+        self._inputs_of = functools.partial(input_tensors, model)
+        n_params, n_state = len(captured.params), len(captured.buffers)
+        self._param_specs = local.arg_placements[:n_params]
+        self._state_specs = local.arg_placements[n_params : n_params + n_state]
+        self._input_specs = local.arg_placements[n_params + n_state :]
+        self._infos = captured.params + captured.buffers
+        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
+        whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._aliases = {
+            name: next(n for n, q in whole.items() if q is t)
+            for name, t in [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+        }
+        self.param_names = [p.name for p in captured.params]
+        self.state_names = [b.name for b in captured.buffers]
+        self.shards = nn.ParameterList(
+            nn.Parameter(_local_part(whole[p.name], mesh, spec))
+            for p, spec in zip(captured.params, self._param_specs, strict=True)
+        )
+        for i, (b, spec) in enumerate(zip(captured.buffers, self._state_specs, strict=True)):
+            self.register_buffer(f"state_{i}", _local_part(whole[b.name], mesh, spec))
+        self.dp_size = mesh.size(0)
+        self.dp_rank = mesh.get_coordinate()[0]
+        self.microbatches = max(int(plan.microbatches), 1)
+
+    # ------------------------------------------------------------------ running
+
+    def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> list[torch.Tensor]:
+        tensors = self._inputs_of(inputs, targets)
+        if len(tensors) != len(self._input_specs):
+            raise RuntimeMismatchError(
+                f"the plan's model takes {len(self._input_specs)} input tensors, these inputs hold {len(tensors)}; "
+                "pass inputs of the same form as the example inputs"
+            )
+        out = []
+        for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
+            if local_batch:
+                if spec[0] != "S(0)":
+                    raise RuntimeMismatchError(
+                        "this plan does not split every input by batch over the data-parallel ranks; "
+                        "pass the global batch (local_batch=False)"
+                    )
+                spec = ("R", *spec[1:])  # the rank's part of the batch is already its data-parallel shard
+                want = (shape[0] // self.dp_size // self.microbatches, *shape[1:])
+            else:
+                want = (shape[0] // self.microbatches, *shape[1:])
+            if t.dim() and t.shape[0] != want[0] * self.microbatches:
+                raise RuntimeMismatchError(
+                    f"an input has batch {t.shape[0]}, the plan expects {want[0] * self.microbatches}"
+                    f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
+                )
+            out.append((t, spec))
+        return out
+
+    def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
+        res = []
+        for t, spec in pairs:
+            if t.dim():
+                t = t.chunk(self.microbatches, 0)[k]
+            res.append(_local_part(t, self.mesh, spec))
+        return res
+
+    def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
+        """Forward and backward on one (global) batch; returns the loss, the same on every rank.
+
+        Gradients are added to each shard's ``.grad`` (as ``loss.backward()`` would),
+        averaged over the plan's micro-batches.
+        """
+        pairs = self._local_inputs(inputs, targets, local_batch)
+        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
+        total = None
+        with torch.no_grad():
+            for k in range(self.microbatches):
+                loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                total = loss if total is None else total + loss
+                for p, g in zip(self.shards, grads, strict=True):
+                    if g is None:
+                        continue
+                    g = g / self.microbatches if self.microbatches > 1 else g
+                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        return total / self.microbatches
+
+    def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The loss on one batch, without touching gradients (evaluation)."""
+        saved = [p.grad for p in self.shards]
+        loss = self.train_step(inputs, targets)
+        for p, g in zip(self.shards, saved, strict=True):
+            p.grad = g
+        return loss
+
+    def make_optimizer(self, cls: Callable[..., torch.optim.Optimizer], *args: Any, **kwargs: Any):
+        """``cls`` over this rank's parameter shards (element-wise optimizers step shards exactly)."""
+        return cls(self.shards.parameters(), *args, **kwargs)
+
+    def collectives(self) -> dict[str, int]:
+        """How many of each collective one micro-batch of a training step runs on this rank."""
+        return dict(self._collectives)
+
+    # ------------------------------------------------------------------ state
+
+    def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if all(p == "R" for p in spec):
+            return local.detach().clone()
+        stride = torch.empty(shape, device="meta").stride()
+        dt = DTensor.from_local(
+            local.detach(),
+            self.mesh,
+            placements(spec),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=stride,
+        )
+        return dt.full_tensor()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights and buffers under the model's own names (a collective: call on every rank)."""
+        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
+        canonical = {}
+        for info, local, spec in zip(
+            self._infos, [*self.shards, *state], [*self._param_specs, *self._state_specs], strict=True
+        ):
+            canonical[info.name] = self._full(local, spec, info.shape)
+        return {alias: canonical[name] for alias, name in self._aliases.items() if name in canonical}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The unsharded gradients by parameter name (a collective: call on every rank)."""
+        return {
+            info.name: None if p.grad is None else self._full(p.grad, spec, info.shape)
+            for info, p, spec in zip(self._infos[: len(self.shards)], self.shards, self._param_specs, strict=True)
+        }
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, by the model's names."""
+        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
+        return {info.name: t.detach() for info, t in zip(self._infos, [*self.shards, *state], strict=True)}
+
+    def extra_repr(self) -> str:
+        mesh = dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return f"rank={rank}, mesh={mesh}, params={len(self.shards)}"

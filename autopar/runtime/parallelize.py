@@ -1,0 +1,153 @@
+"""``autopar.parallelize``: inside each rank of a launched job, the plan becomes a ParallelModule.
+
+Order: check the job against the plan (world size, model) before any
+collective runs → agree on the weights (rank 0's, as DDP does) → capture the
+model at the plan's micro-batch → the local joint graph of this rank → the
+module that owns this rank's shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.capture import capture
+from autopar.cluster import Cluster, MeshShape
+from autopar.cost_models.graph_stats import model_fingerprint
+from autopar.cost_models.memory import precision_spec
+from autopar.errors import PlanError, RuntimeMismatchError
+from autopar.graph_cache import resize_batch
+from autopar.passes.search import AXES, solve_mesh
+from autopar.passes.seeds import seed_filter
+from autopar.passes.shard import shard_graph
+from autopar.plan import Plan
+from autopar.runtime.parallel_module import ParallelModule
+
+log = logging.getLogger(__name__)
+
+
+def _process_group(cluster: Cluster) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise RuntimeMismatchError(
+            "parallelize runs inside each rank of a job: start it with autopar.launch(fn, cluster) or torchrun"
+        )
+    dist.init_process_group(cluster.backend or "gloo", timeout=timedelta(seconds=120))
+
+
+def _agree_on_plan(plan: Plan | None, make_plan: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank: solver time limits make independent solves differ."""
+    box = [plan.to_dict() if plan is not None else None]
+    if box[0] is None and dist.get_rank() == 0:
+        box = [make_plan().to_dict()]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_dict(box[0])
+
+
+def _check(plan: Plan, model: nn.Module, cluster: Cluster) -> None:
+    world = dist.get_world_size()
+    planned = math.prod(plan.mesh.values())
+    if world != planned:
+        raise RuntimeMismatchError(
+            f"the plan is for {planned} devices but this job has {world} ranks; launch {planned} ranks or re-plan"
+        )
+    if cluster.world_size != world:
+        raise RuntimeMismatchError(
+            f"the cluster has {cluster.world_size} devices but this job has {world} ranks; "
+            "pass the cluster the job runs on"
+        )
+    trainable = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    if model_fingerprint(trainable) != plan.fingerprint:
+        raise RuntimeMismatchError(
+            f"the plan was made for another model ({plan.model}, {plan.num_params:,} parameters; parameter names "
+            f"or shapes differ from this {type(model).__name__}): plan this model"
+        )
+    if plan.mesh.get("pp", 1) != 1:
+        raise RuntimeMismatchError("pipeline-parallel plans (pp > 1) cannot run yet; plan with pp=1")
+
+
+def _broadcast_weights(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights, as DDP does."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
+    """Placements for a plan the data-parallel model chose (no per-op placements recorded)."""
+    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
+    params = {p.placeholder: p.name for p in captured.params}
+    kind = "zero3" if plan.zero == 3 else "dp"
+    res = solve_mesh(
+        captured,
+        cluster,
+        mesh,
+        precision_spec(plan.precision),
+        plan.optimizer,
+        float("inf"),
+        30.0,
+        allowed=seed_filter(kind, params, captured.model_name.startswith("GPT2")),
+    )
+    if not res.placements:
+        raise PlanError(f"no {kind} layout found for {plan.model} on mesh {plan.mesh}")
+    return res.placements
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    *,
+    plan: Plan | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    example_targets: Any = None,
+    **plan_options: Any,
+) -> ParallelModule:
+    """This rank's ParallelModule for ``model`` under ``plan`` (planned on rank 0 when None).
+
+    Call on every rank of the job, with the same model (weights are taken from
+    rank 0) and example inputs of the plan's global batch.
+    """
+    from autopar.api import plan as make_plan
+
+    _process_group(cluster)
+    plan = _agree_on_plan(
+        plan,
+        lambda: make_plan(
+            model, example_inputs, cluster, loss_fn=loss_fn, example_targets=example_targets, **plan_options
+        ),
+    )
+    _check(plan, model, cluster)
+    _broadcast_weights(model)
+    micro = plan.global_batch_size // max(plan.microbatches, 1)
+    captured = capture(
+        model,
+        resize_batch(example_inputs, micro),
+        loss_fn=loss_fn,
+        example_targets=resize_batch(example_targets, micro),
+    )
+    chosen = plan.placements or _data_parallel_placements(captured, plan, cluster)
+    missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
+    if missing:
+        raise RuntimeMismatchError(
+            f"the plan places no {missing[0]!r}: it was made for a different graph of {plan.model}; plan again"
+        )
+    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
+    local = shard_graph(captured, chosen, mesh)
+    log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
+    return ParallelModule(model, captured, local, mesh, plan)
+
+
+def cluster_device_type(cluster: Cluster) -> str:
+    return "cpu" if (cluster.backend or "gloo") == "gloo" else "cuda"

@@ -1,0 +1,166 @@
+"""The correctness oracle: a plan trains like the single-device model, or it is wrong.
+
+``check_plan`` runs a few AdamW steps of the model twice — once eagerly on
+one device, once under the plan on local processes — and compares, per step,
+the loss, the gathered gradients of the first step and the parameters after
+the last step.
+
+An error is measured per group of tensors (gradients, parameters) in the max
+norm, relative to the group's scale: ``max |parallel − single| / max |single|``
+over every element of every tensor of the group.  Relative to the group, not
+to each tensor, because Adam amplifies round-off where the true gradient is
+zero (GPT-2's key bias: attention is invariant to it), so a zero-initialised
+tensor of such noise has no meaningful relative error of its own; measured
+against the model's weights it stays at round-off, as it should.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.capture import model_loss
+from autopar.cluster import Cluster
+from autopar.plan import Plan
+from autopar.runtime.launch import launch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Check:
+    """How far a parallel run drifted from the single-device run."""
+
+    losses: list[float]
+    reference_losses: list[float]
+    loss_error: float
+    grad_error: float
+    param_error: float
+    worst: str  # the tensor with the largest error
+    collectives: dict[str, int] = field(default_factory=dict)
+
+    def ok(self, tolerance: float = 1e-5) -> bool:
+        return max(self.loss_error, self.grad_error, self.param_error) <= tolerance
+
+    def __str__(self) -> str:
+        return (
+            f"loss {self.loss_error:.1e}, gradients {self.grad_error:.1e}, parameters {self.param_error:.1e} "
+            f"(max-norm relative; worst: {self.worst})"
+        )
+
+
+def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """max |ours − ref| / max |ref| over all tensors of ``ref``, and the tensor with the largest difference."""
+    scale = max((t.detach().abs().max().item() for t in ref.values() if t.numel()), default=0.0) or 1.0
+    worst, name = 0.0, ""
+    for key, b in ref.items():
+        a = ours.get(key)
+        if a is None or a.shape != b.shape:
+            return float("inf"), key
+        d = (a.detach().double() - b.detach().double()).abs().max().item() if b.numel() else 0.0
+        if d >= worst:
+            worst, name = d, key
+    return worst / scale, name
+
+
+def _train(model, inputs, step: Callable[[], torch.Tensor], opt, steps: int, grads: Callable) -> tuple:
+    losses, first = [], None
+    for s in range(steps):
+        losses.append(float(step()))
+        if s == 0:
+            first = grads()
+        opt.step()
+        opt.zero_grad()
+    return losses, first
+
+
+def single_device_run(factory: Callable, steps: int, lr: float, seed: int, loss_fn=None) -> tuple:
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> torch.Tensor:
+        loss = model_loss(model, inputs, loss_fn)
+        loss.backward()
+        return loss.detach()
+
+    def grads() -> dict:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    losses, first = _train(model, inputs, step, opt, steps, grads)
+    return losses, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
+    import torch.distributed as dist
+
+    from autopar.runtime.parallelize import parallelize
+
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
+    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
+    losses, first = _train(model, inputs, lambda: pm.train_step(inputs), opt, steps, pm.full_grads)
+    final = pm.full_state_dict()
+    if dist.get_rank() != 0:
+        return losses, None, None, pm.collectives()
+    return losses, first, final, pm.collectives()
+
+
+def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn) -> list[tuple]:
+    return [_rank_run(factory, cluster, plan, steps, lr, seed, loss_fn) for factory, plan in cases]
+
+
+def check_plans(
+    cases: list[tuple[Callable[[], tuple[Any, Any]], Plan | None]],
+    cluster: Cluster,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    loss_fn: Callable | None = None,
+) -> list[Check]:
+    """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes."""
+    refs = [single_device_run(factory, steps, lr, seed, loss_fn) for factory, _ in cases]
+    wire = [(factory, plan.to_dict() if plan is not None else None) for factory, plan in cases]
+    per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn)
+    return [_compare([r[k] for r in per_rank], refs[k]) for k in range(len(cases))]
+
+
+def check_plan(
+    factory: Callable[[], tuple[Any, Any]],
+    cluster: Cluster,
+    plan: Plan | None = None,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    loss_fn: Callable | None = None,
+) -> Check:
+    """Train ``factory()``'s model under ``plan`` on ``cluster``'s local processes and on one device; compare.
+
+    ``factory`` returns ``(model, inputs)`` with real weights; it must be
+    picklable (a module-level function) and seeded calls must agree.
+    """
+    return check_plans([(factory, plan)], cluster, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn)[0]
+
+
+def _compare(per_rank: list[tuple], ref: tuple) -> Check:
+    ref_losses, ref_grads, ref_params = ref
+    losses, grads, params, collectives = per_rank[0]
+    loss_err = 0.0
+    for other, *_ in per_rank:  # every rank's loss against the reference
+        for a, b in zip(other, ref_losses, strict=True):
+            loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
+    grad_err, grad_worst = group_error(grads, ref_grads)
+    param_err, param_worst = group_error(params, ref_params)
+    worst = max(
+        [(loss_err, "loss"), (grad_err, f"grad of {grad_worst}"), (param_err, param_worst)],
+        key=lambda e: e[0],
+    )[1]
+    return Check(losses, ref_losses, loss_err, grad_err, param_err, worst, collectives)
