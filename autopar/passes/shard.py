@@ -77,6 +77,34 @@ class LocalGraph:
     arg_placements: list[tuple[str, ...]]
     grad_placements: list[tuple[str, ...] | None]
 
+    def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = ("dp", "tp")) -> list[dict]:
+        """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
+
+        Bytes follow :func:`autopar.cost_models.reshard.collectives_between`: the
+        full buffer of an all-gather (its output), a reduce-scatter or an
+        all-reduce (its input), and each rank's buffer of an all-to-all.
+        """
+        axis_of = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+        kinds = {
+            "all_reduce": "all_reduce",
+            "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all",
+        }
+        out = []
+        for n in self.gm.graph.nodes:
+            op = getattr(n.target, "_opname", "") if n.op == "call_function" else ""
+            if op not in kinds:
+                continue
+            val = n.args[0].meta["val"]
+            nbytes = val.numel() * val.element_size()
+            group = n.args[-1]
+            size = mesh.size(list(axis_of).index(group)) if group in axis_of else 1
+            if op == "all_gather_into_tensor":
+                nbytes *= size
+            out.append({"kind": kinds[op], "axis": axis_of.get(group, str(group)), "bytes": float(nbytes)})
+        return out
+
     def collectives(self) -> Counter:
         """How many of each functional collective the graph runs per step."""
         return Counter(
@@ -196,8 +224,13 @@ class _ShardInterpreter(fx.Interpreter):
         if n.op == "get_attr":  # a constant of the model: whole on every rank, then as planned
             return self._whole(super().run_node(n), entry)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        if n.target is operator.getitem or entry is None:
+        if entry is None:
             return n.target(*args, **kwargs)
+        if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
+            out = n.target(*args, **kwargs)
+            if entry["inputs"]:
+                out = _redistribute(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
+            return self._declare(out, entry, n)
         if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
             # a factory (arange, full, ...) or an op on constants: whole on every rank
             return self._whole(n.target(*args, **kwargs), entry)
@@ -213,6 +246,8 @@ class _ShardInterpreter(fx.Interpreter):
         val_leaves = pytree.tree_leaves((args, kwargs))
         val_leaves = [bring(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)]
         args, kwargs = pytree.tree_unflatten(val_leaves, spec)
+        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
+            return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
         if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
         try:
@@ -237,6 +272,36 @@ class _ShardInterpreter(fx.Interpreter):
                 o = _from_whole(o, self.mesh, placements(p))
             res.append(o)
         return pytree.tree_unflatten(res, spec)
+
+    def _vocab_parallel_embedding(self, args: Any, entry: dict) -> Any:
+        """Embedding with the table's rows split over mesh dims: look up the rows held, zeros elsewhere.
+
+        The result is a partial sum over those mesh dims.  DTensor does the same
+        with a masked partial whose mask lives in the placement and is spent by
+        the first reduction, which breaks a value read twice; here the mask is
+        applied at once and the placement is a plain partial sum.
+        """
+        weight, indices, *rest = args
+        spec = entry["inputs"][0]
+        rows = weight.shape[0]
+        offset, coord = 0, self.mesh.get_coordinate()
+        for i, p in enumerate(spec):
+            if p == "S(0)":
+                rows //= self.mesh.size(i)
+                offset += coord[i] * rows
+        idx = indices.to_local() if isinstance(indices, DTensor) else indices
+        outside = (idx < offset) | (idx >= offset + rows)
+        local = aten.embedding.default(weight.to_local(), (idx - offset).masked_fill(outside, 0), *rest)
+        local = local.masked_fill(outside.unsqueeze(-1), 0)
+        out_spec = entry["outputs"][0]
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            placements(out_spec),
+            run_check=False,
+            shape=torch.Size([*indices.shape, weight.shape[1]]),
+            stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
+        )
 
     def _local(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
         """Run ``n`` on local shards; its outputs are what the plan says they are."""

@@ -45,11 +45,9 @@ def _process_group(cluster: Cluster) -> None:
     dist.init_process_group(cluster.backend or "gloo", timeout=timedelta(seconds=120))
 
 
-def _agree_on_plan(plan: Plan | None, make_plan: Callable[[], Plan]) -> Plan:
+def _agree_on_plan(make_plan: Callable[[], Plan]) -> Plan:
     """Rank 0's plan on every rank: solver time limits make independent solves differ."""
-    box = [plan.to_dict() if plan is not None else None]
-    if box[0] is None and dist.get_rank() == 0:
-        box = [make_plan().to_dict()]
+    box = [make_plan().to_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Plan.from_dict(box[0])
 
@@ -83,11 +81,24 @@ def _broadcast_weights(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
-    """Placements for a plan the data-parallel model chose (no per-op placements recorded)."""
+def layout_placements(
+    captured, plan: Plan, cluster: Cluster, kind: str, split_batch: bool = False
+) -> dict[str, dict]:
+    """Placements of a hand-set layout ("dp", "zero3", "megatron") on the plan's mesh, the rest solved.
+
+    ``split_batch`` also splits every input by batch over the data-parallel
+    axis, as DDP and FSDP do, even where the cost model would rather not.
+    """
     mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
     params = {p.placeholder: p.name for p in captured.params}
-    kind = "zero3" if plan.zero == 3 else "dp"
+    inputs = {i.placeholder for i in captured.inputs}
+    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+
+    def allowed(node: str, strategy) -> bool:
+        if split_batch and node in inputs and strategy.outputs[0][0] != "S(0)":
+            return False
+        return seed(node, strategy)
+
     res = solve_mesh(
         captured,
         cluster,
@@ -96,11 +107,16 @@ def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[st
         plan.optimizer,
         float("inf"),
         30.0,
-        allowed=seed_filter(kind, params, captured.model_name.startswith("GPT2")),
+        allowed=allowed,
     )
     if not res.placements:
         raise PlanError(f"no {kind} layout found for {plan.model} on mesh {plan.mesh}")
     return res.placements
+
+
+def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
+    """Placements for a plan the data-parallel model chose (no per-op placements recorded)."""
+    return layout_placements(captured, plan, cluster, "zero3" if plan.zero == 3 else "dp")
 
 
 def parallelize(
@@ -121,13 +137,18 @@ def parallelize(
     from autopar.api import plan as make_plan
 
     _process_group(cluster)
-    plan = _agree_on_plan(
-        plan,
-        lambda: make_plan(
-            model, example_inputs, cluster, loss_fn=loss_fn, example_targets=example_targets, **plan_options
-        ),
-    )
-    _check(plan, model, cluster)
+    if dist.get_world_size() != cluster.world_size:
+        raise RuntimeMismatchError(
+            f"the cluster has {cluster.world_size} devices but this job has {dist.get_world_size()} ranks; "
+            "pass the cluster the job runs on"
+        )
+    if plan is None:
+        plan = _agree_on_plan(
+            lambda: make_plan(
+                model, example_inputs, cluster, loss_fn=loss_fn, example_targets=example_targets, **plan_options
+            )
+        )
+    _check(plan, model, cluster)  # before any collective: a mismatched job must not hang
     _broadcast_weights(model)
     micro = plan.global_batch_size // max(plan.microbatches, 1)
     captured = capture(

@@ -16,17 +16,22 @@ against the model's weights it stays at round-off, as it should.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from autopar.capture import model_loss
+from autopar.capture import CapturedGraph, capture, model_loss
 from autopar.cluster import Cluster
+from autopar.graph_cache import resize_batch
+from autopar.passes.strategies import enumerate_strategies
 from autopar.plan import Plan
 from autopar.runtime.launch import launch
+from autopar.runtime.parallelize import layout_placements
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,55 @@ def single_device_run(factory: Callable, steps: int, lr: float, seed: int, loss_
 
     losses, first = _train(model, inputs, step, opt, steps, grads)
     return losses, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def random_placements(captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int) -> dict[str, dict]:
+    """A random valid plan: one strategy per node drawn at random (followers follow their source).
+
+    Not the solver's choice: the oracle must hold for every plan the strategies
+    allow, including the odd ones no cost model would pick.
+    """
+    rng = random.Random(seed)
+    strategies = enumerate_strategies(captured.gm, mesh_shape)
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    params = {p.placeholder: p.name for p in captured.params}
+    picked: dict[str, int] = {}
+    out = {}
+    for name, ns in strategies.items():
+        if ns.rule == "follower" and ns.inputs and ns.inputs[0] in picked:
+            k = picked[ns.inputs[0]]
+        else:
+            k = rng.randrange(len(ns.strategies))
+        picked[name] = k
+        s = ns.strategies[k]
+        node = by_name[name]
+        out[name] = {
+            "op": str(node.target) if node.op == "call_function" else node.op,
+            "outputs": [list(p) if p is not None else None for p in s.outputs],
+            "inputs": [list(p) if p is not None else None for p in s.inputs],
+        }
+        if name in params:
+            out[name]["param"] = params[name]
+    return out
+
+
+def plan_with_layout(plan: Plan, model, inputs, cluster: Cluster, layout: str, seed: int = 0, loss_fn=None) -> Plan:
+    """``plan`` with its placements replaced by a hand-set layout ("dp", "zero3", "megatron") or "random".
+
+    Hand-set layouts split the batch over the data-parallel axis, so that they
+    exercise gradient synchronisation even on models too small for the cost
+    model to want it.
+    """
+    micro = plan.global_batch_size // max(plan.microbatches, 1)
+    captured = capture(model, resize_batch(inputs, micro), loss_fn=loss_fn)
+    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+    if layout == "random":
+        chosen = random_placements(captured, shape, seed)
+    else:
+        chosen = layout_placements(captured, plan, cluster, layout, split_batch=True)
+    return dataclasses.replace(
+        plan, placements=chosen, solver={**plan.solver, "status": f"{layout} layout (for testing)"}
+    )
 
 
 def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
