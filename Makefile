@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with Python 3.10+ and make:
-#   make demo   -- plan a HuggingFace model for a GPU cluster and print the plan
+#   make demo   -- plan HuggingFace GPT-2 for a GPU cluster, then train one on 4 local processes under its plan
 #   make test   -- ruff, then the test suite
 PYTHON ?= python3
 VENV ?= .venv

@@ -92,6 +92,11 @@ def gpt2_tiny():
     return gpt(2, 64, 4, vocab=128, seq=16, batch=8, device="cpu")
 
 
+def gpt2_mini():
+    """A 4-layer GPT-2 (hidden 128, vocab 512, sequence 64, batch 8) the demo trains on local processes."""
+    return gpt(4, 128, 4, vocab=512, seq=64, batch=8, device="cpu")
+
+
 def llama_tiny():
     return llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 

@@ -66,6 +66,18 @@ def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s)
             dist.destroy_process_group()
 
 
+def _died_silently(procs: list, done: dict, reporter: int, grace_s: float = 2.0) -> int | None:
+    """A rank that exited with an error code without reporting, waiting ``grace_s`` for its exit."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for r, p in enumerate(procs):
+            if r != reporter and r not in done and p.exitcode not in (None, 0):
+                return r
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def launch(
     fn: Callable[..., Any],
     cluster: Cluster | int,
@@ -115,6 +127,12 @@ def launch(
                     ) from None
                 continue
             if not ok:
+                dead = _died_silently(procs, out, rank)
+                if dead is not None:  # the others' errors are only the echo of a lost peer
+                    raise LaunchError(
+                        f"rank {dead} died (exit code {procs[dead].exitcode}) before returning; "
+                        f"rank {rank} then failed and the other ranks were stopped"
+                    )
                 raise LaunchError(f"rank {rank} failed: {value}")
             out[rank] = pickle.loads(value)
     finally:

@@ -180,7 +180,9 @@ class ParallelModule(nn.Module):
         """The unsharded gradients by parameter name (a collective: call on every rank)."""
         return {
             info.name: None if p.grad is None else self._full(p.grad, spec, info.shape)
-            for info, p, spec in zip(self._infos[: len(self.shards)], self.shards, self._param_specs, strict=True)
+            for info, p, spec in zip(
+                self._infos[: len(self.shards)], self.shards, self._param_specs, strict=True
+            )
         }
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:

@@ -145,7 +145,12 @@ def parallelize(
     if plan is None:
         plan = _agree_on_plan(
             lambda: make_plan(
-                model, example_inputs, cluster, loss_fn=loss_fn, example_targets=example_targets, **plan_options
+                model,
+                example_inputs,
+                cluster,
+                loss_fn=loss_fn,
+                example_targets=example_targets,
+                **plan_options,
             )
         )
     _check(plan, model, cluster)  # before any collective: a mismatched job must not hang
