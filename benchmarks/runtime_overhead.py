@@ -121,7 +121,7 @@ def main() -> None:
     print(
         f"\nstep time on 2 gloo processes, median of {args.steps} (FeedForward {WIDTH}x{HIDDEN}, batch {BATCH})"
     )
-    print(f"| plan | torch reference | autopar (ms) | torch (ms) | ratio |\n|---|---|---:|---:|---:|")
+    print("| plan | torch reference | autopar (ms) | torch (ms) | ratio |\n|---|---|---:|---:|---:|")
     for kind, reference, ours, ref in rows:
         print(f"| {kind} | {reference} | {ours * 1e3:.1f} | {ref * 1e3:.1f} | {ours / ref:.3f} |")
 
