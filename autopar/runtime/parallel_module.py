@@ -95,12 +95,11 @@ class ParallelModule(nn.Module):
                         "pass the global batch (local_batch=False)"
                     )
                 spec = ("R", *spec[1:])  # the rank's part of the batch is already its data-parallel shard
-                want = (shape[0] // self.dp_size // self.microbatches, *shape[1:])
-            else:
-                want = (shape[0] // self.microbatches, *shape[1:])
-            if t.dim() and t.shape[0] != want[0] * self.microbatches:
+            # the graph holds one micro-batch of the global batch
+            expected = shape[0] * self.microbatches // (self.dp_size if local_batch else 1) if shape else None
+            if t.dim() and t.shape[0] != expected:
                 raise RuntimeMismatchError(
-                    f"an input has batch {t.shape[0]}, the plan expects {want[0] * self.microbatches}"
+                    f"an input has batch {t.shape[0]}, the plan expects {expected}"
                     f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
                 )
             out.append((t, spec))

@@ -162,6 +162,13 @@ def parallelize(
         loss_fn=loss_fn,
         example_targets=resize_batch(example_targets, micro),
     )
+    if plan.zero in (1, 2):
+        log.warning(
+            "ZeRO-%d shards optimizer state%s at run time only in a later version: running plain data "
+            "parallel (same numerics, more memory)",
+            plan.zero,
+            " and gradients" if plan.zero == 2 else "",
+        )
     chosen = plan.placements or _data_parallel_placements(captured, plan, cluster)
     missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
     if missing:
