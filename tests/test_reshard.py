@@ -43,3 +43,16 @@ def test_forbidden_and_times():
     assert t_tp == pytest.approx(collective_time("all_reduce", 1e9, 8, LINKS[1]))
     t_dp = redistribute_time(("P", "R"), ("R", "R"), 1e9, SHAPE, LINKS)
     assert t_dp > t_tp * 2
+
+
+def test_nested_shards_follow_dtensor():
+    """Two mesh dims sharding one tensor dim: the outer one cannot change while the inner one holds its shard."""
+    # (R, S(1)) -> (S(1), S(1)): the tp shard a rank holds changes, so tp gathers first
+    assert collectives_between(("R", "S(1)"), ("S(1)", "S(1)"), 1024.0, (2, 2)) == [("all_gather", 1, 1024.0)]
+    # (S(2), S(2)) -> (R, S(2)): gather tp, then dp, then slice tp again
+    assert collectives_between(("S(2)", "S(2)"), ("R", "S(2)"), 1024.0, (2, 2)) == [
+        ("all_gather", 1, 512.0),
+        ("all_gather", 0, 1024.0),
+    ]
+    # different tensor dims stay independent: one gather on the dim that changes, local to the other
+    assert collectives_between(("S(0)", "S(1)"), ("R", "S(1)"), 1024.0, (2, 2)) == [("all_gather", 0, 512.0)]

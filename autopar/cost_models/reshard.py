@@ -17,6 +17,7 @@ Python: the solver side uses it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -69,19 +70,75 @@ def collectives_between(
     Bytes follow ``comm.collective_time``'s convention: the full buffer for
     all-gather / reduce-scatter / all-reduce, each rank's buffer for all-to-all.
     """
+    if any(transition(a, b) == "forbidden" for a, b in zip(src, dst, strict=True)):
+        return None
+    steps = _dtensor_steps(tuple(src), tuple(dst), tuple(int(n) for n in mesh_shape))
+    return [(kind, d, nbytes * fraction) for kind, d, fraction in steps]
+
+
+_KIND = {
+    ("S", "R"): "all_gather",
+    ("P", "R"): "all_reduce",
+    ("P", "S"): "reduce_scatter",
+    ("S", "S"): "all_to_all",
+}
+
+
+@functools.lru_cache(maxsize=65536)
+def _dtensor_steps(
+    src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[str, int, float], ...]:
+    """The collectives DTensor's redistribution runs for ``src`` → ``dst``, each with its share of the bytes.
+
+    Asks DTensor's own planner (the one ``DTensor.redistribute`` follows at run
+    time) on a shape-only mesh and a tensor whose dims every mesh size divides,
+    so that nested shards of one tensor dim (which force gathering an inner
+    mesh dim before an outer one changes) and the order of the mesh dims are
+    DTensor's, not a re-derivation.
+    """
+    import torch
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    from autopar.passes.strategies import _placement_obj, fake_mesh
+
+    def plain(p: str):  # every partial is a sum to DTensor's planner; autopar rescales averages first
+        return _placement_obj("P" if p.startswith("P") else p)
+
+    dims = [shard_dim(p) for p in (*src, *dst)]
+    ndim = max([d for d in dims if d is not None], default=0) + 1
+    size = math.prod(mesh_shape) ** 2  # every dim splits evenly however the mesh shards it
+    shape = torch.Size([size] * ndim)
+    meta = TensorMeta(shape, tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32)
+    mesh = fake_mesh(mesh_shape, tuple(f"d{i}" for i in range(len(mesh_shape))))
+    a = DTensorSpec(mesh, tuple(plain(p) for p in src), meta)
+    b = DTensorSpec(mesh, tuple(plain(p) for p in dst), meta)
     out = []
     current = list(src)
-    for d, (a, b) in enumerate(zip(src, dst, strict=True)):
-        kind = transition(a, b)
-        if kind == "forbidden":
-            return None
-        if kind is not None:
-            # bytes local to the other mesh dims at this point (this dim counted as unsharded)
+    for info in _gen_transform_infos(a, b):
+        d = info.mesh_dim
+        have, want = info.src_dst_placements
+        kind = _KIND.get((_letter(have), _letter(want)))
+        after = _plain_str(want)
+        if kind is not None and have != want:  # else a local slice, zeroing copies, or nothing
+            # the tensor the group holds: local to every other mesh dim as placed at this step
             others = tuple(p if i != d else "R" for i, p in enumerate(current))
-            local = nbytes / shard_factor(others, mesh_shape)
-            out.append((kind, d, local / mesh_shape[d] if kind == "all_to_all" else local))
-        current[d] = b
-    return out
+            fraction = 1.0 / shard_factor(others, mesh_shape)
+            if kind == "all_to_all":
+                fraction /= mesh_shape[d]
+            out.append((kind, d, fraction))
+        current[d] = after
+    return tuple(out)
+
+
+def _plain_str(p) -> str:
+    letter = _letter(p)
+    return f"S({p.dim})" if letter == "S" else letter
+
+
+def _letter(p) -> str:
+    name = type(p).__name__
+    return "S" if name == "Shard" else "P" if "Partial" in name else "R"
 
 
 def redistribute_time(

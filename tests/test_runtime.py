@@ -1,0 +1,217 @@
+"""Codegen and runtime: every plan trains like the single-device model.
+
+Multi-process tests are costly (a launch of 2–4 gloo processes is 10–20 s
+here), so each launch runs many plans: one launch of 2 processes, one of 4,
+one for random plans.  Collective accounting and bad input are checked in
+one process on torch's fake process group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar.capture import capture
+from autopar.cluster import MeshShape
+from autopar.cost_models.memory import precision_spec
+from autopar.passes.search import solve_mesh
+from autopar.passes.seeds import seed_filter
+from autopar.passes.shard import shard_graph
+from autopar.runtime.verify import check_plans, plan_with_layout
+from examples.models import gpt2_tiny, llama_tiny, mlp_tiny
+
+TOL = 1e-5
+FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
+
+
+def _plan(factory, n: int, dp: int, tp: int, layout: str | None = None) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = factory()
+    cluster = autopar.Cluster.local(n)
+    plan = autopar.plan(model, inputs, cluster, fixed={"dp": dp, "tp": tp}, precision="fp32")
+    return plan_with_layout(plan, model, inputs, cluster, layout) if layout else plan
+
+
+def _assert_all_match(cases, checks) -> None:
+    bad = [
+        f"{f.__name__} {p.mesh} ({p.solver['status']}): {c}"
+        for (f, p), c in zip(cases, checks, strict=True)
+        if not c.ok(TOL)
+    ]
+    assert not bad, "plans that do not train like one device:\n" + "\n".join(bad)
+    for (_, _), c in zip(cases, checks, strict=True):
+        assert len(c.losses) == 3 and c.losses[0] != c.losses[2]  # three real steps were taken
+
+
+@pytest.mark.slow
+def test_plans_on_2_processes_train_like_one_device():
+    cases = [(f, _plan(f, 2, dp, tp)) for f in FACTORIES for dp, tp in [(2, 1), (1, 2)]]
+    cases += [
+        (gpt2_tiny, _plan(gpt2_tiny, 2, 1, 2, "megatron")),
+        (llama_tiny, _plan(llama_tiny, 2, 2, 1, "dp")),
+        (gpt2_tiny, _accumulating_plan(gpt2_tiny)),
+    ]
+    checks = check_plans(cases, autopar.Cluster.local(2))
+    _assert_all_match(cases, checks)
+    assert checks[-3].collectives.get("all_reduce", 0) >= 2  # Megatron's row-parallel reductions ran
+
+
+def _accumulating_plan(factory) -> autopar.Plan:
+    """A data-parallel plan with 2 micro-batches of gradient accumulation (the analytic search's kind)."""
+    torch.manual_seed(0)
+    model, inputs = factory()
+    fixed = {"dp": 2, "zero": 0, "microbatches": 2}
+    plan = autopar.plan(model, inputs, autopar.Cluster.local(2), fixed=fixed, precision="fp32")
+    assert plan.microbatches == 2 and not plan.placements
+    return plan
+
+
+@pytest.mark.slow
+def test_plans_on_4_processes_train_like_one_device():
+    meshes = [(4, 1), (1, 4), (2, 2)]
+    cases = [(f, _plan(f, 4, dp, tp)) for f in FACTORIES for dp, tp in meshes]
+    cases += [
+        (llama_tiny, _plan(llama_tiny, 4, 2, 2, "megatron")),
+        (gpt2_tiny, _plan(gpt2_tiny, 4, 4, 1, "zero3")),
+    ]
+    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(4)))
+
+
+@pytest.mark.slow
+def test_random_plans_train_like_one_device():
+    """Random valid strategies per op (not the solver's choice); AUTOPAR_FUZZ_PLANS=N runs more."""
+    count = int(os.environ.get("AUTOPAR_FUZZ_PLANS", "1"))
+    cases = []
+    for seed in range(count):
+        for f in (gpt2_tiny, llama_tiny):
+            cases.append((f, plan_with_layout_random(f, seed)))
+    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(4)))
+
+
+def plan_with_layout_random(factory, seed: int) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = factory()
+    cluster = autopar.Cluster.local(4)
+    plan = autopar.plan(model, inputs, cluster, fixed={"dp": 2, "tp": 2}, precision="fp32")
+    return plan_with_layout(plan, model, inputs, cluster, "random", seed=1000 + seed)
+
+
+# ---------------------------------------------------------------- one process, fake process group
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def _totals(records) -> tuple[Counter, Counter]:
+    count, nbytes = Counter(), Counter()
+    for r in records:
+        count[(r["kind"], r["axis"])] += 1
+        nbytes[(r["kind"], r["axis"])] += r["bytes"]
+    return count, nbytes
+
+
+def _as_run_on_gloo(charged: list[dict], mesh_shape: tuple[int, int]) -> list[dict]:
+    """Gloo has no all-to-all: DTensor gathers the whole tensor and keeps its chunk instead
+    (torch's ``shard_dim_alltoall`` on a CPU mesh), so each charged all-to-all runs as an all-gather of
+    the group's tensor. A GPU cluster runs the all-to-all the plan charged."""
+    out = []
+    for c in charged:
+        if c["kind"] == "all_to_all":
+            n = mesh_shape[("dp", "tp").index(c["axis"])]
+            c = {**c, "kind": "all_gather", "bytes": c["bytes"] * n}
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("factory", [gpt2_tiny, llama_tiny])
+@pytest.mark.parametrize("layout", [None, "megatron", "zero3"])
+def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout):
+    torch.manual_seed(0)
+    model, inputs = factory()
+    cluster = autopar.Cluster.local(4)
+    captured = capture(model, inputs)
+    mesh = MeshShape(dp=4, tp=1, pp=1) if layout == "zero3" else MeshShape(dp=2, tp=2, pp=1)
+    params = {p.placeholder: p.name for p in captured.params}
+    res = solve_mesh(
+        captured,
+        cluster,
+        mesh,
+        precision_spec("fp32"),
+        "adamw",
+        float("inf"),
+        30.0,
+        allowed=seed_filter(layout, params, factory is gpt2_tiny) if layout else None,
+    )
+    device_mesh = init_device_mesh("cpu", (mesh.dp, mesh.tp), mesh_dim_names=("dp", "tp"))
+    local = shard_graph(captured, res.placements, device_mesh)
+    graph_count, graph_bytes = _totals(local.collective_records(device_mesh))
+    charged_count, charged_bytes = _totals(_as_run_on_gloo(res.charged, (mesh.dp, mesh.tp)))
+    assert graph_count == charged_count
+    assert graph_bytes == charged_bytes
+    assert sum(graph_count.values()) > 0
+
+
+def test_a_plan_for_another_world_size_is_refused_before_any_collective(fake_world):
+    plan = _plan(mlp_tiny, 2, 2, 1)
+    model, inputs = mlp_tiny()
+    with pytest.raises(autopar.RuntimeMismatchError, match="plan is for 2 devices but this job has 4 ranks"):
+        autopar.parallelize(model, autopar.Cluster.local(4), inputs, plan=plan)
+    with pytest.raises(autopar.RuntimeMismatchError, match="cluster has 2 devices but this job has 4"):
+        autopar.parallelize(model, autopar.Cluster.local(2), inputs, plan=plan)
+
+
+def test_a_plan_for_another_model_is_refused(fake_world):
+    plan = _plan(mlp_tiny, 4, 4, 1)
+    other = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    with pytest.raises(autopar.RuntimeMismatchError, match="made for another model"):
+        autopar.parallelize(other, autopar.Cluster.local(4), (torch.randn(8, 32),), plan=plan)
+
+
+def test_parallelize_outside_a_job_says_how_to_launch():
+    model, inputs = mlp_tiny()
+    with pytest.raises(autopar.RuntimeMismatchError, match=r"autopar.launch\(fn, cluster\) or torchrun"):
+        autopar.parallelize(model, autopar.Cluster.local(2), inputs)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _one_rank_dies() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()  # would wait for rank 1 forever without the launcher
+
+
+def _one_rank_raises() -> None:
+    if dist.get_rank() == 0:
+        raise ValueError("bad batch")
+    dist.barrier()
+
+
+def test_launch_returns_every_rank_result():
+    assert autopar.launch(_rank_and_world, 2) == [(0, 2), (1, 2)]
+
+
+def test_a_dead_rank_stops_the_job_without_hanging():
+    with pytest.raises(autopar.LaunchError, match="rank 1 died"):
+        autopar.launch(_one_rank_dies, 2, timeout_s=60)
+
+
+def test_a_failing_rank_reports_its_error():
+    with pytest.raises(autopar.LaunchError, match="rank 0 failed: ValueError: bad batch"):
+        autopar.launch(_one_rank_raises, 2, timeout_s=60)
