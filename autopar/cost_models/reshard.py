@@ -2,17 +2,41 @@
 
 A placement lists, per mesh dim, "R" (replicated), "S(d)" (sharded on
 tensor dim d) or "P" (a partial sum awaiting reduction; "P(avg)", "P(max)"
-for other reductions, which cost the same). A change on one
-mesh dim is one collective over that dim's ranks:
+for other reductions). A change on one mesh dim, by itself, is one
+collective over that dim's ranks or none:
 
     from \\ to   R               S(j)              P
     R            -               local slice       local (zero the copies)
     S(i)         all-gather      all-to-all (i≠j)  not allowed
     P            all-reduce      reduce-scatter    -
 
-Mesh dims are taken one at a time (as DTensor's redistribution does), each
-collective acting on the tensor's size local to the other dims. Pure
-Python: the solver side uses it.
+How the changes of several mesh dims combine is not re-derived here: the
+steps are DTensor's own.  :func:`collectives_between` asks DTensor's
+redistribution planner (``torch.distributed.tensor._redistribute.
+_gen_transform_infos_non_cached``, the one ``DTensor.redistribute`` follows
+when the runtime, :func:`autopar.passes.shard._to`, moves a value) for the
+transform steps on a shape-only mesh, with a tensor that every mesh dim
+divides evenly.  That settles what a per-mesh-dim table cannot: a tensor dim
+sharded over several mesh dims is cut outermost mesh dim first, so an outer
+shard can change only once the inner ones are gathered ((R, S(1)) → (S(1),
+S(1)) gathers on mesh dim 1 first; (S(2), S(2)) → (R, S(2)) gathers twice),
+and the order DTensor visits mesh dims sets how big each collective is.
+
+Each step with a collective is charged on the tensor its group holds: the
+tensor's bytes divided by the sizes of the other mesh dims that shard it at
+that step.  Bytes follow the runtime's accounting
+(``LocalGraph.collective_records``): the output (the full buffer) of an
+all-gather, the input of a reduce-scatter or all-reduce, and each rank's
+input of an all-to-all.  Steps that only slice or zero locally, and steps on
+a mesh dim of size 1 (DTensor skips them), cost nothing.  Partials are
+rewritten first as the runtime does before it calls DTensor: a partial
+average that changes is rescaled locally into a partial sum, and a partial
+of another kind than the one it must become is reduced to a replica (one
+all-reduce) and then kept as the new partial locally.
+
+The plan of a (src, dst, mesh shape) is memoized as a fraction of the
+tensor's bytes per step, so the planner's many thousands of calls cost a
+cache look-up each; torch is imported only on a cache miss.
 """
 
 from __future__ import annotations
@@ -47,7 +71,11 @@ def shard_factor(placements: Placements, mesh_shape: Sequence[int]) -> int:
 
 
 def transition(src: str, dst: str) -> str | None:
-    """The collective that turns ``src`` into ``dst`` on one mesh dim; None when local; "forbidden"."""
+    """The collective that turns ``src`` into ``dst`` on one mesh dim alone; None when local; "forbidden".
+
+    Only the single-mesh-dim view: :func:`collectives_between` is the one to
+    ask for a whole placement, as nested shards change the steps.
+    """
     if src == dst:
         return None
     if src == "R":
@@ -65,15 +93,57 @@ def transition(src: str, dst: str) -> str | None:
 def collectives_between(
     src: Placements, dst: Placements, nbytes: float, mesh_shape: Sequence[int]
 ) -> list[tuple[str, int, float]] | None:
-    """(kind, mesh dim, bytes) of each collective that turns ``src`` into ``dst``; None if not allowed.
+    """(kind, mesh dim, bytes) of each collective that turns ``src`` into ``dst``, in order; None if not allowed.
 
-    Bytes follow ``comm.collective_time``'s convention: the full buffer for
+    The collectives DTensor's redistribution runs (see the module docstring),
+    for a tensor of ``nbytes`` (global) whose shards divide evenly.  Bytes
+    follow ``comm.collective_time``'s convention: the full buffer for
     all-gather / reduce-scatter / all-reduce, each rank's buffer for all-to-all.
     """
+    steps = _steps(tuple(src), tuple(dst), tuple(mesh_shape))
+    if steps is None:
+        return None
+    return [(kind, d, nbytes * fraction) for kind, d, fraction in steps]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _steps(
+    src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[str, int, float], ...] | None:
+    """:func:`collectives_between` per byte of the tensor: (kind, mesh dim, fraction of the bytes); None if not allowed."""
+    if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
+        raise ValueError(f"placements {src} -> {dst} do not match mesh shape {mesh_shape}")
     if any(transition(a, b) == "forbidden" for a, b in zip(src, dst, strict=True)):
         return None
-    steps = _dtensor_steps(tuple(src), tuple(dst), tuple(int(n) for n in mesh_shape))
-    return [(kind, d, nbytes * fraction) for kind, d, fraction in steps]
+    have, step = _runtime_request(src, dst)
+    if have == step:
+        return ()
+    sizes = tuple(int(n) for n in mesh_shape)
+    out = []
+    current = list(have)
+    for d, after, kind in _dtensor_transforms(have, step, sizes):
+        if kind is not None and sizes[d] > 1:  # DTensor issues nothing over a single rank
+            # the tensor the group works on: the global one cut by the other mesh dims as placed now
+            others = tuple("R" if i == d else p for i, p in enumerate(current))
+            fraction = 1.0 / shard_factor(others, sizes)
+            if kind == "all_to_all":
+                fraction /= sizes[d]  # each rank's own shard
+            out.append((kind, d, fraction))
+        current[d] = after
+    return tuple(out)
+
+
+def _runtime_request(src: Placements, dst: Placements) -> tuple[Placements, Placements]:
+    """The (from, to) the runtime hands to ``DTensor.redistribute`` for ``src`` → ``dst``.
+
+    Mirrors :func:`autopar.passes.shard._to`: a partial average that is to
+    change becomes a partial sum locally (rescaled); a wanted partial the value
+    is not already in is asked of DTensor as a replica, then kept as a partial
+    locally (DTensor makes no partial from another placement with communication).
+    """
+    have = tuple("P" if a == "P(avg)" and b != a else a for a, b in zip(src, dst, strict=True))
+    step = tuple("R" if b.startswith("P") and a != b else b for a, b in zip(have, dst, strict=True))
+    return have, step
 
 
 _KIND = {
@@ -84,61 +154,65 @@ _KIND = {
 }
 
 
-@functools.lru_cache(maxsize=65536)
-def _dtensor_steps(
+def _dtensor_transforms(
     src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
-) -> tuple[tuple[str, int, float], ...]:
-    """The collectives DTensor's redistribution runs for ``src`` → ``dst``, each with its share of the bytes.
+) -> list[tuple[int, str, str | None]]:
+    """DTensor's redistribution plan for ``src`` → ``dst``: (mesh dim, placement after, collective or None) per step.
 
-    Asks DTensor's own planner (the one ``DTensor.redistribute`` follows at run
-    time) on a shape-only mesh and a tensor whose dims every mesh size divides,
-    so that nested shards of one tensor dim (which force gathering an inner
-    mesh dim before an outer one changes) and the order of the mesh dims are
-    DTensor's, not a re-derivation.
+    The steps of ``_gen_transform_infos_non_cached`` (DTensor's planner, with the
+    strategy it picks at run time), for a tensor whose every dim each mesh dim
+    divides.  Run on a fake mesh, so it needs no process group.
     """
-    import torch
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
-    from autopar.passes.strategies import _placement_obj, fake_mesh
-
-    def plain(p: str):  # every partial is a sum to DTensor's planner; autopar rescales averages first
-        return _placement_obj("P" if p.startswith("P") else p)
+    from autopar.passes.strategies import _placement_obj
 
     dims = [shard_dim(p) for p in (*src, *dst)]
     ndim = max([d for d in dims if d is not None], default=0) + 1
-    size = math.prod(mesh_shape) ** 2  # every dim splits evenly however the mesh shards it
-    shape = torch.Size([size] * ndim)
-    meta = TensorMeta(shape, tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32)
-    mesh = fake_mesh(mesh_shape, tuple(f"d{i}" for i in range(len(mesh_shape))))
-    a = DTensorSpec(mesh, tuple(plain(p) for p in src), meta)
-    b = DTensorSpec(mesh, tuple(plain(p) for p in dst), meta)
+    mesh, meta = _fake_mesh_and_meta(mesh_shape, ndim)
+    a = DTensorSpec(mesh, tuple(_placement_obj(p) for p in src), meta)
+    b = DTensorSpec(mesh, tuple(_placement_obj(p) for p in dst), meta)
     out = []
-    current = list(src)
-    for info in _gen_transform_infos(a, b):
-        d = info.mesh_dim
-        have, want = info.src_dst_placements
-        kind = _KIND.get((_letter(have), _letter(want)))
-        after = _plain_str(want)
-        if kind is not None and have != want:  # else a local slice, zeroing copies, or nothing
-            # the tensor the group holds: local to every other mesh dim as placed at this step
-            others = tuple(p if i != d else "R" for i, p in enumerate(current))
-            fraction = 1.0 / shard_factor(others, mesh_shape)
-            if kind == "all_to_all":
-                fraction /= mesh_shape[d]
-            out.append((kind, d, fraction))
-        current[d] = after
-    return tuple(out)
+    for info in _gen_transform_infos_non_cached(a, b):
+        was, now = info.src_dst_placements
+        kind = _KIND.get((_letter(was), _letter(now)))
+        if kind == "all_to_all" and was == now:
+            kind = None  # same shard on both sides: nothing moves
+        out.append((info.mesh_dim, _plain_str(now), kind))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _fake_mesh_and_meta(mesh_shape: tuple[int, ...], ndim: int):
+    """A shape-only mesh and a tensor of ``ndim`` dims that every mesh dim, alone or together, divides.
+
+    Kept alive here: DTensor caches its planners per live mesh.
+    """
+    import torch
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    from autopar.passes.strategies import fake_mesh
+
+    size = max(math.prod(mesh_shape), 1)
+    meta = TensorMeta(torch.Size([size] * ndim), tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32)
+    mesh = fake_mesh(mesh_shape, tuple(f"d{i}" for i in range(len(mesh_shape))))
+    return mesh, meta
 
 
 def _plain_str(p) -> str:
     letter = _letter(p)
-    return f"S({p.dim})" if letter == "S" else letter
+    if letter == "S":
+        return f"S({p.dim})"
+    if letter == "P":
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
 
 
 def _letter(p) -> str:
-    name = type(p).__name__
-    return "S" if name == "Shard" else "P" if "Partial" in name else "R"
+    if p.is_shard():
+        return "S"
+    return "P" if p.is_partial() else "R"
 
 
 def redistribute_time(

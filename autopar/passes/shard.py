@@ -337,6 +337,30 @@ class _ShardInterpreter(fx.Interpreter):
         return pytree.tree_unflatten(res, spec)
 
 
+def _issue_early_wait_late(graph: fx.Graph) -> None:
+    """Start each collective as soon as its input exists and wait for it only where it is first read.
+
+    Functional collectives return at once and ``wait_tensor`` blocks; the trace
+    puts the wait right after the collective, which serialises communication
+    with compute.  Moving waits to their first reader lets a gradient's
+    reduction run while the rest of the backward computes, as DDP's bucket
+    hooks do.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "_opname", "") not in COLLECTIVES:
+            continue
+        ready = max((a for a in node.all_input_nodes), key=lambda a: order[a], default=None)
+        if ready is not None and ready.op != "placeholder":
+            ready.append(node)  # right after the last of its inputs
+    order = {n: i for i, n in enumerate(graph.nodes)}  # moving waits keeps the others' relative order
+    for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor":
+            first = min(node.users, key=lambda u: order[u], default=None)
+            if first is not None:
+                first.prepend(node)
+
+
 def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh: DeviceMesh) -> LocalGraph:
     """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``)."""
     gm = captured.gm
@@ -381,6 +405,11 @@ def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh:
         local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
     finally:
         quiet.setLevel(level)
+    # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
+    # make_fx records those ops too; nothing reads them
+    local_gm.graph.eliminate_dead_code()
+    _issue_early_wait_late(local_gm.graph)
+    local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))
     return LocalGraph(local_gm, arg_pl, grad_pl)
