@@ -80,7 +80,9 @@ def test_mesh_dim_order_sets_the_bytes():
 def test_partials_of_other_kinds_as_the_runtime_moves_them():
     # an average reduces like a sum
     assert collectives_between(("P(avg)", "R"), ("R", "R"), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
-    assert collectives_between(("R", "P(avg)"), ("R", "S(0)"), 1024.0, SHAPE) == [("reduce_scatter", 1, 1024.0)]
+    assert collectives_between(("R", "P(avg)"), ("R", "S(0)"), 1024.0, SHAPE) == [
+        ("reduce_scatter", 1, 1024.0)
+    ]
     # an average becomes a sum by a local rescale; a sum becomes an average through a replica
     assert collectives_between(("P(avg)", "R"), ("P", "R"), 1024.0, SHAPE) == []
     assert collectives_between(("P", "R"), ("P(avg)", "R"), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
@@ -127,7 +129,9 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
     def move(x):
-        t = DTensor.from_local(x, mesh, placements(src), run_check=False, shape=torch.Size(shape), stride=stride)
+        t = DTensor.from_local(
+            x, mesh, placements(src), run_check=False, shape=torch.Size(shape), stride=stride
+        )
         return _redistribute(t, dst).to_local()
 
     gm = make_fx(move, tracing_mode="fake")(torch.empty(local))
@@ -144,7 +148,7 @@ def _as_on_gloo(charged, mesh_shape) -> list[tuple[str, str, float]]:
     return out
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), pytest.param((4, 2), marks=pytest.mark.slow)])
 def test_charged_collectives_are_the_runtime_ones(fake_world_8, mesh_shape):
     """Every placement pair on a 2-D mesh: the collectives charged are the ones the runtime traces, in order."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -195,7 +195,9 @@ def _fake_mesh_and_meta(mesh_shape: tuple[int, ...], ndim: int):
     from autopar.passes.strategies import fake_mesh
 
     size = max(math.prod(mesh_shape), 1)
-    meta = TensorMeta(torch.Size([size] * ndim), tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32)
+    meta = TensorMeta(
+        torch.Size([size] * ndim), tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32
+    )
     mesh = fake_mesh(mesh_shape, tuple(f"d{i}" for i in range(len(mesh_shape))))
     return mesh, meta
 
