@@ -38,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture import CapturedGraph
 from autopar.passes import strategy_rules
-from autopar.passes.strategies import placement_str
+from autopar.passes.strategies import _placement_obj, placement_str
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,7 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 
 def placement(s: str) -> Placement:
     """DTensor placement of the plain form ``"R"``, ``"S(d)"``, ``"P"``, ``"P(avg)"``."""
-    if s == "R":
-        return Replicate()
-    if s == "P":
-        return Partial()
-    if s.startswith("P(") and s.endswith(")"):
-        return Partial(s[2:-1])
-    if s.startswith("S(") and s.endswith(")"):
-        return Shard(int(s[2:-1]))
-    raise ValueError(f"not a placement: {s!r}")
+    return _placement_obj(s)
 
 
 def placements(spec: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
