@@ -167,7 +167,7 @@ class Plan:
         )
         cfg.add_row("precision / optimizer", f"{self.precision} / {self.optimizer}")
         if self.solver:
-            cfg.add_row("search", _solver_line(self.solver))
+            cfg.add_row("search", _solver_line(self.solver, self.mesh))
         console.print(cfg)
 
         time_t = Table(title="time per step")
@@ -266,12 +266,20 @@ class Plan:
         return self.summary()
 
 
-def _solver_line(solver: dict[str, Any]) -> str:
+def _solver_line(solver: dict[str, Any], mesh: dict[str, int] | None = None) -> str:
+    """Status, gap of the linear objective against the solver's bound, who found the answer, time."""
     parts = [str(solver.get("status", "?"))]
-    if "candidates" in solver:
-        parts.append(f"{solver['candidates']} configurations costed")
     if solver.get("gap") is not None:
         parts.append(f"gap {solver['gap'] * 100:.2g}%")
+    chosen = [
+        r
+        for r in solver.get("meshes") or []
+        if mesh is not None and all(r["mesh"].get(k) == mesh.get(k) for k in ("dp", "tp", "pp"))
+    ]
+    if chosen and chosen[0].get("source", "milp") != "milp":
+        parts.append(f"found by the {chosen[0]['source']} seed")
+    if "candidates" in solver:
+        parts.append(f"{solver['candidates']} configurations costed")
     if "time_s" in solver:
         parts.append(f"{solver['time_s']:.2f} s")
     return ", ".join(parts)

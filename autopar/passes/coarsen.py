@@ -11,13 +11,14 @@ is kept only when every copy matched and all copies have the same
 strategies, so tying them can never make an answer invalid.
 
 Followers (views, element-wise ops) and dominated strategies are folded by
-the solver's own reduction (``autopar.passes.solve``), which works on the
+the solver's own reduction (``autopar.passes.solve_reduce``), which works on the
 plain problem and needs no knowledge of ops.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from collections import defaultdict
 
 import torch.fx as fx
@@ -51,8 +52,28 @@ def repeated_groups(gm: fx.GraphModule, candidates: set[str], same_strategies=No
 
     ``candidates`` limits the nodes considered (those in the problem);
     ``same_strategies(a, b)`` says whether two nodes have identical strategy
-    lists (the solver needs that to tie them).
+    lists (the solver needs that to tie them). The matching of copies depends on
+    the graph alone, so it is done once per graph and candidate set (the search
+    asks again for every mesh); only the strategy check is redone.
     """
+    key = frozenset(candidates)
+    per_graph = _MATCHED.setdefault(gm, {})
+    matched = per_graph.get(key)
+    if matched is None:
+        per_graph.clear()  # one candidate set at a time is all the search needs
+        matched = per_graph[key] = _matched_copies(gm, candidates)
+    if same_strategies is None:
+        return [list(g) for g in matched]
+    return [list(g) for g in matched if all(same_strategies(g[0], other) for other in g[1:])]
+
+
+_MATCHED: weakref.WeakKeyDictionary[fx.GraphModule, dict[frozenset, list[list[str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _matched_copies(gm: fx.GraphModule, candidates: set[str]) -> list[list[str]]:
+    """Node names matched across every copy of each repeated layer, by module path, op, shapes and rank."""
     # per repeated-layer family: per layer index, the nodes in graph order
     families: dict[str, dict[int, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
     for node in gm.graph.nodes:
@@ -83,9 +104,7 @@ def repeated_groups(gm: fx.GraphModule, candidates: set[str], same_strategies=No
             members = [first]
             for table in ranked[1:]:
                 other = table.get(key)
-                if other is None or (
-                    same_strategies is not None and not same_strategies(first.name, other.name)
-                ):
+                if other is None:
                     members = []
                     break
                 members.append(other)

@@ -15,9 +15,10 @@ comparison uses one model.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.capture import CapturedGraph, node_module
@@ -28,8 +29,14 @@ from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.passes.coarsen import repeated_groups
 from autopar.passes.seeds import seed_filter, seeds_for
-from autopar.passes.sharding_problem import ShardingProblem, build_problem, charged_collectives
-from autopar.passes.solve import Solution, solve_strategies
+from autopar.passes.sharding_problem import (
+    ShardingProblem,
+    build_problem,
+    charged_collectives,
+    restrict,
+    with_microbatches,
+)
+from autopar.passes.solve import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, solve_strategies
 from autopar.passes.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.plan import Estimate, MemoryEstimate
 
@@ -48,11 +55,155 @@ class ShardingResult:
     placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
-    source: str = "milp"  # "milp", or the seed layout that beat the MILP at its time limit
+    source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
+    milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
 
 
 def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
     return [cluster.axis_link(mesh, axis) for axis in AXES]
+
+
+@dataclass
+class MeshProblem:
+    """One mesh's sharding problem, built once (for one micro-batch) and solved under several restrictions.
+
+    The search solves each mesh unrestricted and again for every seed layout, and
+    retries with more micro-batches when nothing fits: all of these are the same
+    problem with some strategies forbidden or the activation memory divided, so
+    they share this one build.
+    """
+
+    captured: CapturedGraph
+    cluster: Cluster
+    mesh: MeshShape
+    links: list
+    sp: ShardingProblem  # one micro-batch, repeated-layer groups set
+    memory_limit: float
+    compute_dtype: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    strategies: dict[str, NodeStrategies] | None = None,
+    efficiency: ComputeEfficiency | None = None,
+) -> MeshProblem:
+    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``."""
+    timings: dict[str, float] = {}
+    shape = (mesh.dp, mesh.tp)
+    t = time.perf_counter()
+    if strategies is None:
+        strategies = enumerate_strategies(captured.gm, shape, AXES)
+    timings["strategies_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    links = mesh_links(cluster, mesh)
+    sp = build_problem(
+        captured,
+        strategies,
+        shape,
+        links,
+        cluster.device_spec,
+        precision,
+        optimizer,
+        efficiency=efficiency,
+        memory_limit=memory_limit,
+        microbatches=1,
+    )
+    index = {name: i for i, name in enumerate(sp.nodes)}
+    options = {name: sp.strategies[i] for name, i in index.items()}
+    groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
+    sp.problem.groups = [[index[n] for n in g] for g in groups] or None
+    timings["build_s"] = time.perf_counter() - t
+    timings["solve_s"] = 0.0
+    return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
+
+
+def solve_prepared(
+    mp: MeshProblem,
+    time_limit_s: float = 60.0,
+    allowed: Callable[[str, Strategy], bool] | None = None,
+    describe: bool = True,
+    bound: bool = True,
+) -> ShardingResult:
+    """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
+
+    Gradient accumulation only to fit: the fewest micro-batches that fit the memory
+    limit. ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
+    ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
+    """
+    captured, shape = mp.captured, (mp.mesh.dp, mp.mesh.tp)
+    local = captured.batch_size // mp.mesh.dp
+    deadline = time.perf_counter() + time_limit_s
+    solve_s = 0.0
+    counts = [k for k in range(1, local + 1) if local % k == 0]
+    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
+    solution, m = None, counts[0]
+    for k in counts:
+        if (
+            solution is not None
+            and states is not None
+            and not _may_fit(solution, m, k, states, mp.memory_limit)
+        ):
+            if not _may_fit(solution, m, counts[-1], states, mp.memory_limit):
+                break  # the bound falls as k grows: if the most micro-batches cannot fit, none can
+            continue
+        t = time.perf_counter()
+        sp = with_microbatches(mp.sp, k)
+        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+        solution = solve_strategies(
+            problem, time_limit_s=max(deadline - time.perf_counter(), 1.0), bound=bound
+        )
+        m = k
+        solve_s += time.perf_counter() - t
+        if solution.choice:
+            break
+        if states is None:
+            states = sum(_least_memory(problem, i) for i in sp.param_nodes)
+    mp.timings["solve_s"] += solve_s
+    estimate = evaluate(
+        sp, solution, shape, mp.cluster, captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
+    )
+    res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": solve_s})
+    if describe:
+        describe_result(captured, res)
+    return res
+
+
+def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: float) -> bool:
+    """Whether ``m`` micro-batches may fit where ``m0`` did not (``solution`` says by how much).
+
+    The peak of any choice is its states' memory plus its activations' peak, and only
+    the activations shrink with more micro-batches, so with ``P`` the least peak at
+    ``m0`` and ``S`` the least states' memory, no choice peaks below
+    ``(m0 / m) P + (1 - m0 / m) S`` at ``m``.
+    """
+    peak = solution.stats.get("min_peak_memory")
+    if peak is None:
+        return True
+    bound = (m0 / m) * peak + (1 - m0 / m) * states
+    return bound <= memory_limit * (1 + MEMORY_RTOL)
+
+
+def _least_memory(problem: StrategyProblem, i: int) -> float:
+    """The least memory node ``i`` takes under a strategy that is not forbidden."""
+    allowed = [
+        mem for mem, c in zip(problem.node_memory[i], problem.node_costs[i], strict=True) if math.isfinite(c)
+    ]
+    return min(allowed or problem.node_memory[i])
+
+
+def describe_result(captured: CapturedGraph, res: ShardingResult) -> ShardingResult:
+    """Fill in the placements and charged collectives of ``res``'s answer (once; none without one)."""
+    if res.solution.choice and not res.placements:
+        shape = (res.mesh.dp, res.mesh.tp)
+        res.placements = read_placements(captured, res.sp, res.solution.choice)
+        res.charged = describe_collectives(captured, res.sp, res.solution.choice, shape)
+    return res
 
 
 def solve_mesh(
@@ -68,51 +219,10 @@ def solve_mesh(
     efficiency: ComputeEfficiency | None = None,
 ) -> ShardingResult:
     """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``."""
-    timings: dict[str, float] = {}
-    shape = (mesh.dp, mesh.tp)
-    t = time.perf_counter()
-    if strategies is None:
-        strategies = enumerate_strategies(captured.gm, shape, AXES)
-    timings["strategies_s"] = time.perf_counter() - t
-    if allowed is not None:
-        strategies = _restrict(strategies, allowed)
-    links = mesh_links(cluster, mesh)
-    local = captured.batch_size // mesh.dp
-    groups = None
-    deadline = time.perf_counter() + time_limit_s
-    timings["build_s"] = timings["solve_s"] = 0.0
-    # gradient accumulation only to fit: fewest micro-batches first
-    for m in [k for k in range(1, local + 1) if local % k == 0]:
-        t = time.perf_counter()
-        sp = build_problem(
-            captured,
-            strategies,
-            shape,
-            links,
-            cluster.device_spec,
-            precision,
-            optimizer,
-            efficiency=efficiency,
-            memory_limit=memory_limit,
-            microbatches=m,
-        )
-        index = {name: i for i, name in enumerate(sp.nodes)}
-        if groups is None:
-            options = {name: sp.strategies[i] for name, i in index.items()}
-            groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
-        sp.problem.groups = [[index[n] for n in g] for g in groups] or None
-        timings["build_s"] += time.perf_counter() - t
-        t = time.perf_counter()
-        solution = solve_strategies(sp.problem, time_limit_s=max(deadline - time.perf_counter(), 1.0))
-        timings["solve_s"] += time.perf_counter() - t
-        if solution.choice:
-            break
-    estimate = evaluate(
-        sp, solution, shape, cluster, captured.batch_size, memory_limit, links, precision.compute_dtype
-    )
-    placements = read_placements(captured, sp, solution.choice) if solution.choice else {}
-    charged = describe_collectives(captured, sp, solution.choice, shape) if solution.choice else []
-    return ShardingResult(mesh, m, sp, solution, estimate, placements, timings, charged)
+    mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, strategies, efficiency)
+    res = solve_prepared(mp, time_limit_s, allowed)
+    res.timings = dict(mp.timings)
+    return res
 
 
 def describe_collectives(
@@ -138,14 +248,6 @@ def describe_collectives(
                 "from_param": c["from"] in params,
             }
         )
-    return out
-
-
-def _restrict(strategies: dict[str, NodeStrategies], allowed: Callable[[str, Strategy], bool]) -> dict:
-    out = {}
-    for name, ns in strategies.items():
-        keep = [s for s in ns.strategies if allowed(name, s)]
-        out[name] = NodeStrategies(ns.node, ns.op, ns.inputs, keep or ns.strategies, ns.rule)
     return out
 
 
@@ -269,7 +371,10 @@ def search_meshes(
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
     Tensor-parallel sizes that cross a node are tried too: the link model
-    makes them expensive, not forbidden. Returns (best or None, all results).
+    makes them expensive, not forbidden. Returns (best or None, all results);
+    each mesh's problem is built once and its seed layouts are solved on it with the
+    other strategies forbidden. Only the best result has its placements and charged
+    collectives filled in (:func:`describe_result` fills in another's).
     """
     world = cluster.world_size
     sizes = [t for t in range(1, world + 1) if world % t == 0]
@@ -284,32 +389,24 @@ def search_meshes(
     conv1d = captured.model_name.startswith("GPT2")
     for t in sizes:
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
-        start = time.perf_counter()
-        strategies = enumerate_strategies(captured.gm, (mesh.dp, mesh.tp), AXES)
-        enum_s = time.perf_counter() - start
-        res = solve_mesh(
-            captured, cluster, mesh, precision, optimizer, memory_limit, per_mesh, strategies=strategies
-        )
-        res.timings["strategies_s"] = enum_s
+        mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit)
+        # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
+        plain = res = solve_prepared(mp, per_mesh, describe=False, bound=False)
         # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
         # the backward, which the MILP's linear objective does not see
         for kind in seeds_for(t, list(params.values())):
-            seeded = solve_mesh(
-                captured,
-                cluster,
-                mesh,
-                precision,
-                optimizer,
-                memory_limit,
-                per_mesh / 2,
-                allowed=seed_filter(kind, params, conv1d),
-                strategies=strategies,
+            seeded = solve_prepared(
+                mp, per_mesh / 2, allowed=seed_filter(kind, params, conv1d), describe=False, bound=False
             )
             if seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9):
-                log.info("mesh %s: the %s layout beats the MILP's answer at its time limit", mesh, kind)
-                seeded.source = kind
-                seeded.timings = {k: v + seeded.timings.get(k, 0.0) for k, v in res.timings.items()}
+                log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)
+                seeded.source, seeded.milp = kind, plain
                 res = seeded
+        if res is not plain:
+            _against_bound(
+                res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches
+            )
+        res.timings = dict(mp.timings)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -321,4 +418,48 @@ def search_meshes(
         results.append(res)
     fitting = [r for r in results if r.solution.choice and r.estimate.fits]
     best = min(fitting, key=lambda r: r.estimate.step_time_s) if fitting else None
+    if best is not None:
+        describe_result(captured, best)
+        if best.solution.status != "optimal":
+            # the gap of the answer kept, against the best bound on the unrestricted problem: the MILP's,
+            # or its relaxation's (memory dropped, so valid at any number of micro-batches)
+            unrestricted = best.milp or best
+            start = time.perf_counter()
+            lower = lower_bound(unrestricted.sp.problem, time_limit_s=min(1.0, 0.05 * time_limit_s))
+            elapsed = time.perf_counter() - start
+            best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
+            log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
+            milp_lower = unrestricted.solution.stats.get("lower_bound")
+            if milp_lower is not None and unrestricted.microbatches == best.microbatches:
+                lower = max(lower, milp_lower)
+            _against_bound(best, lower, True)
     return best, results
+
+
+def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -> None:
+    """Set ``res``'s status and gap from a lower bound on the unrestricted problem's optimum.
+
+    A seed's answer is an answer to the unrestricted problem too (the same costs, fewer
+    strategies allowed), so that problem's bound bounds it: the gap says how far its
+    linear objective can be from the optimum. (A seed wins on the estimate, which also
+    credits gradient synchronisation hidden under the backward; the objective does not.)
+    ``comparable`` is False when the bound is for another number of micro-batches.
+    """
+    sol = res.solution
+    stats = dict(sol.stats)
+    if res.milp is not None:
+        ms = res.milp.solution
+        stats.update(
+            found_by=res.source,
+            milp_status=ms.status,
+            milp_gap=ms.gap,
+            milp_objective=ms.objective,
+            seed_status=sol.status,
+            seed_gap=sol.gap,
+        )
+    gap = sol.gap if res.milp is None else None  # a seed's own gap is on its restricted problem
+    if lower is not None and comparable and math.isfinite(sol.objective):
+        stats["lower_bound"] = lower
+        gap = max(0.0, (sol.objective - lower) / (abs(sol.objective) or 1.0))
+    status = "optimal" if gap is not None and gap <= 1e-9 else "feasible"
+    res.solution = replace(sol, status=status, gap=gap, stats=stats)

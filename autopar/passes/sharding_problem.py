@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
@@ -77,6 +78,56 @@ def _output_vals(node: fx.Node) -> list:
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
+@dataclass
+class _GraphFacts:
+    """What build_problem reads from the graph that no mesh changes: computed once per graph.
+
+    Planning builds one problem per mesh shape (and the search tries a dozen), so the
+    FLOP formulas, byte counts and live intervals are read here once rather than once
+    per strategy of every node of every mesh.
+    """
+
+    n_nodes: int
+    order: dict[str, int]
+    by_name: dict[str, fx.Node]
+    out_bytes: dict[str, list[float]]  # per output value, at the traced dtype
+    out_float: dict[str, list[bool]]  # per output value: floating point (scaled to the training dtype)
+    whole_bytes: dict[str, float]  # bytes of meta["val"] taken whole (0 for a tuple)
+    flops: dict[str, float]  # node_flops, 0 for non-calls
+    view: dict[str, bool]
+    interval: dict[str, tuple[int, int]]  # live interval of a non-parameter node
+    backward: set[str]
+    element_size: dict[str, int]
+
+
+_FACTS: weakref.WeakKeyDictionary[fx.GraphModule, _GraphFacts] = weakref.WeakKeyDictionary()
+
+
+def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
+    facts = _FACTS.get(gm)
+    if facts is not None and facts.n_nodes == len(gm.graph.nodes):
+        return facts
+    nodes = list(gm.graph.nodes)
+    order = {n.name: i for i, n in enumerate(nodes)}
+    facts = _GraphFacts(len(nodes), order, {n.name: n for n in nodes}, {}, {}, {}, {}, {}, {}, set(), {})
+    for node in nodes:
+        name = node.name
+        vals = _output_vals(node)
+        facts.out_bytes[name] = [_tensor_bytes(v) for v in vals]
+        facts.out_float[name] = [bool(getattr(v, "is_floating_point", lambda: False)()) for v in vals]
+        facts.whole_bytes[name] = _tensor_bytes(node.meta.get("val"))
+        facts.flops[name] = float(node_flops(node)) if node.op == "call_function" else 0.0
+        facts.view[name] = is_view(node)
+        last_use = max((order[u.name] for u in node.users), default=order[name] + 1)
+        facts.interval[name] = (order[name], max(last_use, order[name] + 1))
+        if node.op == "call_function" and node.meta.get("autopar_phase") == "backward":
+            facts.backward.add(name)
+        if hasattr(vals[0], "element_size"):
+            facts.element_size[name] = vals[0].element_size()
+    _FACTS[gm] = facts
+    return facts
+
+
 def build_problem(
     captured: CapturedGraph,
     strategies: dict[str, NodeStrategies],
@@ -92,8 +143,8 @@ def build_problem(
 ) -> ShardingProblem:
     """The MILP instance for one mesh (see the module docstring for the formulation)."""
     gm = captured.gm
-    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    by_name = {n.name: n for n in gm.graph.nodes}
+    facts = _graph_facts(gm)
+    by_name = facts.by_name
     scale = precision.activation_bytes / max(
         (p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4
     )
@@ -105,7 +156,30 @@ def build_problem(
     opt_traffic = (
         precision.grad_bytes + 2 * optimizer_bytes_per_param(precision, optimizer) + precision.param_bytes
     )
-    end = len(order)
+    end = facts.n_nodes
+    mem_bw = device.hbm_bandwidth * _mem_eff(efficiency)
+
+    factor: dict[tuple[str, ...], int] = {}
+
+    def pieces(p: tuple[str, ...]) -> int:
+        f = factor.get(p)
+        if f is None:
+            f = factor[p] = shard_factor(p, mesh_shape)
+        return f
+
+    split_of: dict[tuple, int] = {}
+
+    def split(s: Strategy) -> int:
+        """The number of pieces the work is cut into: the mesh dims where any placement is not "R"."""
+        key = (s.outputs, s.inputs)
+        n = split_of.get(key)
+        if n is None:
+            n = split_of[key] = math.prod(
+                n
+                for d, n in enumerate(mesh_shape)
+                if any(p is not None and p[d] != "R" for p in (*s.outputs, *s.inputs))
+            )
+        return n
 
     names: list[str] = []
     strats: list[list[Strategy]] = []
@@ -115,54 +189,84 @@ def build_problem(
     backward: list[int] = []
     params_idx: list[int] = []
     flops_of: list[float] = []
+    # nodes of repeated layers have the same strategies (shared objects) and sizes: cost them once
+    rows: dict[tuple, tuple[list[float], list[float]]] = {}
+    list_id: dict[tuple[int, ...], int] = {}  # distinct strategy lists (by their objects' identity)
+    list_ids: list[int] = []  # per problem node
     for node in gm.graph.nodes:
         ns = strategies.get(node.name)
         if ns is None or not ns.strategies:
             continue
+        name = node.name
         options = list(ns.strategies)
-        if node.name in input_nodes and dp_dim is not None:
+        if name in input_nodes and dp_dim is not None:
             batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][dp_dim] == "S(0)"]
             options = batch or options
-        vals = _output_vals(node)
-        c_row, m_row = [], []
-        for s in options:
-            out_local = [
-                _tensor_bytes(v) / shard_factor(p, mesh_shape) if p is not None else 0.0
-                for v, p in zip(vals, s.outputs, strict=False)
-            ]
-            if node.name in param_nodes:
-                numel = sum(out_local) / max(vals[0].element_size(), 1)
-                c_row.append(numel * opt_traffic / (device.hbm_bandwidth * _mem_eff(efficiency)))
-                m_row.append(numel * state_bytes)
-                continue
-            if node.op == "placeholder":
-                c_row.append(0.0)
-                m_row.append(sum(out_local) / microbatches)
-                continue
-            split = math.prod(
-                n
-                for d, n in enumerate(mesh_shape)
-                if any(p is not None and p[d] != "R" for p in (*s.outputs, *s.inputs))
-            )
-            in_local = 0.0
-            for inp, p in zip(ns.inputs, s.inputs, strict=False):
-                src = by_name.get(inp)
-                if src is not None and p is not None:
-                    in_local += _tensor_bytes(src.meta.get("val")) / shard_factor(p, mesh_shape)
-            flops = node_flops(node) / split
-            nbytes = 0.0 if is_view(node) else (in_local + sum(out_local))
-            c_row.append(roofline_time(flops, nbytes, device, precision.compute_dtype, efficiency, scale))
-            # with m micro-batches a step runs the graph m times on 1/m of the batch: the same total
-            # compute and traffic, 1/m of the activations live at once
-            m_row.append(0.0 if is_view(node) else sum(out_local) * scale / microbatches)
-        last_use = max((order[u.name] for u in node.users), default=order[node.name] + 1)
-        iv = (0, end) if node.name in param_nodes else (order[node.name], max(last_use, order[node.name] + 1))
-        if node.op == "call_function" and node.meta.get("autopar_phase") == "backward":
+        is_param = name in param_nodes
+        kind = "param" if is_param else ("placeholder" if node.op == "placeholder" else "op")
+        out_bytes = facts.out_bytes[name]
+        in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
+        ids = tuple(map(id, options))
+        list_ids.append(list_id.setdefault(ids, len(list_id)))
+        key = (
+            kind,
+            ids,
+            tuple(out_bytes),
+            tuple(in_bytes),
+            facts.flops[name],
+            facts.view[name],
+            facts.element_size.get(name),
+        )
+        got = rows.get(key)
+        if got is None:
+            c_row, m_row = [], []
+            if is_param:
+                elem = max(facts.element_size[name], 1)
+                for s in options:
+                    out_local = [
+                        b / pieces(p) if p is not None else 0.0
+                        for b, p in zip(out_bytes, s.outputs, strict=False)
+                    ]
+                    numel = sum(out_local) / elem
+                    c_row.append(numel * opt_traffic / mem_bw)
+                    m_row.append(numel * state_bytes)
+            elif kind == "placeholder":
+                for s in options:
+                    out_local = [
+                        b / pieces(p) if p is not None else 0.0
+                        for b, p in zip(out_bytes, s.outputs, strict=False)
+                    ]
+                    c_row.append(0.0)
+                    m_row.append(sum(out_local) / microbatches)
+            else:
+                view = facts.view[name]
+                node_fl = facts.flops[name]
+                for s in options:
+                    out_local = [
+                        b / pieces(p) if p is not None else 0.0
+                        for b, p in zip(out_bytes, s.outputs, strict=False)
+                    ]
+                    in_local = 0.0
+                    for b, p in zip(in_bytes, s.inputs, strict=False):
+                        if b is not None and p is not None:
+                            in_local += b / pieces(p)
+                    flops = node_fl / split(s)
+                    nbytes = 0.0 if view else (in_local + sum(out_local))
+                    c_row.append(
+                        roofline_time(flops, nbytes, device, precision.compute_dtype, efficiency, scale)
+                    )
+                    # with m micro-batches a step runs the graph m times on 1/m of the batch: the same
+                    # total compute and traffic, 1/m of the activations live at once
+                    m_row.append(0.0 if view else sum(out_local) * scale / microbatches)
+            got = rows[key] = (c_row, m_row)
+        c_row, m_row = got
+        iv = (0, end) if is_param else facts.interval[name]
+        if name in facts.backward:
             backward.append(len(names))
-        if node.name in param_nodes:
+        if is_param:
             params_idx.append(len(names))
-        flops_of.append(float(node_flops(node)) if node.op == "call_function" else 0.0)
-        names.append(node.name)
+        flops_of.append(facts.flops[name])
+        names.append(name)
         strats.append(options)
         costs.append(c_row)
         memory.append(m_row)
@@ -174,17 +278,28 @@ def build_problem(
     edge_info: list[tuple[str, str, int, float, str, int]] = []
 
     matrices: dict[tuple, list[float]] = {}
+    moves: dict[tuple, float] = {}  # (have, need, bytes) -> seconds
+    # the placements an edge's ends have and need, per strategy, numbered once per strategy list
+    haves_of: dict[tuple[int, int], tuple[int, tuple]] = {}
+    needs_of: dict[tuple[int, int], tuple[int, tuple]] = {}
 
     def add_edge(u: str, v: str, out_idx: int, pos: int, kind: str) -> None:
-        iu = index[u]
-        need = [
-            s.outputs[0] if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None)
-            for s in strats[index[v]]
-        ]
-        val = _output_vals(by_name[u])[out_idx]
-        nbytes = _tensor_bytes(val) * (scale if getattr(val, "is_floating_point", lambda: False)() else 1)
-        haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in strats[iu])
-        key = (haves, tuple(need), nbytes)
+        iu, iv_ = index[u], index[v]
+        need_id, need = needs_of.get((list_ids[iv_], pos), (-1, ()))
+        if need_id < 0:
+            need = tuple(
+                s.outputs[0] if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None)
+                for s in strats[iv_]
+            )
+            need_id = len(needs_of)
+            needs_of[(list_ids[iv_], pos)] = (need_id, need)
+        nbytes = facts.out_bytes[u][out_idx] * (scale if facts.out_float[u][out_idx] else 1)
+        have_id, haves = haves_of.get((list_ids[iu], out_idx), (-1, ()))
+        if have_id < 0:
+            haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in strats[iu])
+            have_id = len(haves_of)
+            haves_of[(list_ids[iu], out_idx)] = (have_id, haves)
+        key = (have_id, need_id, nbytes)
         row = matrices.get(key)
         if row is None:  # repeated layers ask for the same matrix: build it once
             row = []
@@ -193,10 +308,13 @@ def build_problem(
                     if have is None or b is None:
                         row.append(0.0)
                         continue
-                    t = redistribute_time(have, b, nbytes, mesh_shape, links)
-                    row.append(FORBIDDEN_S if t == INF else t)
+                    t = moves.get((have, b, nbytes))
+                    if t is None:
+                        t = redistribute_time(have, b, nbytes, mesh_shape, links)
+                        t = moves[(have, b, nbytes)] = FORBIDDEN_S if t == INF else t
+                    row.append(t)
             matrices[key] = row
-        edges.append((iu, index[v]))
+        edges.append((iu, iv_))
         edge_costs.append(row)
         edge_info.append((u, v, out_idx, nbytes, kind, pos))
 
@@ -253,3 +371,45 @@ def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tupl
         for coll, d, size in collectives_between(have, need, nbytes, mesh_shape) or []:
             out.append({"kind": coll, "mesh_dim": d, "bytes": size, "from": u, "to": v, "reason": kind})
     return out
+
+
+def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem:
+    """``sp`` (built for one micro-batch) for ``microbatches``: its activation memory divided by that.
+
+    Exactly what :func:`build_problem` computes with ``microbatches`` (the same floating-point
+    operations), without building again: only the memory of non-parameter nodes depends on it.
+    """
+    if microbatches == 1:
+        return sp
+    params = set(sp.param_nodes)
+    memory = [
+        row if i in params else [x / microbatches for x in row]
+        for i, row in enumerate(sp.problem.node_memory)
+    ]
+    return replace(sp, problem=replace(sp.problem, node_memory=memory))
+
+
+def restrict(problem: StrategyProblem, sp: ShardingProblem, allowed) -> StrategyProblem:
+    """``problem`` with the strategies ``allowed(node name, strategy)`` rejects forbidden (infinite cost).
+
+    A node none of whose strategies is allowed keeps them all. Repeated-layer groups are
+    split where their members' restrictions differ, so tying them never forbids more.
+    Indices stay those of ``sp``: an answer reads back through ``sp`` as it is.
+    """
+    costs = list(problem.node_costs)
+    masks: dict[int, tuple[bool, ...]] = {}
+    for i, name in enumerate(sp.nodes):
+        mask = tuple(bool(allowed(name, s)) for s in sp.strategies[i])
+        if all(mask) or not any(mask):
+            continue
+        masks[i] = mask
+        costs[i] = [c if ok else math.inf for c, ok in zip(costs[i], mask, strict=True)]
+    groups = None
+    if problem.groups:
+        groups = []
+        for group in problem.groups:
+            parts: dict[tuple[bool, ...] | None, list[int]] = {}
+            for v in group:
+                parts.setdefault(masks.get(v), []).append(v)
+            groups += [g for g in parts.values() if len(g) > 1]
+    return replace(problem, node_costs=costs, groups=groups or None)

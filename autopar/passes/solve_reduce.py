@@ -585,6 +585,29 @@ def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     return out
 
 
+def _running_sums(
+    prefix: np.ndarray,
+    r0: np.ndarray,
+    r1: np.ndarray,
+    col: np.ndarray,
+    val: np.ndarray,
+    used: np.ndarray,
+    n_rows: int,
+) -> np.ndarray:
+    """Per kept row and used column, the sum of the (item, strategy) entries live there.
+
+    Built in place (at 10^7 entries a fresh array costs more in page faults than the sums);
+    entries are added in their given order, zeros left out, so every sum is the one a
+    full-width matrix holds.
+    """
+    nonzero = val != 0
+    where = np.searchsorted(used, col[nonzero])
+    dense = np.zeros((n_rows + 1, len(used)))
+    np.add.at(dense, (prefix[r0[nonzero]], where), val[nonzero])
+    np.add.at(dense, (prefix[r1[nonzero]], where), -val[nonzero])
+    return np.cumsum(dense[:-1], axis=0, out=dense[:-1])
+
+
 def prune_rows(core: CoreProblem, dense_budget: float = 2e8) -> CoreProblem:
     """Drop memory rows implied by another row, and re-index the items' row ranges.
 
@@ -640,25 +663,47 @@ def prune_rows(core: CoreProblem, dense_budget: float = 2e8) -> CoreProblem:
             x0[core.item_var[item]] + np.arange(len(item)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         )
         val = np.concatenate(core.item_coef)
-        delta = np.zeros((len(kept) + 1, int(x0[-1])))
-        np.add.at(delta, (prefix[core.item_r0[item]], col), val)
-        np.add.at(delta, (prefix[core.item_r1[item]], col), -val)
-        dense = np.cumsum(delta[:-1], axis=0)
+        # Only the columns some item touches can be non-zero: the matrix keeps those (in order,
+        # so each variable's stay together), and is built in place, as at 10^7 entries a fresh
+        # array costs more in page faults than the sums themselves.
+        used = np.unique(col[val != 0])
+        dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
+        if (dense < 0).any():
+            # rounding left a negative sum, so a variable's minimum may be below its untouched
+            # columns' zero: keep every column, as the subtraction below will touch them all
+            used = np.arange(int(x0[-1]))
+            dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
         cap = core.cap[kept].copy()
-        for i in range(core.n):
-            low = dense[:, x0[i] : x0[i + 1]].min(axis=1)
-            dense[:, x0[i] : x0[i + 1]] -= low[:, None]
-            cap -= low
+        # Per row, each variable's smallest coefficient is subtracted; a variable with an untouched
+        # (zero) column has a zero minimum (sums are non-negative now), and subtracting zero does nothing.
+        var_of_used = np.searchsorted(x0, used, side="right") - 1
+        full = np.bincount(var_of_used, minlength=core.n) == sizes
+        seg = np.searchsorted(var_of_used, np.arange(core.n + 1))
+        for i in np.nonzero(full)[0].tolist():
+            low = dense[:, seg[i] : seg[i + 1]].min(axis=1)
+            if low.any():
+                dense[:, seg[i] : seg[i + 1]] -= low[:, None]
+                cap -= low
+        # Row totals over all the columns, zeros included, summed as one row-major matrix would be.
+        totals = np.empty(len(kept))
+        block = np.zeros((min(256, len(kept)), int(x0[-1])))
+        for a in range(0, len(kept), 256):
+            rows_ = dense[a : a + 256]
+            block[: len(rows_), used] = rows_
+            totals[a : a + 256] = block[: len(rows_)].sum(axis=1)
         alive = np.ones(len(kept), dtype=bool)
         budget = dense_budget
-        for r in np.argsort(cap - dense.sum(axis=1)).tolist():
+        for r in np.argsort(cap - totals).tolist():
             if budget <= 0:
                 break
             if alive[r]:
-                dominated = (dense <= dense[r]).all(axis=1) & (cap >= cap[r])
+                dominated = np.zeros(len(kept), dtype=bool)
+                for a in range(0, len(kept), 256):  # in blocks: small temporaries stay in cache
+                    dominated[a : a + 256] = (dense[a : a + 256] <= dense[r]).all(axis=1)
+                dominated &= cap >= cap[r]
                 dominated[r] = False
                 alive &= ~dominated
-                budget -= dense.size
+                budget -= len(kept) * int(x0[-1])  # as if all the columns were kept
         kept = kept[alive]
         keep = np.zeros(n_rows, dtype=bool)
         keep[kept] = True
