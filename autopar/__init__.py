@@ -15,6 +15,8 @@ from autopar.errors import (
     PlanFormatError,
     RuntimeMismatchError,
 )
+from autopar.inspection import diff
+from autopar.onnx import OnnxError, OnnxPlan, export_onnx, read_onnx_plan, validate_onnx_plan
 from autopar.plan import Estimate, MemoryEstimate, Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.parallelize import parallelize
@@ -27,11 +29,17 @@ __all__ = [
     "Estimate",
     "LaunchError",
     "MemoryEstimate",
+    "OnnxError",
+    "OnnxPlan",
     "Plan",
     "PlanError",
     "PlanFormatError",
     "RuntimeMismatchError",
+    "diff",
+    "export_onnx",
     "launch",
     "parallelize",
     "plan",
+    "read_onnx_plan",
+    "validate_onnx_plan",
 ]

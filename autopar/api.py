@@ -20,6 +20,7 @@ from autopar.cost_models.memory import optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
 from autopar.graph_cache import captured_with_stats, example_batch
+from autopar.passes.explain_records import explain_records
 from autopar.passes.search import search_meshes
 from autopar.plan import GB, Estimate, Plan
 
@@ -266,6 +267,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         "charged": best.charged,
         "graph_nodes": sol.stats.get("nodes"),
         "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "ops": explain_records(captured, best),
     }
     return _Sharded((cfg, est), solver, best.placements)
 

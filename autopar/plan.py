@@ -262,6 +262,24 @@ class Plan:
             out[key] = out.get(key, 0) + 1
         return out
 
+    def explain(self, name: str) -> str:
+        """Why the plan does what it does at ``name``: a node, a parameter, or a module path (a layer).
+
+        For an op: the strategies it had and what each would cost with every other op
+        as chosen, why the chosen one won, the collectives it causes. For a module: its
+        parameters, its ops' placements and costs, the collectives into and out of it.
+        Raises ``autopar.inspection.UnknownNameError`` (one line naming close matches).
+        """
+        from autopar.inspection import explain_plan
+
+        return explain_plan(self, name)
+
+    def report(self, path: str | Path) -> Path:
+        """Write a self-contained HTML report of the plan (tables and charts, no server needed)."""
+        from autopar.report import write_report
+
+        return write_report(self, path)
+
     def __str__(self) -> str:
         return self.summary()
 
