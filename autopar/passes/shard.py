@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
@@ -62,12 +64,18 @@ class LocalGraph:
     ``gm(*args)`` takes, in the captured graph's placeholder order, the local
     shard of every tensor whose placement is ``arg_placements[i]``, and returns
     ``(loss, *grads)`` with grads in ``grad_placements`` (None for a parameter
-    without gradient).
+    without gradient).  ``zero_stages[i]`` is parameter ``i``'s ZeRO stage
+    (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
+    partial sum (``"P"`` on the dp axis) or, when the plan already reduced it,
+    replicated (``"R"``); under ZeRO-2 the graph returns only this rank's flat
+    chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
+    ``grad_placements[i]`` is the placement of the whole gradient it was cut from.
     """
 
     gm: fx.GraphModule
     arg_placements: list[tuple[str, ...]]
     grad_placements: list[tuple[str, ...] | None]
+    zero_stages: list[int] = field(default_factory=list)
 
     def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = ("dp", "tp")) -> list[dict]:
         """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
@@ -203,13 +211,26 @@ def _match_layout(x: DTensor, like: torch.Tensor) -> DTensor:
 class _ShardInterpreter(fx.Interpreter):
     """Runs the joint graph on DTensors, honouring the plan's placement of every node."""
 
-    def __init__(self, gm: fx.GraphModule, plan_placements: dict[str, dict], mesh: DeviceMesh) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        plan_placements: dict[str, dict],
+        mesh: DeviceMesh,
+        on_value: dict[fx.Node, Callable[[Any], None]] | None = None,
+    ) -> None:
         super().__init__(gm)
         self.plan = plan_placements
         self.mesh = mesh
         self.local_only: Counter = Counter()
+        self.on_value = on_value or {}  # called with a node's value as soon as it is computed
 
     def run_node(self, n: fx.Node) -> Any:
+        out = self._run_planned(n)
+        if n in self.on_value:
+            self.on_value[n](out)
+        return out
+
+    def _run_planned(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "get_attr"):
             return super().run_node(n)
         entry = self.plan.get(n.name)
@@ -353,14 +374,100 @@ def _issue_early_wait_late(graph: fx.Graph) -> None:
                 first.prepend(node)
 
 
-def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh: DeviceMesh) -> LocalGraph:
-    """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``)."""
+def flat_chunk_numel(numel: int, parts: int) -> int:
+    """Elements in one rank's part of a tensor flattened, zero-padded to a multiple of ``parts`` and cut in ``parts``.
+
+    ZeRO-1/2's unit of ownership (DeepSpeed's flat partitions): every rank owns
+    the same number of elements whatever the tensor's shape or its
+    tensor-parallel split, so optimizer state and gradients divide evenly.
+    """
+    return -(-numel // parts)
+
+
+def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, tuple]:
+    """A ZeRO-1/2 parameter's gradient as it leaves the graph, and the placement of the whole gradient.
+
+    The data-parallel sum is not completed here when it is still pending: under
+    ZeRO-1 the partial sum leaves the graph and the runtime reduce-scatters it
+    once per step (after accumulating micro-batches locally); under ZeRO-2 it is
+    reduce-scattered flat right here, so only this rank's chunk outlives the
+    graph.  A gradient the plan already sharded over dp is gathered (what the
+    plan did for this replicated parameter anyway); a replicated one is cut locally.
+    """
+    first = g.placements[0]
+    summed = isinstance(first, Partial)
+    keep = (first if first.reduce_op == "sum" else Partial("sum")) if summed else Replicate()
+    local = _to(g, (keep, *placements(spec[1:]))).to_local()
+    if stage == 1:
+        return local, ("P" if summed else "R", *spec[1:])
+    n = mesh.size(0)
+    flat = local.reshape(-1)
+    pad = flat_chunk_numel(flat.numel(), n) * n - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    if summed:
+        return funcol.reduce_scatter_single(flat, "sum", 0, (mesh, 0)), tuple(spec)
+    return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
+
+
+def _one_chunk_in_flight(graph: fx.Graph, chunk_outputs: list[int]) -> None:
+    """ZeRO-2: wait for each gradient's reduce-scatter before the next one starts.
+
+    A collective's input stays alive until its wait, and waits sit where their
+    value is first read: for gradient chunks that is the graph's output, so
+    every whole gradient would live to the end of the backward, which is the
+    memory ZeRO-2 is there to save.  One reduction in flight still overlaps
+    each with the backward computing the next gradient.
+    """
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    pairs = []
+    for k in chunk_outputs:
+        wait = results[k]
+        if (
+            isinstance(wait, fx.Node)
+            and getattr(wait.target, "_opname", "") == "wait_tensor"
+            and getattr(wait.args[0].target, "_opname", "") == "reduce_scatter_tensor"
+        ):
+            pairs.append((wait.args[0], wait))
+    pairs.sort(key=lambda p: order[p[0]])
+    for (_, wait), (following, _) in zip(pairs, pairs[1:], strict=False):
+        following.prepend(wait)
+
+
+def shard_graph(
+    captured: CapturedGraph,
+    plan_placements: dict[str, dict],
+    mesh: DeviceMesh,
+    zero_stages: dict[str, int] | None = None,
+) -> LocalGraph:
+    """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``).
+
+    ``zero_stages`` maps parameter placeholders of dp-replicated parameters to
+    their ZeRO stage (1 or 2); their gradients leave the graph as
+    :class:`LocalGraph` describes, for the runtime's sharded optimizer.
+    """
+    zero_stages = zero_stages or {}
     gm = captured.gm
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     arg_pl = [tuple(plan_placements[p.name]["outputs"][0]) for p in phs]
     param_ph = [p.placeholder for p in captured.params]
     grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
-    interp = _ShardInterpreter(gm, plan_placements, mesh)
+    stages = [zero_stages.get(ph, 0) for ph in param_ph]
+    # A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
+    # reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
+    early: dict[int, torch.Tensor] = {}
+    grad_nodes = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0][1:]
+    on_value = {}
+    for i, node in enumerate(grad_nodes):
+        if stages[i] and isinstance(node, fx.Node) and node not in on_value:
+
+            def convert(g: Any, i: int = i) -> None:
+                early[i], grad_pl[i] = _zero_grad(g, grad_pl[i], stages[i], mesh)
+
+            on_value[node] = convert
+    interp = _ShardInterpreter(gm, plan_placements, mesh, on_value)
 
     def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dt = [
@@ -376,8 +483,15 @@ def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh:
         ]
         loss, *grads = interp.run(*dt)
         out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
-        for g, pl in zip(grads, grad_pl, strict=True):
-            out.append(None if g is None else _to(g, placements(pl)).to_local())
+        for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
+            if g is None:
+                out.append(None)
+            elif stages[i]:
+                if i not in early:  # a gradient node shared with another parameter
+                    early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
+                out.append(early[i])
+            else:
+                out.append(_to(g, placements(pl)).to_local())
         return tuple(out)
 
     fake_local = []
@@ -401,7 +515,8 @@ def shard_graph(captured: CapturedGraph, plan_placements: dict[str, dict], mesh:
     # make_fx records those ops too; nothing reads them
     local_gm.graph.eliminate_dead_code()
     _issue_early_wait_late(local_gm.graph)
+    _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
     local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))
-    return LocalGraph(local_gm, arg_pl, grad_pl)
+    return LocalGraph(local_gm, arg_pl, grad_pl, stages)

@@ -4,7 +4,9 @@ The local joint graph (:mod:`autopar.passes.shard`) maps this rank's parameter,
 state and input shards to the loss and this rank's gradient shards, with every
 collective inside.  A training step is one call of that graph per micro-batch,
 without autograd: the backward is already in the graph.  The module owns the
-parameter shards as ``nn.Parameter``s, so any torch optimizer steps them.
+parameter shards as ``nn.Parameter``s, so any torch optimizer steps them;
+under ZeRO-1/2 (:mod:`autopar.runtime.zero`) the optimizer steps this dp
+rank's flat chunks of them instead, and ``make_optimizer`` wires that up.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from autopar.capture import CapturedGraph, input_tensors
 from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph, placements
 from autopar.plan import Plan
+from autopar.runtime.memory_tracker import StepMemory, track_memory
+from autopar.runtime.zero import ZeroChunks
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,13 @@ class ParallelModule(nn.Module):
         self.dp_size = mesh.size(0)
         self.dp_rank = mesh.get_coordinate()[0]
         self.microbatches = max(int(plan.microbatches), 1)
+        self._grad_specs = local.grad_placements
+        self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
+        self._zero = (
+            ZeroChunks(self.shards, self.zero_stages, mesh.get_group(0), self.dp_rank, self.dp_size)
+            if any(self.zero_stages)
+            else None
+        )
 
     # ------------------------------------------------------------------ running
 
@@ -117,33 +128,81 @@ class ParallelModule(nn.Module):
         """Forward and backward on one (global) batch; returns the loss, the same on every rank.
 
         Gradients are added to each shard's ``.grad`` (as ``loss.backward()`` would),
-        averaged over the plan's micro-batches.
+        averaged over the plan's micro-batches; under ZeRO-1/2 to the ``.grad``
+        of this rank's chunk of the parameter instead (ZeRO-1 reduces once, at
+        the end of the step; ZeRO-2 in the graph, per micro-batch).
         """
         pairs = self._local_inputs(inputs, targets, local_batch)
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         total = None
+        partial: dict[
+            int, tuple[torch.Tensor, bool]
+        ] = {}  # ZeRO-1: whole local gradients, summed over dp later
         with torch.no_grad():
             for k in range(self.microbatches):
                 loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
                 total = loss if total is None else total + loss
-                for p, g in zip(self.shards, grads, strict=True):
+                for i, (p, g) in enumerate(zip(self.shards, grads, strict=True)):
                     if g is None:
                         continue
                     g = g / self.microbatches if self.microbatches > 1 else g
-                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                    stage = self.zero_stages[i]
+                    if stage == 1:
+                        held = partial.get(i)
+                        summed = self._grad_specs[i][0] == "P"
+                        partial[i] = (g, summed) if held is None else (held[0].add_(g), summed)
+                    elif stage == 2:
+                        self._zero.add_grad(i, g)
+                    else:
+                        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                del grads
+            if partial:
+                self._zero.reduce_partials(partial)
         return total / self.microbatches
 
     def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The loss on one batch, without touching gradients (evaluation)."""
-        saved = [p.grad for p in self.shards]
+        params = [*self.shards, *(self._zero.chunks if self._zero else ())]
+        saved = [p.grad for p in params]
         loss = self.train_step(inputs, targets)
-        for p, g in zip(self.shards, saved, strict=True):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
         return loss
 
-    def make_optimizer(self, cls: Callable[..., torch.optim.Optimizer], *args: Any, **kwargs: Any):
-        """``cls`` over this rank's parameter shards (element-wise optimizers step shards exactly)."""
-        return cls(self.shards.parameters(), *args, **kwargs)
+    def make_optimizer(
+        self, cls: Callable[..., torch.optim.Optimizer], *args: Any, **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """``cls`` over this rank's parameter shards (element-wise optimizers step shards exactly).
+
+        Under ZeRO-1/2 the optimizer holds this dp rank's flat chunk of each
+        such parameter in its place, so its state is 1/dp; hooks on it refresh
+        the chunks from the parameters before each step and all-gather the
+        stepped chunks into the parameters after it.  Build the optimizer this
+        way: one over ``pm.parameters()`` would see no gradients for those.
+        """
+        if self._zero is None:
+            return cls(self.shards.parameters(), *args, **kwargs)
+        params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
+        opt = cls(params, *args, **kwargs)
+        self._zero.attach(opt)
+        return opt
+
+    def measure_step_memory(
+        self, inputs: Any, optimizer: torch.optim.Optimizer, targets: Any = None, *, local_batch: bool = False
+    ) -> StepMemory:
+        """One training step (``train_step``, ``optimizer.step()``, ``zero_grad()``) with this rank's peak memory.
+
+        Counts parameters, buffers, ZeRO chunks, gradients, optimizer state and
+        everything the step allocates (:mod:`autopar.runtime.memory_tracker`).
+        Measure a step after the first: optimizer state is created lazily.
+        """
+        chunks = self._zero.chunks if self._zero is not None else None
+        with track_memory(self, chunks, optimizer) as m:
+            self.train_step(inputs, targets, local_batch=local_batch)
+            m.refresh()  # the gradients the graph returned are gradients now, not activations
+            optimizer.step()
+            optimizer.zero_grad()
+        return m.result()
 
     def collectives(self) -> dict[str, int]:
         """How many of each collective one micro-batch of a training step runs on this rank."""
@@ -176,13 +235,19 @@ class ParallelModule(nn.Module):
         return {alias: canonical[name] for alias, name in self._aliases.items() if name in canonical}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """The unsharded gradients by parameter name (a collective: call on every rank)."""
-        return {
-            info.name: None if p.grad is None else self._full(p.grad, spec, info.shape)
-            for info, p, spec in zip(
-                self._infos[: len(self.shards)], self.shards, self._param_specs, strict=True
-            )
-        }
+        """The unsharded gradients by parameter name (a collective: call on every rank).
+
+        Under ZeRO-1/2, where each rank holds only its chunk of the reduced
+        gradient after ``train_step``, the chunks are all-gathered for the
+        call: the same whole gradient one device would have, built on demand.
+        """
+        out = {}
+        for i, (info, p, spec) in enumerate(
+            zip(self._infos[: len(self.shards)], self.shards, self._param_specs, strict=True)
+        ):
+            g = self._zero.full_grad(i) if self._zero is not None and i in self._zero else p.grad
+            out[info.name] = None if g is None else self._full(g, spec, info.shape)
+        return out
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names."""
@@ -192,4 +257,5 @@ class ParallelModule(nn.Module):
     def extra_repr(self) -> str:
         mesh = dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False))
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return f"rank={rank}, mesh={mesh}, params={len(self.shards)}"
+        zero = {s: self.zero_stages.count(s) for s in (1, 2) if s in self.zero_stages}
+        return f"rank={rank}, mesh={mesh}, params={len(self.shards)}" + (f", zero={zero}" if zero else "")

@@ -31,6 +31,7 @@ from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
 from autopar.plan import Plan
 from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.zero import zero_stages
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +163,6 @@ def parallelize(
         loss_fn=loss_fn,
         example_targets=resize_batch(example_targets, micro),
     )
-    if plan.zero in (1, 2):
-        log.warning(
-            "ZeRO-%d shards optimizer state%s at run time only in a later version: running plain data "
-            "parallel (same numerics, more memory)",
-            plan.zero,
-            " and gradients" if plan.zero == 2 else "",
-        )
     chosen = plan.placements or _data_parallel_placements(captured, plan, cluster)
     missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
     if missing:
@@ -177,7 +171,7 @@ def parallelize(
         )
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
     mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
-    local = shard_graph(captured, chosen, mesh)
+    local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
     return ParallelModule(model, captured, local, mesh, plan)
 

@@ -1,0 +1,181 @@
+"""ZeRO-1 and ZeRO-2 at run time: optimizer state (and gradients) of replicated parameters split over dp.
+
+A parameter the plan replicates over the data-parallel axis is held whole by
+every dp rank (its tensor-parallel shard of it, that is: "local" below).
+Under ZeRO-1/2 each dp rank owns one *flat chunk* of it: the local tensor
+flattened, zero-padded to a multiple of the dp size and cut into equal
+pieces, as DeepSpeed's flat partitions.  The optimizer is built over these
+chunks, so its state is 1/dp of plain data parallelism's; after each step the
+chunks are all-gathered back into the local parameter, which the graph reads
+whole.
+
+Why flat chunks rather than dim-0 chunks of the parameter: every rank owns
+exactly the same number of elements whatever the shape (a bias of 64 on 3
+ranks, a vocabulary not divisible by dp), and the chunk does not depend on
+how tensor parallelism already split the parameter — a dim-0 dp chunk of a
+column-parallel weight that tp split on dim 0 too would need DTensor's
+private strided-shard placement.  Element-wise optimizers (SGD, Adam, AdamW,
+...) step a flat chunk exactly as they step the tensor it came from.
+
+Gradients:
+
+* ZeRO-1 — the graph returns each gradient as a dp-partial sum; micro-batches
+  accumulate locally in the whole local buffer (ZeRO-1 keeps whole
+  gradients) and at the end of ``train_step`` one reduce-scatter per
+  parameter leaves the rank its reduced chunk and frees the buffer: one
+  gradient synchronisation per step, 2Ψ of traffic with the all-gather.
+* ZeRO-2 — the graph itself reduce-scatters each gradient into this rank's
+  chunk as soon as the backward produces it (one in flight), per
+  micro-batch; the whole gradient never outlives the graph.
+
+Either way, between ``train_step`` and ``optimizer.step()`` a rank holds only
+the ``.grad`` of its chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.passes.shard import flat_chunk_numel
+from autopar.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def zero_stages(params: Sequence, chosen: dict[str, dict], plan: Plan) -> dict[str, int]:
+    """ZeRO stage (1 or 2) of each dp-replicated parameter, by placeholder; the others are left out.
+
+    The stage of a parameter is its placement entry's ``"zero"`` key, else the
+    plan's stage when that is 1 or 2.  Parameters the placement shards over dp
+    are ZeRO-3 by their placement and are not listed; nor is anything when the
+    dp axis has one rank (nothing to split).
+    """
+    if plan.mesh.get("dp", 1) <= 1:
+        return {}
+    default = plan.zero if plan.zero in (1, 2) else 0
+    out = {}
+    for p in params:
+        entry = chosen.get(p.placeholder, {})
+        stage = int(entry.get("zero", default) or 0)
+        if stage <= 0 or tuple(entry["outputs"][0])[0] != "R":
+            continue
+        if stage > 2:
+            log.warning(
+                "%s is replicated over dp but marked ZeRO-%d: sharding its optimizer state and gradients "
+                "(ZeRO-2); ZeRO-3 comes from a parameter placement sharded over dp",
+                p.name,
+                stage,
+            )
+            stage = 2
+        out[p.placeholder] = stage
+    return out
+
+
+class ZeroChunks:
+    """This dp rank's flat chunks of the ZeRO-1/2 parameters, and the moves between chunks and parameters.
+
+    ``chunks`` is an ``nn.ParameterList`` (not registered in the
+    ParallelModule, so ``pm.parameters()`` stays the parameters the graph
+    reads); the optimizer steps it.
+    """
+
+    def __init__(
+        self, shards: nn.ParameterList, stages: list[int], group: dist.ProcessGroup, rank: int, size: int
+    ):
+        self.group, self.rank, self.size = group, rank, size
+        self.shards = shards
+        self.stage = {i: s for i, s in enumerate(stages) if s}
+        self.chunk_numel = {i: flat_chunk_numel(shards[i].numel(), size) for i in self.stage}
+        self.slot = {i: k for k, i in enumerate(self.stage)}  # param index -> index in chunks
+        self.chunks = nn.ParameterList(
+            nn.Parameter(self._chunk_of(shards[i].detach(), i)) for i in self.stage
+        )
+
+    def __contains__(self, i: int) -> bool:
+        return i in self.stage
+
+    def chunk(self, i: int) -> nn.Parameter:
+        return self.chunks[self.slot[i]]
+
+    def _padded(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        flat = t.reshape(-1)
+        pad = self.chunk_numel[i] * self.size - flat.numel()
+        return torch.nn.functional.pad(flat, (0, pad)) if pad else flat
+
+    def _chunk_of(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        n = self.chunk_numel[i]
+        flat = t.reshape(-1)
+        part = flat[self.rank * n : (self.rank + 1) * n]
+        if part.numel() < n:
+            part = torch.nn.functional.pad(part, (0, n - part.numel()))
+        return part.clone()
+
+    # ------------------------------------------------------------------ gradients
+
+    def add_grad(self, i: int, chunk_grad: torch.Tensor) -> None:
+        p = self.chunk(i)
+        p.grad = chunk_grad if p.grad is None else p.grad.add_(chunk_grad)
+
+    def reduce_partials(self, partial: dict[int, tuple[torch.Tensor, bool]]) -> None:
+        """ZeRO-1's once-per-step reduction: each whole (local) gradient to this rank's chunk, summed over dp.
+
+        ``partial[i]`` is ``(gradient, summed)``: a dp-partial sum to be
+        reduce-scattered, or a gradient the plan already reduced, of which the
+        chunk is cut locally.  All reductions are issued before any is waited for.
+        """
+        pending = []
+        for i, (g, summed) in partial.items():
+            if not summed:
+                self.add_grad(i, self._chunk_of(g, i))
+                continue
+            out = torch.empty(self.chunk_numel[i], dtype=g.dtype, device=g.device)
+            work = dist.reduce_scatter_tensor(out, self._padded(g, i), group=self.group, async_op=True)
+            pending.append((i, out, work))
+        for i, out, work in pending:
+            work.wait()
+            self.add_grad(i, out)
+
+    def full_grad(self, i: int) -> torch.Tensor | None:
+        """The reduced local gradient of parameter ``i``, gathered from every rank's chunk (a collective)."""
+        g = self.chunk(i).grad  # None on every rank alike: the graph returns no gradient for this parameter
+        return None if g is None else self._gather(g, i)
+
+    # ------------------------------------------------------------------ parameters
+
+    def _gather(self, chunk: torch.Tensor, i: int) -> torch.Tensor:
+        out = torch.empty(self.chunk_numel[i] * self.size, dtype=chunk.dtype, device=chunk.device)
+        dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=self.group)
+        return out[: self.shards[i].numel()].view(self.shards[i].shape)
+
+    def load_from_params(self) -> None:
+        """Each chunk from its parameter: the parameters are the truth (a load or an edit between steps)."""
+        with torch.no_grad():
+            for i in self.stage:
+                self.chunk(i).copy_(self._chunk_of(self.shards[i].detach(), i))
+
+    def gather_params(self) -> None:
+        """After the optimizer stepped the chunks: every dp rank's chunks back into the whole local parameters."""
+        pending = []
+        with torch.no_grad():
+            for i in self.stage:
+                p, n = self.shards[i], self.chunk_numel[i] * self.size
+                direct = p.is_contiguous() and p.numel() == n
+                out = p.detach().view(-1) if direct else torch.empty(n, dtype=p.dtype, device=p.device)
+                work = dist.all_gather_into_tensor(
+                    out, self.chunk(i).detach(), group=self.group, async_op=True
+                )
+                pending.append((p, out, direct, work))
+            for p, out, direct, work in pending:
+                work.wait()
+                if not direct:
+                    p.copy_(out[: p.numel()].view(p.shape))
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hooks on ``optimizer``: chunks refreshed from the parameters before a step, gathered after it."""
+        optimizer.register_step_pre_hook(lambda *_: self.load_from_params())
+        optimizer.register_step_post_hook(lambda *_: self.gather_params())

@@ -1,0 +1,200 @@
+"""ZeRO-1/2 at run time and the step-memory tracker.
+
+Numerics as in test_runtime.py: 3 AdamW steps under each plan against one
+device (relative L2 error 1e-5), gathered gradients of the first step and
+the full state dict after the last.  Plans: hand-set data-parallel layouts
+(their GPT-2 gradients come out replicated: the chunk is cut locally),
+random layouts (gradients come out as dp-partial sums, reduce-scattered, and
+some parameters are ZeRO-3 by placement beside ZeRO-1/2 ones), Megatron
+dp x tp, accumulation over micro-batches, and per-parameter stages.  One
+launch of 2 processes and one of 4; the 4-process one also measures the
+peak memory of a step under ZeRO 0, 1, 2 and 3.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar.capture import capture
+from autopar.passes.shard import flat_chunk_numel, shard_graph
+from autopar.plan import Plan
+from autopar.runtime.launch import launch
+from autopar.runtime.memory_tracker import track_memory
+from autopar.runtime.verify import _compare, _rank_run_all, check_plans, plan_with_layout, single_device_run
+from autopar.runtime.zero import zero_stages
+from examples.models import gpt2_tiny
+
+TOL = 1e-5
+
+
+def _plan(n: int, dp: int, tp: int, layout: str | None = None, seed: int = 0, **fixed) -> Plan:
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny()
+    cluster = autopar.Cluster.local(n)
+    plan = autopar.plan(model, inputs, cluster, fixed={"dp": dp, "tp": tp, **fixed}, precision="fp32")
+    return plan_with_layout(plan, model, inputs, cluster, layout, seed=seed) if layout else plan
+
+
+def _zero(plan: Plan, stage: int) -> Plan:
+    return dataclasses.replace(plan, zero=stage)
+
+
+def _mixed_stages(plan: Plan) -> Plan:
+    """Per-parameter stages: dp-replicated parameters take 1, 2 and 0 in turn; the plan says 0."""
+    placements = copy.deepcopy(plan.placements)
+    replicated = [e for e in placements.values() if "param" in e and e["outputs"][0][0] == "R"]
+    for k, entry in enumerate(replicated):
+        entry["zero"] = (1, 2, 0)[k % 3]
+    return dataclasses.replace(plan, zero=0, placements=placements)
+
+
+def _assert_all_match(cases, checks) -> None:
+    bad = [
+        f"{p.mesh} zero={p.zero} ({p.solver.get('status')}): {c}"
+        for (_, p), c in zip(cases, checks, strict=True)
+        if not c.ok(TOL)
+    ]
+    assert not bad, "plans that do not train like one device:\n" + "\n".join(bad)
+    for c in checks:
+        assert len(c.losses) == 3 and c.losses[0] != c.losses[2]
+
+
+@pytest.mark.slow
+def test_zero_1_and_2_on_2_processes_train_like_one_device():
+    dp = _plan(2, 2, 1, "dp")
+    random = _plan(2, 2, 1, "random", seed=1000)
+    cases = [(gpt2_tiny, _zero(p, z)) for p in (dp, random) for z in (1, 2)]
+    cases += [(gpt2_tiny, _plan(2, 2, 1, zero=z, microbatches=2)) for z in (1, 2)]  # the plan's own stage
+    assert all(not p.placements and p.microbatches == 2 for _, p in cases[-2:])
+    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(2)))
+
+
+# ---------------------------------------------------------------- 4 processes: numerics and memory
+
+
+def _peak_memory(factory, cluster, plan_dict) -> autopar.runtime.memory_tracker.StepMemory:
+    torch.manual_seed(0)
+    model, batch = factory()
+    pm = autopar.parallelize(model, cluster, batch, plan=Plan.from_dict(plan_dict))
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    pm.train_step(batch)
+    opt.step()  # the optimizer's state exists from here on
+    opt.zero_grad()
+    return pm.measure_step_memory(batch, opt)
+
+
+def _four_rank_job(wire, memory_plans, cluster) -> tuple[list, list]:
+    checks = _rank_run_all(wire, cluster, 3, 1e-3, 0, None)
+    return checks, [_peak_memory(gpt2_tiny, cluster, p) for p in memory_plans]
+
+
+@pytest.fixture(scope="module")
+def four_processes():
+    accumulate = [
+        _plan(4, 4, 1, zero=z, microbatches=2) for z in range(4)
+    ]  # no placements: the dp / zero3 layouts
+    megatron = _plan(4, 2, 2, "megatron")
+    cases = [(gpt2_tiny, p) for p in accumulate[1:3]]
+    cases += [(gpt2_tiny, _zero(_plan(4, 4, 1, "random", seed=1000), 2))]
+    cases += [(gpt2_tiny, _zero(megatron, z)) for z in (1, 2)]
+    cases += [(gpt2_tiny, _mixed_stages(_plan(4, 2, 2, "random", seed=1001)))]
+    cluster = autopar.Cluster.local(4)
+    refs = [single_device_run(f, 3, 1e-3, 0) for f, _ in cases]
+    wire = [(f, p.to_dict()) for f, p in cases]
+    per_rank = launch(_four_rank_job, cluster, wire, [p.to_dict() for p in accumulate], cluster)
+    checks = [_compare([r[0][k] for r in per_rank], refs[k]) for k in range(len(cases))]
+    return cases, checks, [r[1] for r in per_rank]
+
+
+@pytest.mark.slow
+def test_zero_1_and_2_on_4_processes_train_like_one_device(four_processes):
+    cases, checks, _ = four_processes
+    _assert_all_match(cases, checks)
+    assert checks[2].collectives.get("reduce_scatter_tensor", 0) > 0  # ZeRO-2 reduce-scattered in the graph
+
+
+@pytest.mark.slow
+def test_peak_memory_falls_with_each_zero_stage(four_processes):
+    _, _, memory = four_processes
+    for rank, steps in enumerate(memory):
+        peaks = [m.peak_bytes for m in steps]
+        assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, (rank, [str(m) for m in steps])
+        zero0, zero1 = steps[0], steps[1]
+        assert zero1.breakdown["optimizer"] * 3 < zero0.breakdown["optimizer"]  # 1/4 of AdamW's state
+
+
+# ---------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_zero_stage_of_a_parameter_follows_the_contract():
+    plan = _plan(4, 4, 1, "random", seed=1000)
+    model, inputs = gpt2_tiny()
+    params = capture(model, inputs).params
+    replicated = {p.placeholder for p in params if plan.placements[p.placeholder]["outputs"][0][0] == "R"}
+    sharded = {p.placeholder for p in params} - replicated
+    assert replicated and sharded  # a random plan has both kinds
+    assert zero_stages(params, plan.placements, plan) == {}
+    assert zero_stages(params, plan.placements, _zero(plan, 2)) == dict.fromkeys(replicated, 2)
+    assert zero_stages(params, plan.placements, _zero(plan, 3)) == {}  # ZeRO-3 lives in the placements
+    mixed = _mixed_stages(plan)
+    expected = {p: e["zero"] for p, e in mixed.placements.items() if p in replicated and e.get("zero", 0)}
+    assert zero_stages(params, mixed.placements, mixed) == expected and set(expected.values()) == {1, 2}
+    one_rank = dataclasses.replace(plan, zero=2, mesh={**plan.mesh, "dp": 1})
+    assert zero_stages(params, plan.placements, one_rank) == {}
+
+
+def test_zero_2_graph_returns_flat_chunks_reduced_one_at_a_time(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plan = _zero(_plan(4, 4, 1, "random", seed=1000), 2)
+    model, inputs = gpt2_tiny()
+    captured = capture(model, inputs)
+    stages = zero_stages(captured.params, plan.placements, plan)
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    plain = shard_graph(captured, plan.placements, mesh)
+    local = shard_graph(captured, plan.placements, mesh, stages)
+    assert local.zero_stages == [stages.get(p.placeholder, 0) for p in captured.params]
+    output = next(n for n in local.gm.graph.nodes if n.op == "output").args[0]
+    for i, (info, stage) in enumerate(zip(captured.params, local.zero_stages, strict=True)):
+        if stage and output[1 + i] is not None:
+            assert output[1 + i].meta["val"].numel() == flat_chunk_numel(math.prod(info.shape), 4)
+    rs = local.collectives()["reduce_scatter_tensor"] - plain.collectives()["reduce_scatter_tensor"]
+    assert rs > 0
+    # each ZeRO-2 reduction is waited for before the next starts: at most one whole gradient in flight
+    in_flight, worst = 0, 0
+    chunk_rs = {o.args[0] for o in output[1:] if o is not None and o.args and hasattr(o.args[0], "target")}
+    for n in local.gm.graph.nodes:
+        if n in chunk_rs and getattr(n.target, "_opname", "") == "reduce_scatter_tensor":
+            in_flight += 1
+            worst = max(worst, in_flight)
+        elif getattr(n.target, "_opname", "") == "wait_tensor" and n.args[0] in chunk_rs:
+            in_flight -= 1
+    assert worst == 1
+
+
+def test_track_memory_counts_params_grads_and_optimizer_state():
+    model = torch.nn.Linear(256, 256, bias=False)  # 256 KiB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weights = 256 * 256 * 4
+    with track_memory(model, opt) as m:
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert m.peak_bytes >= 4 * weights  # weights, gradient, two moments
+    assert m.breakdown["params"] == weights and m.breakdown["optimizer"] >= 2 * weights
+    assert m.current_bytes < m.peak_bytes  # the gradient is gone
