@@ -26,12 +26,13 @@ def brute_force(p: StrategyProblem) -> tuple[float, float, float]:
         for v in group[1:]:
             ok &= grid[:, v] == grid[:, group[0]]
     peak = np.zeros(len(grid))
-    horizon = max((e for _, e in p.node_intervals), default=0)
+    items = _memory_items(p)
+    horizon = max((e for _, (_, e), _ in items), default=0)
     for t in range(horizon):
         usage = np.zeros(len(grid))
-        for v, (s, e) in enumerate(p.node_intervals):
+        for v, (s, e), mem in items:
             if s <= t < e:
-                usage += np.asarray(p.node_memory[v], dtype=float)[grid[:, v]]
+                usage += np.asarray(mem, dtype=float)[grid[:, v]]
         peak = np.maximum(peak, usage)
     allowed = ok & np.isfinite(cost)
     if not allowed.any():
@@ -50,12 +51,19 @@ def evaluate(p: StrategyProblem, choice: list[int]) -> tuple[float, float]:
     total += sum(
         p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]] for e, (u, v) in enumerate(p.edges)
     )
-    horizon = max((e for _, e in p.node_intervals), default=0)
+    items = _memory_items(p)
+    horizon = max((e for _, (_, e), _ in items), default=0)
     usage = np.zeros(horizon + 1)
-    for v, (s, e) in enumerate(p.node_intervals):
-        usage[s] += p.node_memory[v][choice[v]]
-        usage[e] -= p.node_memory[v][choice[v]]
+    for v, (s, e), mem in items:
+        usage[s] += mem[choice[v]]
+        usage[e] -= mem[choice[v]]
     return total, float(np.cumsum(usage).max(initial=0.0))
+
+
+def _memory_items(p: StrategyProblem) -> list:
+    """Every (node, interval, memory per strategy): the nodes' own, then the extra items."""
+    own = [(v, tuple(iv), m) for v, (iv, m) in enumerate(zip(p.node_intervals, p.node_memory, strict=True))]
+    return own + [(v, tuple(iv), m) for v, iv, m in p.memory_items or []]
 
 
 def random_problem(
@@ -66,6 +74,7 @@ def random_problem(
     groups: bool = False,
     forbidden: bool = False,
     max_assignments: int = 20_000,
+    extra_items: bool = False,
 ) -> StrategyProblem:
     """A random DAG with every kind of edge matrix the reductions look at."""
     sizes: list[int] = []
@@ -125,7 +134,15 @@ def random_problem(
         if forbidden and rng.random() < 0.2:
             m[int(rng.integers(su)), int(rng.integers(sv))] = math.inf
         edge_costs.append(m.ravel().tolist())
-    p = StrategyProblem(costs, mem, intervals, edges, edge_costs, groups=group_list)
+    items = None
+    if extra_items:  # a node holding memory again later, as an activation kept for the backward
+        items = []
+        for _ in range(int(rng.integers(1, n + 1))):
+            v = int(rng.integers(n))
+            start = int(rng.integers(0, n + 2))
+            m = rng.integers(0, 6, sizes[v]).astype(float) if integral else rng.random(sizes[v]) * 5
+            items.append((v, (start, start + int(rng.integers(0, 4))), m.tolist()))
+    p = StrategyProblem(costs, mem, intervals, edges, edge_costs, groups=group_list, memory_items=items)
     if memory:
         _, min_peak, free_peak = brute_force(p)
         if math.isfinite(min_peak):
@@ -238,6 +255,31 @@ def test_brute_force_random(memory: bool) -> None:
     for _ in range(100):
         p = random_problem(rng, int(rng.integers(2, 13)), memory=memory)
         check_against_brute_force(p)
+
+
+def test_brute_force_with_extra_memory_items() -> None:
+    rng = np.random.default_rng(4321)
+    for _ in range(60):
+        p = random_problem(rng, int(rng.integers(2, 11)), memory=True, extra_items=True, groups=rng.random() < 0.3)
+        check_against_brute_force(p)
+
+
+def test_an_extra_item_decides_the_choice() -> None:
+    # Node 0's strategy 0 is cheaper but holds 4 bytes again over [2, 3), where node 1 holds 3.
+    p = StrategyProblem(
+        node_costs=[[0.0, 1.0], [0.0]],
+        node_memory=[[1.0, 1.0], [3.0]],
+        node_intervals=[(0, 1), (2, 3)],
+        edges=[],
+        edge_costs=[],
+        memory_items=[(0, (2, 3), [4.0, 0.0])],
+    )
+    assert solve_strategies(p).choice == [0, 0]
+    p.memory_limit = 5.0
+    sol = solve_strategies(p)
+    assert sol.choice == [1, 0] and sol.objective == 1.0
+    p.memory_limit = 2.0
+    assert solve_strategies(p).status == "infeasible"
 
 
 def test_brute_force_forbidden_strategies() -> None:
@@ -447,6 +489,10 @@ def _tiny(**changes) -> StrategyProblem:
         (dict(groups=[[0, 1]]), r"group 0: node 1 \('mlp'\) has 3 strategies but node 0 \('embed'\) has 2"),
         (dict(groups=[[0, 5]]), r"group 0: node index 5 out of range"),
         (dict(memory_limit=-1.0), r"memory_limit -1.0 must be"),
+        (dict(memory_items=[(2, (0, 1), [1.0])]), r"memory item 0: node index 2 out of range"),
+        (dict(memory_items=[(1, (0, 1), [1.0])]), r"memory item 0 of node 1 \('mlp'\): 1 memory entries"),
+        (dict(memory_items=[(0, (3, 1), [1.0, 1.0])]), r"memory item 0 of node 0 \('embed'\): interval"),
+        (dict(memory_items=[(0, (0, 1), [1.0, -2.0])]), r"memory item 0 of node 0 \('embed'\): .*negative"),
     ],
 )
 def test_validation_messages(changes: dict, message: str) -> None:

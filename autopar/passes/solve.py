@@ -10,10 +10,13 @@ Nodes ``v = 0..N-1``; node ``v`` has ``S_v`` strategies. Choosing strategy ``s``
 ``v`` costs ``c_v[s]`` seconds and holds ``m_v[s] >= 0`` bytes during the node's live
 interval ``[start_v, end_v)`` of a global time order ``t = 0..T-1``. A directed edge
 ``(u, v)`` carries a matrix ``E_uv`` of shape ``S_u x S_v`` (seconds: resharding
-between ``u``'s output and ``v``'s input). With an optional memory limit ``M``::
+between ``u``'s output and ``v``'s input). A node may hold memory over more than one
+interval (*memory items* ``i`` of node ``v_i``, live over ``[start_i, end_i)``, holding
+``m_i[s]`` under strategy ``s`` of ``v_i``; a node's own output is its first item).
+With an optional memory limit ``M``::
 
     minimise    sum_v c_v[s_v] + sum_(u,v) E_uv[s_u, s_v]
-    subject to  sum_{v : start_v <= t < end_v} m_v[s_v] <= M      for every t
+    subject to  sum_{i : start_i <= t < end_i} m_i[s_{v_i}] <= M      for every t
                 s_v = s_w                      for v, w in the same group
 
 An infinite cost marks a forbidden strategy (``c_v[s]``) or pair (``E_uv[s, t]``).
@@ -128,6 +131,24 @@ class StrategyProblem:
     memory_limit: float | None = None
     node_names: list[str] | None = None
     groups: list[list[int]] | None = None
+    memory_items: list[tuple[int, tuple[int, int], list[float]]] | None = None
+
+    def items(self) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
+        """Every memory item: (node of each, (N, 2) live intervals, memory per strategy of its node).
+
+        Items ``0..N-1`` are the nodes' own outputs; ``memory_items`` adds more, each
+        ``(node, (start, end), memory per strategy of node)``: memory a node's choice holds
+        over a second interval, such as an activation that one strategy keeps for the
+        backward and another recomputes there.
+        """
+        extra = self.memory_items or []
+        nodes = np.concatenate(
+            [np.arange(len(self.node_costs), dtype=np.int64), np.array([v for v, _, _ in extra], dtype=np.int64)]
+        )
+        intervals = np.asarray(
+            [*self.node_intervals, *(iv for _, iv, _ in extra)], dtype=np.int64
+        ).reshape(len(nodes), 2)
+        return nodes, intervals, [*self.node_memory, *(m for _, _, m in extra)]
 
 
 @dataclass
@@ -221,8 +242,8 @@ def _peak_memory(p: StrategyProblem, choice: list[int]) -> float:
     """Largest total memory of the live nodes over all time steps for this choice."""
     if not choice:
         return 0.0
-    iv = np.asarray(p.node_intervals, dtype=np.int64).reshape(-1, 2)
-    mem = np.array([p.node_memory[v][s] for v, s in enumerate(choice)], dtype=float)
+    nodes, iv, item_mem = p.items()
+    mem = np.array([m[choice[v]] for v, m in zip(nodes.tolist(), item_mem, strict=True)], dtype=float)
     live = iv[:, 1] > iv[:, 0]
     if not live.any():
         return 0.0
@@ -247,8 +268,8 @@ def _min_peak_memory(
     nodes at once, that strategy is optimal for the peak, and the peak is the largest sum of
     per-node minima. Only groups whose members disagree need a small MILP over those groups.
     """
-    n = len(p.node_costs)
-    intervals = np.asarray(p.node_intervals, dtype=np.int64).reshape(n, 2)
+    item_node, intervals, item_memory = p.items()
+    item_var = var_of_node[item_node]
     rows = memory_rows(intervals)
     if not rows.count:
         return 0.0, True
@@ -257,12 +278,15 @@ def _min_peak_memory(
         c = np.sum([np.asarray(p.node_costs[v], dtype=float) for v in vs], axis=0)
         allowed.append(np.nonzero(np.isfinite(c))[0] if np.isfinite(c).any() else np.arange(len(c)))
     active = np.nonzero(rows.r1 > rows.r0)[0]
-    mem = {v: np.asarray(p.node_memory[v], dtype=float)[allowed[var_of_node[v]]] for v in active.tolist()}
-    item_min = np.array([mem[v].min() for v in active.tolist()])
+    mem = {i: np.asarray(item_memory[i], dtype=float)[allowed[item_var[i]]] for i in active.tolist()}
+    item_min = np.array([mem[i].min() for i in active.tolist()])
     floor = range_sums(rows.r0[active], rows.r1[active], item_min, rows.count)
+    items_of_var: list[list[int]] = [[] for _ in members]
+    for i in mem:
+        items_of_var[item_var[i]].append(i)
     hard: list[int] = []
-    for k, vs in enumerate(members):
-        live = [mem[v] for v in vs if v in mem]
+    for k in range(len(members)):
+        live = [mem[i] for i in items_of_var[k]]
         if len(live) > 1:
             stack = np.stack(live)
             if not (stack == stack.min(axis=1, keepdims=True)).all(axis=0).any():
@@ -275,11 +299,11 @@ def _min_peak_memory(
     x0 = dict(zip(hard, np.concatenate([[0], np.cumsum(sizes)])[:-1].tolist(), strict=True))
     n_x = int(sizes.sum())
     r_list, c_list, v_list = [np.repeat(np.arange(len(hard)), sizes)], [np.arange(n_x)], [np.ones(n_x)]
-    for t, v in enumerate(active.tolist()):
-        k = int(var_of_node[v])
+    for t, i in enumerate(active.tolist()):
+        k = int(item_var[i])
         if k in hard_set:
-            coef = mem[v] - item_min[t]
-            span = np.arange(rows.r0[v], rows.r1[v])
+            coef = mem[i] - item_min[t]
+            span = np.arange(rows.r0[i], rows.r1[i])
             r_list.append(len(hard) + np.repeat(span, len(coef)))
             c_list.append(np.tile(x0[k] + np.arange(len(coef)), len(span)))
             v_list.append(np.tile(coef, len(span)))
@@ -376,11 +400,9 @@ def solve_strategies(
         limit = None
     tol = MEMORY_RTOL * limit if limit is not None else 0.0
     costs, mats = _variable_graph(problem, var_of_node, members)
-    rows = None
-    if limit is not None:
-        intervals = np.asarray(problem.node_intervals, dtype=np.int64).reshape(n, 2)
-        rows = memory_rows(intervals, all_segments=not reduce)
-    item_mem = [np.asarray(m, dtype=float) for m in problem.node_memory]
+    item_node, intervals, item_memory = problem.items()
+    rows = memory_rows(intervals, all_segments=not reduce) if limit is not None else None
+    item_mem = [np.asarray(m, dtype=float) for m in item_memory]
 
     def describe(k: int) -> str:
         vs = members[k]
@@ -394,7 +416,7 @@ def solve_strategies(
         "strategies": int(sum(len(c) for c in costs)),
         "memory_rows": rows.count if rows is not None else 0,
     }
-    reducer = Reducer(costs, mats.items(), var_of_node, item_mem, rows, limit, tol, describe)
+    reducer = Reducer(costs, mats.items(), var_of_node[item_node], item_mem, rows, limit, tol, describe)
     try:
         if reduce:
             reducer.run()

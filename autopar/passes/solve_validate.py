@@ -104,6 +104,7 @@ def validate(p: StrategyProblem) -> None:
         bad = _first_bad(getattr(p, field_name), allow_inf, nonneg)
         if bad is not None:
             raise ValueError(f"{node_label(p, bad[0])}: {field_name} {bad[1]}")
+    _validate_items(p)
     for e, edge in enumerate(p.edges):
         if len(edge) != 2:
             raise ValueError(f"edge {e}: {edge!r} is not a pair (u, v)")
@@ -135,3 +136,24 @@ def validate(p: StrategyProblem) -> None:
                     f"group {g}: {node_label(p, v)} has {len(p.node_costs[v])} strategies but "
                     f"{node_label(p, group[0])} has {len(p.node_costs[group[0]])}"
                 )
+
+
+def _validate_items(p: StrategyProblem) -> None:
+    """Each extra memory item names a node, a live interval and a memory per strategy of that node."""
+    n = len(p.node_costs)
+    for k, item in enumerate(p.memory_items or []):
+        if len(item) != 3:
+            raise ValueError(f"memory item {k}: {item!r} is not (node, (start, end), memory per strategy)")
+        v, iv, mem = item
+        if isinstance(v, bool) or int(v) != v or not 0 <= v < n:
+            raise ValueError(f"memory item {k}: node index {v} out of range 0..{n - 1}")
+        if len(iv) != 2 or any(isinstance(x, bool) or int(x) != x for x in iv) or not 0 <= iv[0] <= iv[1]:
+            raise ValueError(f"memory item {k} of {node_label(p, v)}: interval {iv!r} needs integers 0 <= start <= end")
+        if len(mem) != len(p.node_costs[v]):
+            raise ValueError(
+                f"memory item {k} of {node_label(p, v)}: {len(mem)} memory entries, the node has "
+                f"{len(p.node_costs[v])} strategies"
+            )
+        message = _value_problem(mem, allow_inf=False, nonneg=True)
+        if message is not None:
+            raise ValueError(f"memory item {k} of {node_label(p, v)}: {message}")
