@@ -134,9 +134,10 @@ class ZeroChunks:
                 self.add_grad(i, self._chunk_of(g, i))
                 continue
             out = torch.empty(self.chunk_numel[i], dtype=g.dtype, device=g.device)
-            work = dist.reduce_scatter_tensor(out, self._padded(g, i), group=self.group, async_op=True)
-            pending.append((i, out, work))
-        for i, out, work in pending:
+            inp = self._padded(g, i).contiguous()  # held until the wait: the backend reads it asynchronously
+            work = dist.reduce_scatter_single(out, inp, group=self.group, async_op=True)
+            pending.append((i, out, inp, work))
+        for i, out, _inp, work in pending:
             work.wait()
             self.add_grad(i, out)
 
@@ -166,11 +167,10 @@ class ZeroChunks:
                 p, n = self.shards[i], self.chunk_numel[i] * self.size
                 direct = p.is_contiguous() and p.numel() == n
                 out = p.detach().view(-1) if direct else torch.empty(n, dtype=p.dtype, device=p.device)
-                work = dist.all_gather_into_tensor(
-                    out, self.chunk(i).detach(), group=self.group, async_op=True
-                )
-                pending.append((p, out, direct, work))
-            for p, out, direct, work in pending:
+                chunk = self.chunk(i).detach().contiguous()
+                work = dist.all_gather_into_tensor(out, chunk, group=self.group, async_op=True)
+                pending.append((p, out, chunk, direct, work))
+            for p, out, _chunk, direct, work in pending:
                 work.wait()
                 if not direct:
                     p.copy_(out[: p.numel()].view(p.shape))
