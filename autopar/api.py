@@ -10,6 +10,7 @@ ZeRO stage × micro-batch count on a dp-only mesh.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,30 +77,19 @@ def plan(
     t_capture = time.perf_counter() - t0
 
     if sharding:
-        sharded = _plan_sharded(
-            captured,
+        sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.solver["capture_s"] = round(t_capture, 3)
+        sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
+        return _make_plan(
+            stats,
             cluster,
-            gbs,
-            prec,
+            *sharded.args,
+            precision,
             optimizer,
-            limit,
-            fixed,
-            time_limit_s,
+            sharded.solver,
+            sharded.warnings,
+            placements=sharded.placements,
         )
-        if sharded is not None:
-            sharded.solver["capture_s"] = round(t_capture, 3)
-            sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
-            return _make_plan(
-                stats,
-                cluster,
-                *sharded.args,
-                precision,
-                optimizer,
-                sharded.solver,
-                [],
-                placements=sharded.placements,
-            )
-        log.info("no sharding fits %.1f GB per device; trying ZeRO stages and micro-batches", limit / GB)
 
     candidates = _candidates(cluster, gbs, fixed)
     costed = [(cfg, estimate_config(stats, cfg, cluster, prec, optimizer, limit)) for cfg in candidates]
@@ -189,8 +179,8 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
         raise PlanError(
             f"pp={fixed['pp']} is not costed by this version of autopar (no pipeline search yet); leave pp at 1"
         )
-    if fixed.get("tp", 1) != 1 and ("zero" in fixed or "microbatches" in fixed):
-        raise PlanError("tp > 1 cannot be combined with a fixed zero or microbatches yet; fix tp, or zero")
+    if fixed.get("tp", 1) != 1 and "microbatches" in fixed:
+        raise PlanError("tp > 1 cannot be combined with fixed microbatches yet; fix tp, or microbatches")
     if fixed.get("recompute", "none") != "none":
         raise PlanError(
             f"recompute={fixed['recompute']!r} is not costed by this version of autopar; leave it at 'none'"
@@ -199,9 +189,9 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
-    """The MILP sharding search decides unless the request pins the ZeRO stage or micro-batches,
-    which only the data-parallel model costs (until ZeRO and recompute join the MILP)."""
-    return cluster.world_size > 1 and "zero" not in fixed and "microbatches" not in fixed
+    """The MILP decides shardings, ZeRO stages and micro-batches unless the request pins the
+    micro-batch count, which only the analytic data-parallel model costs."""
+    return cluster.world_size > 1 and "microbatches" not in fixed
 
 
 @dataclass
@@ -209,30 +199,61 @@ class _Sharded:
     args: tuple  # (Config, Estimate) for _make_plan
     solver: dict[str, Any]
     placements: dict[str, Any]
+    warnings: list[str]
 
 
-def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded | None:
-    """Search per-op sharding on every dp × tp mesh; None when no mesh fits the memory limit."""
+def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
+    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits."""
     if "dp" in fixed and gbs % fixed["dp"]:
         raise PlanError(
             f"global batch {gbs} does not split over {fixed['dp']} data-parallel ranks; choose a multiple"
         )
     best, results = search_meshes(
-        captured, cluster, prec, optimizer, limit, time_limit_s, tp=fixed.get("tp"), dp=fixed.get("dp")
+        captured,
+        cluster,
+        prec,
+        optimizer,
+        limit,
+        time_limit_s,
+        tp=fixed.get("tp"),
+        dp=fixed.get("dp"),
+        zero=fixed.get("zero"),
     )
     if not results:
         raise PlanError(
             f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}; "
             "use a global batch that the data-parallel size divides"
         )
+    warnings: list[str] = []
     if best is None:
-        if fixed.get("tp", 1) > 1:
-            need = min(r.estimate.memory.peak for r in results)
+        need = min(_least_peak(r) for r in results)
+        what = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero"))
+        if not what:
             raise PlanError(
-                f"no sharding with tp={fixed['tp']} fits {limit / GB:.1f} GB per device; the smallest needs "
-                f"{need / GB:.1f} GB: raise memory_limit, use more devices, or lower the batch"
+                f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
+                f"{_size(need)}: raise memory_limit, use more devices, or lower the batch"
             )
-        return None
+        # what the user fixed is kept: the fastest plan of it, with how far it is over the limit
+        least = min(results, key=_least_peak)
+        best, _ = search_meshes(
+            captured,
+            cluster,
+            prec,
+            optimizer,
+            math.inf,
+            time_limit_s,
+            least.mesh.tp,
+            least.mesh.dp,
+            fixed.get("zero"),
+        )
+        best.estimate.memory_limit, best.estimate.fits = limit, False
+        msg = (
+            f"no plan with {what} fits {_size(limit)} per device (the smallest would need {_size(need)}); the "
+            f"fastest one needs {_size(best.estimate.memory.peak)}, over the limit by "
+            f"{_size(best.estimate.memory.peak - limit)}"
+        )
+        log.warning(msg)
+        warnings.append(msg)
     sol = best.solution
     est = best.estimate
     est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
@@ -241,7 +262,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         dp=best.mesh.dp,
         tp=best.mesh.tp,
         pp=1,
-        zero=0,
+        zero=zero_stage(captured, best.placements, best.mesh.dp),
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
@@ -269,7 +290,35 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
         "ops": explain_records(captured, best),
     }
-    return _Sharded((cfg, est), solver, best.placements)
+    return _Sharded((cfg, est), solver, best.placements, warnings)
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as GB, or MB below a GB, with three significant figures."""
+    return f"{nbytes / GB:.3g} GB" if nbytes >= GB else f"{nbytes / 1e6:.3g} MB"
+
+
+def _least_peak(res) -> float:
+    """The least peak memory a mesh's search saw: its answer's, or the least any choice reaches."""
+    if res.solution.choice:
+        return res.estimate.memory.peak
+    return res.solution.stats.get("min_peak_memory", math.inf)
+
+
+def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
+    """The plan's ZeRO stage for the summary: the stage of most parameter elements.
+
+    A parameter sharded over dp is ZeRO-3; a replicated one has its placement's
+    ``"zero"`` (1 or 2, or 0). The runtime reads each parameter's own stage.
+    """
+    if dp <= 1:
+        return 0
+    weight: dict[int, int] = {}
+    for p in captured.params:
+        entry = placements.get(p.placeholder, {})
+        stage = 3 if entry.get("outputs", [["R"]])[0][0] != "R" else int(entry.get("zero", 0))
+        weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
+    return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
 
 
 def _candidates(cluster: Cluster, gbs: int, fixed: dict[str, Any]) -> list[Config]:

@@ -61,7 +61,7 @@ def test_memory_limit_nothing_meets_names_the_smallest():
     with pytest.raises(PlanError) as err:
         autopar.plan(model, inputs, Cluster.preset("dgx-h100"), global_batch_size=8, memory_limit=1e6)
     msg = str(err.value)
-    assert "no configuration fits 0.0 GB per device; the smallest needs" in msg and "\n" not in msg
+    assert "no plan fits 1 MB per device; the smallest memory that would fit is" in msg and "\n" not in msg
 
 
 def test_fixed_config_that_overflows_is_returned_with_a_warning():

@@ -44,7 +44,11 @@ def _plan(n: int, dp: int, tp: int, layout: str | None = None, seed: int = 0, **
 
 
 def _zero(plan: Plan, stage: int) -> Plan:
-    return dataclasses.replace(plan, zero=stage)
+    """``plan`` with the plan-wide ``stage``: per-parameter stages 0-2 in the placements are dropped, as they override it."""
+    placements = {
+        k: {kk: v for kk, v in e.items() if not (kk == "zero" and v in (0, 1, 2))} for k, e in plan.placements.items()
+    }
+    return dataclasses.replace(plan, zero=stage, placements=placements)
 
 
 def _mixed_stages(plan: Plan) -> Plan:
@@ -96,6 +100,19 @@ def _four_rank_job(wire, memory_plans, cluster) -> tuple[list, list]:
     return checks, [_peak_memory(gpt2_tiny, cluster, p) for p in memory_plans]
 
 
+def _searched_under_pressure() -> Plan:
+    """The MILP's own plan at 40% of the memory its roomy plan takes: ZeRO stages chosen per parameter."""
+    roomy = _plan(4, 4, 1)
+    model, inputs = gpt2_tiny()
+    limit = 0.4 * roomy.estimate.memory.peak
+    plan = autopar.plan(
+        model, inputs, autopar.Cluster.local(4), fixed={"dp": 4}, precision="fp32", memory_limit=limit
+    )
+    stages = {e.get("zero", 3) for e in plan.placements.values() if "param" in e}
+    assert len(stages) > 1, stages  # a mixed plan: the point of choosing per parameter
+    return plan
+
+
 @pytest.fixture(scope="module")
 def four_processes():
     accumulate = [
@@ -106,6 +123,7 @@ def four_processes():
     cases += [(gpt2_tiny, _zero(_plan(4, 4, 1, "random", seed=1000), 2))]
     cases += [(gpt2_tiny, _zero(megatron, z)) for z in (1, 2)]
     cases += [(gpt2_tiny, _mixed_stages(_plan(4, 2, 2, "random", seed=1001)))]
+    cases += [(gpt2_tiny, _searched_under_pressure())]
     cluster = autopar.Cluster.local(4)
     refs = [single_device_run(f, 3, 1e-3, 0) for f, _ in cases]
     wire = [(f, p.to_dict()) for f, p in cases]

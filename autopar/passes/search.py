@@ -164,6 +164,13 @@ def solve_prepared(
             break
         if states is None:
             states = sum(_least_memory(problem, i) for i in sp.param_nodes)
+    if not solution.choice and m != counts[-1]:
+        # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
+        t = time.perf_counter()
+        sp = with_microbatches(mp.sp, counts[-1])
+        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+        solution, m = solve_strategies(problem, time_limit_s=1.0, bound=False), counts[-1]
+        solve_s += time.perf_counter() - t
     mp.timings["solve_s"] += solve_s
     estimate = evaluate(
         sp, solution, shape, mp.cluster, captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
@@ -195,6 +202,44 @@ def _least_memory(problem: StrategyProblem, i: int) -> float:
         mem for mem, c in zip(problem.node_memory[i], problem.node_costs[i], strict=True) if math.isfinite(c)
     ]
     return min(allowed or problem.node_memory[i])
+
+
+def zero_filter(sp: ShardingProblem, zero: int) -> Callable[[str, Strategy], bool]:
+    """The parameter strategies of ZeRO stage ``zero`` (0-3) on ``sp``'s mesh; other nodes are free.
+
+    Stages 0-2 keep parameters replicated over dp (2: and their optimizer state and
+    gradients split); stage 3 shards them over dp, and a parameter that no dp shard
+    divides takes ZeRO-2, the most the runtime can split it.
+    """
+    dp = sp.dp_dim
+    params = {sp.nodes[i]: sp.strategies[i] for i in sp.param_nodes}
+
+    def over_dp(s: Strategy) -> bool:
+        return s.outputs[0] is not None and s.outputs[0][dp] != "R"
+
+    shardable = {name for name, options in params.items() if any(over_dp(s) for s in options)}
+
+    def allowed(name: str, s: Strategy) -> bool:
+        if name not in params or dp is None:
+            return True
+        if zero == 3 and name in shardable:
+            return over_dp(s)
+        want = min(zero, 2)
+        return not over_dp(s) and s.zero == (want if any(o.zero for o in params[name]) else 0)
+
+    return allowed
+
+
+def both(
+    sp: ShardingProblem, first: Callable[[str, Strategy], bool], then: Callable[[str, Strategy], bool]
+) -> Callable[[str, Strategy], bool]:
+    """Strategies both filters allow; at a node where none does, those ``then`` allows (it is binding)."""
+    agree = {
+        sp.nodes[i]
+        for i in range(len(sp.nodes))
+        if any(first(sp.nodes[i], s) and then(sp.nodes[i], s) for s in sp.strategies[i])
+    }
+    return lambda name, s: then(name, s) and (first(name, s) or name not in agree)
 
 
 def describe_result(captured: CapturedGraph, res: ShardingResult) -> ShardingResult:
@@ -269,7 +314,8 @@ def evaluate(
     node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
     param_idx = set(sp.param_nodes)
     compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
-    optimizer_s = sum(node_time[i] for i in param_idx)
+    zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
+    optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
     backward = sum(node_time[i] for i in sp.backward_nodes)
     grad = set(sp.grad_edges)
     data_comm = grad_comm = 0.0
@@ -282,16 +328,19 @@ def evaluate(
         else:
             data_comm += c
     tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
-    exposed = data_comm + max(grad_comm - backward, tail)
+    # ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
+    exposed = data_comm + max(grad_comm - backward, tail) + zero_gather
     step = compute + exposed + optimizer_s
 
     # memory: model states are live throughout; activations peak somewhere in between
     states = sum(p.node_memory[i][choice[i]] for i in param_idx)
+    parts = [sp.state_parts[i][choice[i]] for i in param_idx if i in sp.state_parts]
+    item_node, intervals, item_memory = p.items()
     events: dict[int, float] = {}
-    for i, (s, e) in enumerate(p.node_intervals):
-        if i in param_idx:
+    for v, (s, e), mem in zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True):
+        if v in param_idx:
             continue
-        m = p.node_memory[i][choice[i]]
+        m = mem[choice[v]]
         if m:
             events[s] = events.get(s, 0.0) + m
             events[e] = events.get(e, 0.0) - m
@@ -310,11 +359,17 @@ def evaluate(
         step_time_s=step,
         samples_per_s=batch / step if step > 0 else 0.0,
         mfu=flops / (step * devices * peak_flops) if step > 0 else 0.0,
-        memory=MemoryEstimate(params=states, activations=peak_act, peak=peak),
+        memory=MemoryEstimate(
+            params=sum(x[0] for x in parts),
+            grads=sum(x[1] for x in parts),
+            optimizer=sum(x[2] for x in parts),
+            activations=peak_act,
+            peak=peak,
+        ),
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
         compute_s=compute,
-        comm_s=data_comm + grad_comm,
+        comm_s=data_comm + grad_comm + zero_gather,
         exposed_comm_s=exposed,
         optimizer_s=optimizer_s,
         model_flops=flops,
@@ -355,6 +410,8 @@ def read_placements(
         }
         if name in param_of:
             out[name]["param"] = param_of[name]
+            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim] == "R":
+                out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
     return out
 
 
@@ -367,6 +424,7 @@ def search_meshes(
     time_limit_s: float = 60.0,
     tp: int | None = None,
     dp: int | None = None,
+    zero: int | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -374,7 +432,8 @@ def search_meshes(
     makes them expensive, not forbidden. Returns (best or None, all results);
     each mesh's problem is built once and its seed layouts are solved on it with the
     other strategies forbidden. Only the best result has its placements and charged
-    collectives filled in (:func:`describe_result` fills in another's).
+    collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
+    every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
     """
     world = cluster.world_size
     sizes = [t for t in range(1, world + 1) if world % t == 0]
@@ -390,13 +449,19 @@ def search_meshes(
     for t in sizes:
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit)
+        fixed = zero_filter(mp.sp, zero) if zero is not None else None
         # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
-        plain = res = solve_prepared(mp, per_mesh, describe=False, bound=False)
+        plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False)
         # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
         # the backward, which the MILP's linear objective does not see
         for kind in seeds_for(t, list(params.values())):
+            seed = seed_filter(kind, params, conv1d)
             seeded = solve_prepared(
-                mp, per_mesh / 2, allowed=seed_filter(kind, params, conv1d), describe=False, bound=False
+                mp,
+                per_mesh / 2,
+                allowed=seed if fixed is None else both(mp.sp, seed, fixed),
+                describe=False,
+                bound=False,
             )
             if seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9):
                 log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)

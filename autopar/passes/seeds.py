@@ -47,7 +47,7 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return True
         out = strategy.outputs[0]
         if kind == "dp":
-            return all(p == "R" for p in out)
+            return all(p == "R" for p in out) and not strategy.zero  # plain data parallelism: no ZeRO
         if kind == "zero3":
             return out[0].startswith("S") and all(p == "R" for p in out[1:])
         if kind == "megatron":

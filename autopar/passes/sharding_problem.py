@@ -17,7 +17,23 @@ and every (producer u → consumer v) pair becomes an edge whose cost matrix is
 
 Gradient synchronisation is the edge (grad of p → p): a gradient that is a
 partial sum over the data-parallel dim must be all-reduced (or
-reduce-scattered, if p is sharded) to p's placement. User inputs are
+reduce-scattered, if p is sharded) to p's placement.
+
+ZeRO. A parameter sharded over dp is ZeRO-3 by its placement: its
+parameter, gradient and optimizer state are all 1/dp, and every use pays an
+all-gather on its data edges. A parameter replicated over dp (with D = dp
+ranks, n its local elements) also has ZeRO-1 and ZeRO-2 strategies, the same
+placement with
+
+    m_p[s, z=1] = n (b_param + b_grad + b_opt / D)
+    m_p[s, z=2] = n (b_param + (b_grad + b_opt) / D)
+    c_p[s, z]   = update of n / D elements + all-gather of the stepped chunks (n b_param)
+
+and a gradient edge that ends in a reduce-scatter over dp instead of an
+all-reduce (once per step for ZeRO-1, once per micro-batch for ZeRO-2, as the
+runtime does): the same 2Ψ of traffic as plain data parallelism, part of it
+after the backward instead of under it, for 1/D of the optimizer state (and
+gradients). User inputs are
 sharded on dim 0 (the batch) over the data-parallel mesh dim: that is what
 makes it the data-parallel dim.
 
@@ -41,9 +57,10 @@ import torch.fx as fx
 
 from autopar.capture import CapturedGraph
 from autopar.cluster import Link
+from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view, node_flops, roofline_time
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param
-from autopar.cost_models.reshard import INF, collectives_between, redistribute_time, shard_factor
+from autopar.cost_models.reshard import INF, collectives_between, shard_factor
 from autopar.passes.solve import StrategyProblem
 from autopar.passes.strategies import NodeStrategies, Strategy
 
@@ -65,6 +82,11 @@ class ShardingProblem:
     backward_nodes: list[int] = field(default_factory=list)
     param_nodes: list[int] = field(default_factory=list)
     flops: list[float] = field(default_factory=list)  # global FLOPs per problem node
+    # per parameter node, per strategy: (parameter, gradient, optimizer state) bytes, and the seconds of
+    # its cost that are a ZeRO-1/2 all-gather rather than the optimizer update
+    state_parts: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
+    param_comm: dict[int, list[float]] = field(default_factory=dict)
+    dp_dim: int | None = 0
 
 
 def _tensor_bytes(val) -> float:
@@ -95,7 +117,9 @@ class _GraphFacts:
     whole_bytes: dict[str, float]  # bytes of meta["val"] taken whole (0 for a tuple)
     flops: dict[str, float]  # node_flops, 0 for non-calls
     view: dict[str, bool]
-    interval: dict[str, tuple[int, int]]  # live interval of a non-parameter node
+    interval: dict[str, tuple[int, int]]  # live interval of a non-parameter node (views of it included)
+    # outputs of a tuple-valued node that outlive it through their getitem: (output index, end)
+    tuple_tails: dict[str, list[tuple[int, int]]]
     backward: set[str]
     element_size: dict[str, int]
 
@@ -109,7 +133,25 @@ def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
         return facts
     nodes = list(gm.graph.nodes)
     order = {n.name: i for i, n in enumerate(nodes)}
-    facts = _GraphFacts(len(nodes), order, {n.name: n for n in nodes}, {}, {}, {}, {}, {}, {}, set(), {})
+    facts = _GraphFacts(len(nodes), order, {n.name: n for n in nodes}, {}, {}, {}, {}, {}, {}, {}, set(), {})
+    # A view keeps its base's storage alive: a tensor is freed after the last use of it or of any view of
+    # it (and an output of a tuple-valued op after the last use of its getitem and that one's views).
+    owner: dict[fx.Node, tuple] = {}
+    storage_end: dict[tuple, int] = {}
+    for node in nodes:
+        last = max((order[u.name] for u in node.users), default=order[node.name] + 1)
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            key = (node.args[0], node.args[1])
+        elif is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            key = owner.get(node.args[0], (node.args[0], None))
+        else:
+            key = (node, None)
+        owner[node] = key
+        storage_end[key] = max(storage_end.get(key, 0), last)
+    tails: dict[str, list[tuple[int, int]]] = {}
+    for (src, k), stop in storage_end.items():
+        if k is not None:
+            tails.setdefault(src.name, []).append((k, stop))
     for node in nodes:
         name = node.name
         vals = _output_vals(node)
@@ -118,8 +160,10 @@ def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
         facts.whole_bytes[name] = _tensor_bytes(node.meta.get("val"))
         facts.flops[name] = float(node_flops(node)) if node.op == "call_function" else 0.0
         facts.view[name] = is_view(node)
-        last_use = max((order[u.name] for u in node.users), default=order[name] + 1)
-        facts.interval[name] = (order[name], max(last_use, order[name] + 1))
+        last_use = max(storage_end.get((node, None), 0), order[name] + 1)
+        facts.interval[name] = (order[name], last_use)
+        if name in tails:
+            facts.tuple_tails[name] = [(k, stop) for k, stop in sorted(tails[name]) if stop > last_use]
         if node.op == "call_function" and node.meta.get("autopar_phase") == "backward":
             facts.backward.add(name)
         if hasattr(vals[0], "element_size"):
@@ -150,9 +194,6 @@ def build_problem(
     )
     param_nodes = {p.placeholder: p for p in captured.params}
     input_nodes = {t.placeholder for t in captured.inputs}
-    state_bytes = (
-        precision.param_bytes + precision.grad_bytes + optimizer_bytes_per_param(precision, optimizer)
-    )
     opt_traffic = (
         precision.grad_bytes + 2 * optimizer_bytes_per_param(precision, optimizer) + precision.param_bytes
     )
@@ -181,8 +222,30 @@ def build_problem(
             )
         return n
 
+    dp_n = mesh_shape[dp_dim] if dp_dim is not None else 1
+    variants: dict[tuple[int, int], Strategy] = {}
+
+    def with_zero(options: list[Strategy]) -> list[Strategy]:
+        """A dp-replicated parameter's strategies, then each again under ZeRO-1 and ZeRO-2."""
+        if dp_n == 1:
+            return options
+        out = list(options)
+        for z in (1, 2):
+            for s in options:
+                if s.outputs[0] is not None and s.outputs[0][dp_dim] == "R":
+                    v = variants.get((id(s), z))
+                    if v is None:
+                        v = variants[(id(s), z)] = replace(s, zero=z)
+                    out.append(v)
+        return out
+
+    b_param, b_grad = precision.param_bytes, precision.grad_bytes
+    b_opt = optimizer_bytes_per_param(precision, optimizer)
     names: list[str] = []
     strats: list[list[Strategy]] = []
+    state_parts: dict[int, list[tuple[float, float, float]]] = {}
+    param_comm: dict[int, list[float]] = {}
+    items: list[tuple[int, tuple[int, int], list[float]]] = []
     costs: list[list[float]] = []
     memory: list[list[float]] = []
     intervals: list[tuple[int, int]] = []
@@ -203,6 +266,8 @@ def build_problem(
             batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][dp_dim] == "S(0)"]
             options = batch or options
         is_param = name in param_nodes
+        if is_param:
+            options = with_zero(options)
         kind = "param" if is_param else ("placeholder" if node.op == "placeholder" else "op")
         out_bytes = facts.out_bytes[name]
         in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
@@ -219,7 +284,7 @@ def build_problem(
         )
         got = rows.get(key)
         if got is None:
-            c_row, m_row = [], []
+            c_row, m_row, parts, gather = [], [], [], []
             if is_param:
                 elem = max(facts.element_size[name], 1)
                 for s in options:
@@ -228,8 +293,15 @@ def build_problem(
                         for b, p in zip(out_bytes, s.outputs, strict=False)
                     ]
                     numel = sum(out_local) / elem
-                    c_row.append(numel * opt_traffic / mem_bw)
-                    m_row.append(numel * state_bytes)
+                    opt_div = dp_n if s.zero else 1
+                    grad_div = dp_n if s.zero == 2 else 1
+                    ag = (
+                        collective_time("all_gather", numel * b_param, dp_n, links[dp_dim]) if s.zero else 0.0
+                    )
+                    c_row.append(numel * opt_traffic / opt_div / mem_bw + ag)
+                    parts.append((numel * b_param, numel * b_grad / grad_div, numel * b_opt / opt_div))
+                    m_row.append(sum(parts[-1]))
+                    gather.append(ag)
             elif kind == "placeholder":
                 for s in options:
                     out_local = [
@@ -258,12 +330,18 @@ def build_problem(
                     # with m micro-batches a step runs the graph m times on 1/m of the batch: the same
                     # total compute and traffic, 1/m of the activations live at once
                     m_row.append(0.0 if view else sum(out_local) * scale / microbatches)
-            got = rows[key] = (c_row, m_row)
-        c_row, m_row = got
+                    parts.append([0.0 if view else b * scale / microbatches for b in out_local])
+            got = rows[key] = (c_row, m_row, parts, gather)
+        c_row, m_row, parts, gather = got
         iv = (0, end) if is_param else facts.interval[name]
+        for k, stop in facts.tuple_tails.get(name, []) if kind == "op" else []:
+            # an output of a tuple-valued op, alive after the op through its getitem (a saved mean, a mask)
+            items.append((len(names), (iv[1], stop), [row[k] if k < len(row) else 0.0 for row in parts]))
         if name in facts.backward:
             backward.append(len(names))
         if is_param:
+            state_parts[len(names)] = parts
+            param_comm[len(names)] = gather
             params_idx.append(len(names))
         flops_of.append(facts.flops[name])
         names.append(name)
@@ -288,7 +366,7 @@ def build_problem(
         need_id, need = needs_of.get((list_ids[iv_], pos), (-1, ()))
         if need_id < 0:
             need = tuple(
-                s.outputs[0] if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None)
+                (s.outputs[0], s.zero) if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None, 0)
                 for s in strats[iv_]
             )
             need_id = len(needs_of)
@@ -304,14 +382,15 @@ def build_problem(
         if row is None:  # repeated layers ask for the same matrix: build it once
             row = []
             for have in haves:
-                for b in need:
+                for b, zero in need:
                     if have is None or b is None:
                         row.append(0.0)
                         continue
-                    t = moves.get((have, b, nbytes))
+                    t = moves.get((have, b, nbytes, zero))
                     if t is None:
-                        t = redistribute_time(have, b, nbytes, mesh_shape, links)
-                        t = moves[(have, b, nbytes)] = FORBIDDEN_S if t == INF else t
+                        steps = grad_sync_steps(have, b, zero, nbytes, mesh_shape, dp_dim)
+                        t = INF if steps is None else _steps_time(steps, mesh_shape, links)
+                        t = moves[(have, b, nbytes, zero)] = FORBIDDEN_S if t == INF else t
                     row.append(t)
             matrices[key] = row
         edges.append((iu, iv_))
@@ -341,8 +420,53 @@ def build_problem(
         edge_costs=edge_costs,
         memory_limit=memory_limit,
         node_names=names,
+        memory_items=items or None,
     )
-    return ShardingProblem(problem, names, strats, edge_info, grad_edges, backward, params_idx, flops_of)
+    return ShardingProblem(
+        problem,
+        names,
+        strats,
+        edge_info,
+        grad_edges,
+        backward,
+        params_idx,
+        flops_of,
+        state_parts,
+        param_comm,
+        dp_dim,
+    )
+
+
+def grad_sync_steps(
+    have: tuple[str, ...],
+    need: tuple[str, ...],
+    zero: int,
+    nbytes: float,
+    mesh_shape: tuple[int, ...],
+    dp_dim: int | None,
+) -> list[tuple[str, int, float]] | None:
+    """The collectives that bring a value placed ``have`` to ``need`` (None: not possible).
+
+    For the gradient of a ZeRO-1/2 parameter (``zero`` > 0): the gradient is brought to
+    the parameter's placement on the other mesh dims, and its dp-partial sum is then
+    reduce-scattered over dp into flat chunks (a gradient that is not partial over dp is
+    cut locally), as :mod:`autopar.runtime.zero` does.
+    """
+    if not zero or dp_dim is None:
+        return collectives_between(have, need, nbytes, mesh_shape)
+    partial = have[dp_dim].startswith("P")
+    keep = tuple((have[d] if partial else "R") if d == dp_dim else need[d] for d in range(len(mesh_shape)))
+    steps = collectives_between(have, keep, nbytes, mesh_shape)
+    if steps is None:
+        return None
+    if partial:
+        local = nbytes / shard_factor(keep, mesh_shape)  # the whole buffer each dp rank reduces
+        steps = [*steps, ("reduce_scatter", dp_dim, local)]
+    return steps
+
+
+def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
+    return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
 
 
 def _mem_eff(efficiency: ComputeEfficiency | None) -> float:
@@ -365,11 +489,28 @@ def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tupl
         u, v, k, nbytes, kind, _ = sp.edge_info[e]
         a = sp.strategies[iu][choice[iu]]
         have = a.outputs[k] if k < len(a.outputs) else None
-        need = _needed(sp, e, sp.strategies[iv][choice[iv]])
+        b = sp.strategies[iv][choice[iv]]
+        need = _needed(sp, e, b)
         if have is None or need is None:
             continue
-        for coll, d, size in collectives_between(have, need, nbytes, mesh_shape) or []:
+        zero = b.zero if sp.edge_info[e][5] < 0 else 0
+        for coll, d, size in grad_sync_steps(have, need, zero, nbytes, mesh_shape, sp.dp_dim) or []:
             out.append({"kind": coll, "mesh_dim": d, "bytes": size, "from": u, "to": v, "reason": kind})
+    for i in sp.param_nodes:
+        s = sp.strategies[i][choice[i]]
+        if s.zero:
+            local = sp.state_parts[i][choice[i]][0]
+            name = sp.nodes[i]
+            out.append(
+                {
+                    "kind": "all_gather",
+                    "mesh_dim": sp.dp_dim,
+                    "bytes": local,
+                    "from": name,
+                    "to": name,
+                    "reason": "zero",
+                }
+            )
     return out
 
 
@@ -386,7 +527,21 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
         row if i in params else [x / microbatches for x in row]
         for i, row in enumerate(sp.problem.node_memory)
     ]
-    return replace(sp, problem=replace(sp.problem, node_memory=memory))
+    # ZeRO-2 reduce-scatters each micro-batch's gradient (ZeRO-1 and plain data parallelism once a step)
+    edge_costs = list(sp.problem.edge_costs)
+    for e in sp.grad_edges:
+        v = sp.problem.edges[e][1]
+        cols = [j for j, s in enumerate(sp.strategies[v]) if s.zero == 2]
+        if cols:
+            n_v = len(sp.strategies[v])
+            row = list(edge_costs[e])
+            for a in range(len(row) // n_v):
+                for j in cols:
+                    row[a * n_v + j] *= microbatches
+            edge_costs[e] = row
+    items = [(v, iv, [x / microbatches for x in row]) for v, iv, row in sp.problem.memory_items or []] or None
+    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items)
+    return replace(sp, problem=problem)
 
 
 def restrict(problem: StrategyProblem, sp: ShardingProblem, allowed) -> StrategyProblem:

@@ -70,6 +70,9 @@ class Strategy:
 
     outputs: tuple[Placements | None, ...]  # per output tensor; None for a non-tensor output
     inputs: tuple[Placements | None, ...]  # per entry of NodeStrategies.inputs
+    # ZeRO stage 1 or 2 of a parameter replicated over dp: its optimizer state (and gradient) split
+    # over dp at run time; the placement the graph sees is ``outputs`` all the same (sharding_problem)
+    zero: int = 0
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""ZeRO stages chosen by the sharding MILP: per parameter, as the memory limit tightens."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from examples.models import gpt2_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, batch = gpt2_tiny()
+    return model, batch, autopar.Cluster.local(4)
+
+
+def _stages(plan: autopar.Plan) -> dict[str, int]:
+    """Each parameter's stage: 3 when its placement shards it over dp, else its placement's ``zero``."""
+    return {
+        e["param"]: 3 if e["outputs"][0][0] != "R" else e["zero"]
+        for e in plan.placements.values()
+        if "param" in e
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fixed_stage_sets_every_parameter_and_the_memory_breakdown(tiny, stage):
+    model, batch, cluster = tiny
+    plan = autopar.plan(model, batch, cluster, precision="fp32", fixed={"dp": 4, "zero": stage})
+    assert plan.zero == stage and set(_stages(plan).values()) == {stage}
+    mem, n = plan.estimate.memory, plan.num_params
+    assert mem.params == pytest.approx(4 * n / (4 if stage == 3 else 1))
+    assert mem.grads == pytest.approx(4 * n / (4 if stage >= 2 else 1))
+    assert mem.optimizer == pytest.approx(8 * n / (4 if stage >= 1 else 1))  # AdamW's two fp32 moments
+    assert mem.peak == pytest.approx(mem.model_states + mem.activations)
+
+
+def test_search_walks_through_zero_stages_to_an_infeasibility_message(tiny):
+    model, batch, cluster = tiny
+    roomy = autopar.plan(model, batch, cluster, precision="fp32", fixed={"dp": 4})
+    assert set(_stages(roomy).values()) == {0} or roomy.estimate.memory.optimizer < 8 * roomy.num_params
+    need = roomy.estimate.memory.peak
+    seen, last_time = set(), roomy.estimate.step_time_s
+    for fraction in (0.7, 0.5, 0.4):
+        plan = autopar.plan(
+            model, batch, cluster, precision="fp32", fixed={"dp": 4}, memory_limit=need * fraction
+        )
+        assert plan.estimate.fits and plan.estimate.memory.peak <= need * fraction * (1 + 1e-6)
+        assert plan.estimate.step_time_s >= last_time * (1 - 1e-9)  # memory is bought with time
+        last_time = plan.estimate.step_time_s
+        seen |= set(_stages(plan).values())
+    assert seen & {1, 2, 3}  # the tight plans shard model states over dp
+    with pytest.raises(autopar.PlanError) as err:
+        autopar.plan(model, batch, cluster, precision="fp32", memory_limit=need * 0.05)
+    msg = str(err.value)
+    assert "the smallest memory that would fit is" in msg and "\n" not in msg
+    smallest = float(msg.split("would fit is ")[1].split(" MB")[0]) * 1e6
+    assert need * 0.05 < smallest < need * 0.4  # what the 0.4 plan fitted in, at most
