@@ -2,8 +2,8 @@
 
 Order: check the job against the plan (world size, model) before any
 collective runs → agree on the weights (rank 0's, as DDP does) → capture the
-model at the plan's micro-batch → the local joint graph of this rank → the
-module that owns this rank's shards.
+model at the plan's micro-batch → recompute as the plan marks it → the local
+joint graph of this rank → the module that owns this rank's shards.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.cost_models.memory import precision_spec
 from autopar.errors import PlanError, RuntimeMismatchError
 from autopar.graph_cache import resize_batch
+from autopar.passes.recompute import apply_recompute
 from autopar.passes.search import AXES, solve_mesh
 from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
@@ -169,6 +170,7 @@ def parallelize(
         raise RuntimeMismatchError(
             f"the plan places no {missing[0]!r}: it was made for a different graph of {plan.model}; plan again"
         )
+    captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
     mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
