@@ -9,6 +9,7 @@ from autopar.cluster import Cluster
 from autopar.errors import (
     AutoparError,
     CaptureError,
+    CheckpointError,
     ClusterError,
     LaunchError,
     PlanError,
@@ -24,6 +25,7 @@ from autopar.runtime.parallelize import parallelize
 __all__ = [
     "AutoparError",
     "CaptureError",
+    "CheckpointError",
     "Cluster",
     "ClusterError",
     "Estimate",

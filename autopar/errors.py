@@ -33,3 +33,7 @@ class LaunchError(AutoparError):
 
 class RuntimeMismatchError(AutoparError):
     """A plan does not fit the job that runs it (world size, model, batch)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be saved or loaded (missing, of another model, another optimizer)."""

@@ -249,6 +249,28 @@ class ParallelModule(nn.Module):
             out[info.name] = None if g is None else self._full(g, spec, info.shape)
         return out
 
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write a checkpoint directory that any plan, or one device, can load (a collective: call on every rank).
+
+        Each rank writes only its shards (and its optimizer state, ZeRO chunks
+        included) under the model's own names with ``torch.distributed.checkpoint``;
+        see :mod:`autopar.runtime.checkpoint`.  ``optimizer``: the one ``make_optimizer`` built.
+        """
+        from autopar.runtime.checkpoint import save_parallel
+
+        save_parallel(self, path, optimizer)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read a checkpoint written under any plan (or by ``save_single``) into this rank's shards (a collective).
+
+        With ``optimizer`` (built by ``make_optimizer``), its state and
+        hyperparameters are restored too.  A checkpoint of another model is
+        refused on every rank before anything is read.
+        """
+        from autopar.runtime.checkpoint import load_parallel
+
+        load_parallel(self, path, optimizer)
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names."""
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]

@@ -1,0 +1,607 @@
+"""Checkpoints: weights and optimizer state written under one plan, read under any other (or on one device).
+
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory keyed by the
+model's own names, so it does not depend on the plan that wrote it:
+
+* ``model.<name>`` — every parameter and buffer, tied weights once (under the
+  first name, as ``capture`` and ``named_parameters()`` see them);
+* ``optim.<name>.<key>`` — the optimizer's state of that parameter (AdamW's
+  ``exp_avg``, ``exp_avg_sq``, ``step``), laid out like the parameter where it
+  has its shape;
+* ``autopar`` — the format version and, with an optimizer, its class and param
+  groups (hyperparameters, parameters by name).
+
+Each rank hands DCP only what it holds: a parameter shard is a DTensor with
+the plan's placements, so DCP writes each piece once and, under another plan,
+reads each rank's new piece from whichever files hold it (DCP's resharding).
+One device uses the same format through DCP's no-process-group path.
+
+ZeRO-1/2 optimizer state is a flat chunk of the dp-replicated local tensor
+(:mod:`autopar.runtime.zero`), which no DTensor placement describes.  Rather
+than all-gather it into the whole local tensor — the memory ZeRO exists to
+save — :class:`_FlatChunk` hands DCP the boxes of the parameter-shaped tensor
+the chunk covers (a flat range of a row-major tensor is at most ``2·ndim − 1``
+boxes): each rank writes and reads only its chunk, and the checkpoint looks
+like any other.
+
+A load checks the checkpoint against the model (names, shapes, optimizer
+class) on every rank first, and raises :class:`~autopar.errors.CheckpointError`
+on all ranks alike before any tensor is read, so a bad path cannot hang a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autopar.errors import CheckpointError
+from autopar.passes.shard import placements
+
+if TYPE_CHECKING:
+    from autopar.runtime.parallel_module import ParallelModule
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+INFO = "autopar"
+MODEL = "model."
+OPTIM = "optim."
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+# ---------------------------------------------------------------- flat chunks as boxes
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
+
+    Each box is itself contiguous in the flat order, so box ``k`` is the next
+    ``prod(sizes)`` elements of the range: a partial first row, whole rows,
+    a partial last row, recursively.
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    rest = tuple(shape[1:])
+    inner = math.prod(rest)
+    first, a = divmod(start, inner)
+    last, b = divmod(stop, inner)
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(rest, lo, hi)]
+
+    if first == last:
+        return in_row(first, a, b)
+    out = []
+    if a:
+        out += in_row(first, a, inner)
+        first += 1
+    if last > first:
+        out.append(((first, *(0,) * len(rest)), (last - first, *rest)))
+    if b:
+        out += in_row(last, 0, b)
+    return out
+
+
+class _FlatChunk:
+    """One rank's ZeRO chunk of a parameter-shaped tensor, as DCP sees it: the boxes of the tensor it covers.
+
+    ``chunk`` is the flat, zero-padded piece the optimizer holds (positions
+    ``start .. stop`` of the flattened local tensor, then padding); the local
+    tensor sits at ``local_offset`` in the whole tensor of shape ``size``.  DCP
+    calls ``__create_write_items__`` / ``__create_chunk_list__`` for it (its
+    ``_Checkpointable`` protocol) and our planners look pieces up by offset.
+    """
+
+    def __init__(
+        self,
+        chunk: torch.Tensor,
+        local_shape: tuple[int, ...],
+        local_offset: tuple[int, ...],
+        size: tuple[int, ...],
+        start: int,
+        stop: int,
+    ) -> None:
+        self.chunk = chunk
+        self._size = torch.Size(size)
+        self.pieces: dict[tuple[int, ...], torch.Tensor] = {}
+        boxes = flat_range_boxes(local_shape, start, stop)
+        if math.prod(local_shape) == 0:  # an empty tensor still needs its (empty) entry in the checkpoint
+            boxes = [(tuple(0 for _ in local_shape), tuple(local_shape))]
+        pos = 0
+        for offsets, sizes in boxes:
+            n = math.prod(sizes)
+            key = tuple(o + lo for o, lo in zip(offsets, local_offset, strict=True))
+            self.pieces[key] = chunk[pos : pos + n].view(sizes)
+            pos += n
+
+    def size(self) -> torch.Size:
+        return self._size  # DCP compares it with the saved size on load
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape),
+                    properties=TensorProperties.create_from_tensor(piece),
+                    size=self._size,
+                ),
+            )
+            for offsets, piece in self.pieces.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=p.shape) for o, p in self.pieces.items()]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner with a flat key space (our keys are already flat) and ZeRO chunks looked up by piece."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return (
+            obj.pieces[tuple(index.offset)] if isinstance(obj, _FlatChunk) else super().lookup_object(index)
+        )
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, flat keys, ZeRO chunks looked up by piece.
+
+    ``set_up_planner`` skips DCP's meta-tensor initialisation, which knows
+    only tensors and would drop a :class:`_FlatChunk`; every target here is
+    allocated on its device already.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return (
+            obj.pieces[tuple(index.offset)] if isinstance(obj, _FlatChunk) else super().lookup_tensor(index)
+        )
+
+
+# ---------------------------------------------------------------- what one rank holds
+
+
+@dataclass
+class _Weight:
+    """One parameter or buffer as this rank holds it."""
+
+    name: str  # the model's (first) name
+    local: torch.Tensor  # this rank's tensor: its shard under a plan, the whole tensor on one device
+    shape: tuple[int, ...]  # the whole tensor's shape
+    placements: tuple[Placement, ...] | None = None  # over the layout's mesh; None: a plain tensor
+    offset: tuple[int, ...] = ()  # where ``local`` sits in the whole tensor
+    chunk: tuple[int, int, int] | None = None  # ZeRO-1/2: (start, stop, numel) of this rank's flat chunk
+
+
+@dataclass
+class _Layout:
+    """The tensors of one rank (a ParallelModule's shards, or a whole model) and how to hand them to DCP."""
+
+    weights: list[_Weight]
+    owners: dict[int, tuple[_Weight, bool]]  # id(optimizer param) -> (weight, it is the weight's ZeRO chunk)
+    mesh: DeviceMesh | None
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    def wrap(self, w: _Weight, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (laid out like ``w.local``) as DCP should see it: a DTensor under a plan."""
+        if w.placements is None:
+            return local
+        stride = torch.empty(w.shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, w.placements, run_check=False, shape=torch.Size(w.shape), stride=stride
+        )
+
+    def flat(self, w: _Weight, chunk: torch.Tensor) -> _FlatChunk:
+        start, stop, _ = w.chunk
+        return _FlatChunk(chunk, tuple(w.local.shape), w.offset, w.shape, start, stop)
+
+    def optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, _Weight, bool]]:
+        """Each parameter the optimizer steps, with the weight it belongs to."""
+        out = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self.owners:
+                    raise CheckpointError(
+                        f"the optimizer steps a tensor of shape {tuple(p.shape)} that is not a parameter of this "
+                        "model: build it over this model (pm.make_optimizer(...) under a plan)"
+                    )
+                out.append((p, *self.owners[id(p)]))
+        return out
+
+
+def _parallel_layout(pm: ParallelModule) -> _Layout:
+    zero = pm._zero
+    state = [getattr(pm, f"state_{i}") for i in range(len(pm._state_specs))]
+    weights, owners = [], {}
+    for i, (info, local, spec) in enumerate(
+        zip(pm._infos, [*pm.shards, *state], [*pm._param_specs, *pm._state_specs], strict=True)
+    ):
+        places = placements(spec)
+        _, offset = compute_local_shape_and_global_offset(tuple(info.shape), pm.mesh, places)
+        w = _Weight(info.name, local, tuple(info.shape), places, tuple(offset))
+        if zero is not None and i < len(pm.shards) and i in zero:
+            n = zero.chunk_numel[i]
+            start = min(zero.rank * n, local.numel())
+            w.chunk = (start, min(start + n, local.numel()), n)
+            owners[id(zero.chunk(i))] = (w, True)
+        if i < len(pm.shards):
+            owners[id(local)] = (w, False)
+        weights.append(w)
+    return _Layout(weights, owners, pm.mesh)
+
+
+def _single_layout(model: nn.Module) -> _Layout:
+    weights, owners = [], {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        w = _Weight(name, t, tuple(t.shape))
+        weights.append(w)
+        owners[id(t)] = (w, False)
+    return _Layout(weights, owners, None)
+
+
+# ---------------------------------------------------------------- save
+
+
+def _like_param(p: torch.Tensor, key: str, v: Any) -> bool:
+    """Whether an optimizer state value is laid out like its parameter (resharded with it) or is a scalar.
+
+    A 0-dim parameter's 0-dim state is ambiguous by shape; ``step`` is the
+    scalar of torch's optimizers, the rest (``exp_avg``, ...) follow the parameter.
+    """
+    return isinstance(v, torch.Tensor) and v.shape == p.shape and (v.dim() > 0 or key != "step")
+
+
+def _saved_state(layout: _Layout, p: torch.Tensor, w: _Weight, chunked: bool, key: str, v: Any) -> Any:
+    """One optimizer state value as DCP should see it (laid out like its parameter where it has its shape)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    if _like_param(p, key, v):
+        return layout.flat(w, v.detach()) if chunked else layout.wrap(w, v.detach())
+    if v.dim() and layout.distributed and (chunked or any(not q.is_replicate() for q in w.placements)):
+        raise CheckpointError(
+            f"the optimizer state {key!r} of {w.name} has shape {tuple(v.shape)}, neither its parameter's "
+            f"{tuple(p.shape)} nor a scalar, so it cannot be resharded: checkpoint element-wise optimizers "
+            "(SGD, Adam, AdamW, ...) under a plan"
+        )
+    return v.detach()
+
+
+def _state_dict(layout: _Layout, optimizer: torch.optim.Optimizer | None, writer: str) -> dict[str, Any]:
+    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.wrap(w, w.local.detach()) for w in layout.weights}
+    info: dict[str, Any] = {"format": FORMAT, "writer": writer, "optimizer": None}
+    if optimizer is not None:
+        params = layout.optimizer_params(optimizer)
+        name_of = {id(p): w.name for p, w, _ in params}
+        like = []  # the keys laid out like their parameter (a 0-dim parameter's can't tell by shape)
+        for p, w, chunked in params:
+            for key, v in optimizer.state.get(p, {}).items():
+                k = f"{OPTIM}{w.name}.{key}"
+                sd[k] = _saved_state(layout, p, w, chunked, key, v)
+                if _like_param(p, key, v):
+                    like.append(k)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        info["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "like_param": like}
+    sd[INFO] = info
+    return sd
+
+
+def _save(
+    layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, writer: str
+) -> None:
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a file; pass a directory")
+    sd = _state_dict(layout, optimizer, writer)
+    os.makedirs(path, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(sd, checkpoint_id=path, planner=_SavePlanner(), no_dist=not layout.distributed)
+    what = "weights and optimizer state" if optimizer is not None else "weights"
+    log.info("saved %s to %s in %.2f s", what, path, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- load
+
+
+def _read_info(path: str) -> tuple[Metadata, dict[str, Any]]:
+    """The checkpoint's DCP metadata and autopar entry, read by this process alone (no collective)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"no checkpoint at {path}: the directory does not exist; pass the directory pm.save() wrote"
+        )
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise CheckpointError(
+            f"{path} is not a checkpoint (it has no .metadata file: the save did not finish, or it is "
+            "another directory); pass the directory pm.save() wrote"
+        )
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is one readable line
+        raise CheckpointError(f"cannot read the checkpoint at {path}: {exc}; save it again") from exc
+    if not isinstance(metadata.state_dict_metadata.get(INFO), BytesStorageMetadata):
+        raise CheckpointError(
+            f"{path} is a torch.distributed.checkpoint but not autopar's (no {INFO!r} entry); "
+            "save with pm.save() or autopar.runtime.checkpoint.save_single()"
+        )
+    box: dict[str, Any] = {INFO: None}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(box, checkpoint_id=path, planner=_LoadPlanner(), no_dist=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"cannot read the checkpoint at {path}: {exc}; save it again") from exc
+    info = box[INFO]
+    if not isinstance(info, dict) or info.get("format", 0) > FORMAT:
+        raise CheckpointError(
+            f"{path} was written by a newer autopar (format {info}); upgrade autopar to load it"
+        )
+    return metadata, info
+
+
+def _check_model(path: str, metadata: Metadata, layout: _Layout) -> None:
+    """Same names and shapes as the model, or a one-line error naming the first difference."""
+    saved = {k[len(MODEL) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
+    ours = {w.name: w.shape for w in layout.weights}
+    missing = [n for n in ours if n not in saved]
+    extra = [n for n in saved if n not in ours]
+    for names, what in [(missing, "it has no {}"), (extra, "it holds {}, which this model lacks")]:
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise CheckpointError(
+                f"the checkpoint at {path} is of a different model: {what.format(repr(names[0]))}{more}; "
+                "load it into the model that saved it"
+            )
+    for name, shape in ours.items():
+        md = saved[name]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
+            size = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
+            raise CheckpointError(
+                f"the checkpoint at {path} holds {name!r} as {size} but this model's is {shape}: it is of a "
+                "differently sized model; build the model with the checkpoint's configuration"
+            )
+
+
+def _check_optimizer(path: str, info: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    saved = info.get("optimizer")
+    if saved is None:
+        raise CheckpointError(
+            f"the checkpoint at {path} holds no optimizer state (it was saved without optimizer=); "
+            "load it with optimizer=None, or save with the optimizer"
+        )
+    ours = type(optimizer).__name__
+    if saved["class"] != ours:
+        raise CheckpointError(
+            f"the checkpoint at {path} holds {saved['class']} state but the optimizer is {ours}: build a "
+            f"{saved['class']} to load it, or load with optimizer=None"
+        )
+    return saved
+
+
+def _agree(layout: _Layout, check: Any) -> Any:
+    """``check()`` on every rank; if it fails anywhere, the same CheckpointError on every rank (no hang)."""
+    error, result = None, None
+    try:
+        result = check()
+    except CheckpointError as exc:
+        error = str(exc)
+    if layout.distributed:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        elsewhere = next((e for e in errors if e is not None), None)
+        if error is None and elsewhere is not None:
+            error = f"another rank could not load the checkpoint: {elsewhere}"
+    if error is not None:
+        raise CheckpointError(error)
+    return result
+
+
+def _optimizer_targets(
+    layout: _Layout, metadata: Metadata, optimizer: torch.optim.Optimizer, like_param: set[str]
+) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str, dict[str, str]]]]:
+    """Where each saved optimizer value of this rank's parameters is read into, and the keys per parameter."""
+    saved_keys: dict[str, dict[str, str]] = {}  # name -> state key -> checkpoint key
+    for k in metadata.state_dict_metadata:
+        if k.startswith(OPTIM):
+            name, key = k[len(OPTIM) :].rsplit(".", 1)
+            saved_keys.setdefault(name, {})[key] = k
+    targets: dict[str, Any] = {}
+    per_param = []
+    for p, w, chunked in layout.optimizer_params(optimizer):
+        keys = saved_keys.get(w.name, {})
+        for k in keys.values():
+            md = metadata.state_dict_metadata[k]
+            if isinstance(md, BytesStorageMetadata):
+                targets[k] = None  # replaced by the saved object
+                continue
+            dtype = md.properties.dtype
+            if k in like_param:  # laid out like its parameter
+                if chunked:
+                    targets[k] = layout.flat(w, torch.zeros(p.shape, dtype=dtype, device=p.device))
+                else:
+                    targets[k] = layout.wrap(w, torch.empty(w.local.shape, dtype=dtype, device=p.device))
+            else:  # a scalar (AdamW's step) or whole: DCP keeps it on the CPU, load_state_dict moves it
+                targets[k] = torch.empty(md.size, dtype=dtype)
+        per_param.append((p, w.name, keys))
+    return targets, per_param
+
+
+def _local_value(v: Any) -> Any:
+    return v.chunk if isinstance(v, _FlatChunk) else v.to_local() if isinstance(v, DTensor) else v
+
+
+def _restore_optimizer(
+    optimizer: torch.optim.Optimizer,
+    sd: dict[str, Any],
+    per_param: list[tuple[torch.Tensor, str, dict[str, str]]],
+    saved: dict[str, Any],
+) -> None:
+    """Loaded values into the optimizer through its own ``load_state_dict`` (devices, dtypes, hooks).
+
+    Hyperparameters come from the checkpoint, as with torch's
+    ``load_state_dict``; each of the optimizer's groups takes the saved group
+    holding its first parameter (or the group at its position).
+    """
+    state = {
+        i: {key: _local_value(sd[k]) for key, k in keys.items()}
+        for i, (_, _, keys) in enumerate(per_param)
+        if keys
+    }
+    saved_groups = saved["param_groups"]
+    group_of = {name: g for g in saved_groups for name in g["params"]}
+    name_of = {id(p): name for p, name, _ in per_param}
+    groups, index = [], 0
+    for pos, g in enumerate(optimizer.param_groups):
+        first = name_of[id(g["params"][0])] if g["params"] else None
+        src = group_of.get(first) or (saved_groups[pos] if pos < len(saved_groups) else g)
+        hyper = {k: v for k, v in src.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(index, index + len(g["params"])))})
+        index += len(g["params"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _load(layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None) -> None:
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+
+    def check() -> tuple[Metadata, dict[str, Any] | None]:
+        metadata, info = _read_info(path)
+        _check_model(path, metadata, layout)
+        saved = _check_optimizer(path, info, optimizer) if optimizer is not None else None
+        if optimizer is not None:
+            layout.optimizer_params(optimizer)
+        return metadata, saved
+
+    metadata, saved = _agree(layout, check)
+    # weights are read in place: the DTensors wrap the parameters' own storage
+    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.wrap(w, w.local.detach()) for w in layout.weights}
+    per_param: list = []
+    if optimizer is not None:
+        targets, per_param = _optimizer_targets(layout, metadata, optimizer, set(saved["like_param"]))
+        sd.update(targets)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner(), no_dist=not layout.distributed)
+    if optimizer is not None:
+        _restore_optimizer(optimizer, sd, per_param, saved)
+    what = "weights and optimizer state" if optimizer is not None else "weights"
+    log.info("loaded %s from %s in %.2f s", what, path, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- public
+
+
+def save_parallel(
+    pm: ParallelModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """``pm.save``: each rank writes its shards (and optimizer state) under the model's names; a collective."""
+    mesh = dict(zip(pm.mesh.mesh_dim_names or (), pm.mesh.shape, strict=False))
+    _save(_parallel_layout(pm), path, optimizer, f"ParallelModule {mesh}")
+
+
+def load_parallel(
+    pm: ParallelModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """``pm.load``: each rank reads its shards of a checkpoint written under any plan; a collective."""
+    _load(_parallel_layout(pm), path, optimizer)
+    if pm._zero is not None:
+        pm._zero.load_from_params()  # the chunks follow the loaded parameters
+
+
+def save_single(
+    model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Save a single-device model (and a plain torch optimizer over it) in the format ``pm.load`` reads.
+
+    Needs no process group (DCP's single-process path), even inside a job.
+    """
+    _save(_single_layout(model), path, optimizer, "single device")
+
+
+def load_single(
+    model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a checkpoint written under any plan (or by ``save_single``) into a whole model on one device.
+
+    The weights are copied into the model's tensors in place; the optimizer
+    (over ``model.parameters()``) takes the saved state and hyperparameters.
+    """
+    _load(_single_layout(model), path, optimizer)
+
+
+def _gather_chunk(pm: ParallelModule, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
+    zero = pm._zero
+    out = torch.empty(w.chunk[2] * zero.size, dtype=chunk.dtype, device=chunk.device)
+    dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=zero.group)
+    return out[: w.local.numel()].view(w.local.shape)
+
+
+def full_optimizer_state(
+    owner: ParallelModule | nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, dict[str, Any]]:
+    """The optimizer's state by parameter name, every tensor whole (under a plan: a collective on every rank).
+
+    For tests and inspection: it builds each whole tensor on every rank,
+    ZeRO chunks all-gathered first; a checkpoint never does.
+    """
+    from autopar.runtime.parallel_module import ParallelModule
+
+    parallel = isinstance(owner, ParallelModule)
+    layout = _parallel_layout(owner) if parallel else _single_layout(owner)
+    out: dict[str, dict[str, Any]] = {}
+    for p, w, chunked in layout.optimizer_params(optimizer):
+        entry = out.setdefault(w.name, {})
+        for key in sorted(optimizer.state.get(p, {})):
+            v = optimizer.state[p][key]
+            if parallel and _like_param(p, key, v):
+                local = _gather_chunk(owner, w, v) if chunked else v.detach()
+                v = layout.wrap(w, local).full_tensor()
+            entry[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
