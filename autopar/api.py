@@ -181,9 +181,10 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
         )
     if fixed.get("tp", 1) != 1 and "microbatches" in fixed:
         raise PlanError("tp > 1 cannot be combined with fixed microbatches yet; fix tp, or microbatches")
-    if fixed.get("recompute", "none") != "none":
+    if fixed.get("recompute", "selective") not in ("none", "selective"):
         raise PlanError(
-            f"recompute={fixed['recompute']!r} is not costed by this version of autopar; leave it at 'none'"
+            f"recompute={fixed['recompute']!r} is not a choice: the search picks what to recompute "
+            "(op by op); fix 'none' to keep every activation"
         )
     return dict(fixed)
 
@@ -218,6 +219,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         tp=fixed.get("tp"),
         dp=fixed.get("dp"),
         zero=fixed.get("zero"),
+        recompute=fixed.get("recompute") != "none",
     )
     if not results:
         raise PlanError(
@@ -263,6 +265,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         tp=best.mesh.tp,
         pp=1,
         zero=zero_stage(captured, best.placements, best.mesh.dp),
+        recompute="selective" if any("recompute" in e for e in best.placements.values()) else "none",
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )

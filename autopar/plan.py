@@ -54,6 +54,7 @@ class Estimate:
     comm_s: float = 0.0  # total communication time (overlapped or not)
     exposed_comm_s: float = 0.0  # the part of comm_s that compute does not hide
     optimizer_s: float = 0.0
+    recompute_s: float = 0.0  # the forward ops run again in the backward (part of compute_s)
     bubble_s: float = 0.0
     model_flops: float = 0.0  # per step, whole cluster, without recompute
     collectives: list[dict[str, Any]] = field(
@@ -171,11 +172,11 @@ class Plan:
         console.print(cfg)
 
         time_t = Table(title="time per step")
-        for col in ("step", "compute", "comm (exposed / total)", "optimizer", "samples/s", "MFU"):
+        for col in ("step", "compute (recompute)", "comm (exposed / total)", "optimizer", "samples/s", "MFU"):
             time_t.add_column(col, justify="right")
         time_t.add_row(
             _secs(est.step_time_s),
-            _secs(est.compute_s),
+            f"{_secs(est.compute_s)} ({_secs(est.recompute_s)})",
             f"{_secs(est.exposed_comm_s)} / {_secs(est.comm_s)}",
             _secs(est.optimizer_s),
             f"{est.samples_per_s:,.1f}",

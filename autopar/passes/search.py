@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autopar.capture import CapturedGraph, node_module
+import torch
+
+from autopar.capture import CapturedGraph, node_module, node_phase
 from autopar.cluster import Cluster, MeshShape
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import ComputeEfficiency
+from autopar.cost_models.compute import ComputeEfficiency, is_view
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.passes.coarsen import repeated_groups
@@ -92,8 +94,12 @@ def prepare_mesh(
     memory_limit: float,
     strategies: dict[str, NodeStrategies] | None = None,
     efficiency: ComputeEfficiency | None = None,
+    recompute: bool = False,
 ) -> MeshProblem:
-    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``."""
+    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``.
+
+    ``recompute``: activations may also be recomputed in the backward (a decision of the MILP).
+    """
     timings: dict[str, float] = {}
     shape = (mesh.dp, mesh.tp)
     t = time.perf_counter()
@@ -113,6 +119,7 @@ def prepare_mesh(
         efficiency=efficiency,
         memory_limit=memory_limit,
         microbatches=1,
+        recompute=recompute,
     )
     index = {name: i for i, name in enumerate(sp.nodes)}
     options = {name: sp.strategies[i] for name, i in index.items()}
@@ -314,6 +321,7 @@ def evaluate(
     node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
     param_idx = set(sp.param_nodes)
     compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
+    recompute_s = sum(t / 2 for i, t in enumerate(node_time) if sp.strategies[i][choice[i]].recompute)
     zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
     optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
     backward = sum(node_time[i] for i in sp.backward_nodes)
@@ -372,6 +380,7 @@ def evaluate(
         comm_s=data_comm + grad_comm + zero_gather,
         exposed_comm_s=exposed,
         optimizer_s=optimizer_s,
+        recompute_s=recompute_s,
         model_flops=flops,
         collectives=collectives,
     )
@@ -408,11 +417,32 @@ def read_placements(
             "outputs": [list(p) if p is not None else None for p in s.outputs],
             "inputs": [list(p) if p is not None else None for p in s.inputs],
         }
+        if s.recompute:
+            out[name]["recompute"] = "selective"
         if name in param_of:
             out[name]["param"] = param_of[name]
             if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim] == "R":
                 out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
+    _recompute_views(captured, out)
     return out
+
+
+def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, Any]]) -> None:
+    """Mark the forward views of a recomputed value that the backward reads: kept, they would keep it."""
+    base: dict[str, str] = {}
+    for node in captured.gm.graph.nodes:
+        src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if src is None or not is_view(node) or node_phase(node) == "backward":
+            continue
+        root = base.get(src.name, src.name)
+        base[node.name] = root
+        entry = placements.get(node.name)
+        if (
+            entry is not None
+            and placements.get(root, {}).get("recompute")
+            and any(node_phase(u) == "backward" for u in node.users)
+        ):
+            entry["recompute"] = "selective"
 
 
 def search_meshes(
@@ -425,6 +455,7 @@ def search_meshes(
     tp: int | None = None,
     dp: int | None = None,
     zero: int | None = None,
+    recompute: bool = True,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -434,6 +465,7 @@ def search_meshes(
     other strategies forbidden. Only the best result has its placements and charged
     collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
     every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
+    ``recompute=False`` keeps every activation for the backward.
     """
     world = cluster.world_size
     sizes = [t for t in range(1, world + 1) if world % t == 0]
@@ -448,7 +480,7 @@ def search_meshes(
     conv1d = captured.model_name.startswith("GPT2")
     for t in sizes:
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
-        mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit)
+        mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         fixed = zero_filter(mp.sp, zero) if zero is not None else None
         # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
         plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False)

@@ -53,6 +53,7 @@ import operator
 import weakref
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.fx as fx
 
 from autopar.capture import CapturedGraph
@@ -61,6 +62,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view, node_flops, roofline_time
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param
 from autopar.cost_models.reshard import INF, collectives_between, shard_factor
+from autopar.passes.recompute import can_recompute
 from autopar.passes.solve import StrategyProblem
 from autopar.passes.strategies import NodeStrategies, Strategy
 
@@ -122,6 +124,11 @@ class _GraphFacts:
     tuple_tails: dict[str, list[tuple[int, int]]]
     backward: set[str]
     element_size: dict[str, int]
+    # forward nodes whose output the backward reads and that can be recomputed there:
+    # (end of the last forward use, first backward use); and per such node, its inputs that would
+    # be freed before that backward use (and so must be kept for the recomputation), with their end
+    recompute_gap: dict[str, tuple[int, int]] = field(default_factory=dict)
+    late_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 _FACTS: weakref.WeakKeyDictionary[fx.GraphModule, _GraphFacts] = weakref.WeakKeyDictionary()
@@ -168,8 +175,56 @@ def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
             facts.backward.add(name)
         if hasattr(vals[0], "element_size"):
             facts.element_size[name] = vals[0].element_size()
+    _recompute_facts(nodes, order, owner, storage_end, facts)
     _FACTS[gm] = facts
     return facts
+
+
+def _recompute_facts(
+    nodes: list[fx.Node], order: dict[str, int], owner: dict[fx.Node, tuple], storage_end: dict, facts
+) -> None:
+    """Which forward values could be recomputed in the backward, and over which gap they would be freed.
+
+    A value (with its views) is a candidate when the backward reads it, nothing
+    outside the graph's ops does, it is one tensor made by a replayable op
+    (:func:`autopar.passes.recompute.can_recompute`), and its last forward use comes
+    before its first backward use.
+    """
+    fwd_last: dict[tuple, int] = {}
+    bwd_first: dict[tuple, int] = {}
+    escapes: set[tuple] = set()
+    for node in nodes:
+        key = owner[node]
+        for u in node.users:
+            if u.op != "call_function":
+                escapes.add(key)
+            elif u.name in facts.backward:
+                bwd_first[key] = min(bwd_first.get(key, order[u.name]), order[u.name])
+            else:
+                fwd_last[key] = max(fwd_last.get(key, 0), order[u.name])
+    for node in nodes:
+        name, key = node.name, (node, None)
+        if (
+            node.op != "call_function"
+            or name in facts.backward
+            or facts.view[name]
+            or node.target is operator.getitem
+            or owner[node] != key
+            or key in escapes
+            or key not in bwd_first
+            or not isinstance(node.meta.get("val"), torch.Tensor)
+        ):
+            continue
+        gap = (max(fwd_last.get(key, order[name]), order[name]) + 1, bwd_first[key])
+        if gap[1] <= gap[0] or not can_recompute(node):
+            continue
+        facts.recompute_gap[name] = gap
+        late = {}
+        for a in node.all_input_nodes:
+            end_a = storage_end.get(owner[a], 0)
+            if a.op != "placeholder" and end_a < gap[1]:
+                late[a.name] = end_a
+        facts.late_inputs[name] = late
 
 
 def build_problem(
@@ -184,8 +239,13 @@ def build_problem(
     dp_dim: int | None = 0,
     memory_limit: float | None = None,
     microbatches: int = 1,
+    recompute: bool = False,
 ) -> ShardingProblem:
-    """The MILP instance for one mesh (see the module docstring for the formulation)."""
+    """The MILP instance for one mesh (see the module docstring for the formulation).
+
+    ``recompute``: with a memory limit, each recomputable activation also gets its
+    strategies again, recomputed in the backward.
+    """
     gm = captured.gm
     facts = _graph_facts(gm)
     by_name = facts.by_name
@@ -239,6 +299,16 @@ def build_problem(
                     out.append(v)
         return out
 
+    def with_recompute(options: list[Strategy]) -> list[Strategy]:
+        """A recomputable activation's strategies, then each again recomputed in the backward."""
+        out = list(options)
+        for s in options:
+            v = variants.get((id(s), -1))
+            if v is None:
+                v = variants[(id(s), -1)] = replace(s, recompute=True)
+            out.append(v)
+        return out
+
     b_param, b_grad = precision.param_bytes, precision.grad_bytes
     b_opt = optimizer_bytes_per_param(precision, optimizer)
     names: list[str] = []
@@ -268,6 +338,9 @@ def build_problem(
         is_param = name in param_nodes
         if is_param:
             options = with_zero(options)
+        gap = facts.recompute_gap.get(name) if recompute and memory_limit is not None else None
+        if gap is not None:
+            options = with_recompute(options)
         kind = "param" if is_param else ("placeholder" if node.op == "placeholder" else "op")
         out_bytes = facts.out_bytes[name]
         in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
@@ -284,7 +357,7 @@ def build_problem(
         )
         got = rows.get(key)
         if got is None:
-            c_row, m_row, parts, gather = [], [], [], []
+            c_row, m_row, parts, gather, in_parts = [], [], [], [], []
             if is_param:
                 elem = max(facts.element_size[name], 1)
                 for s in options:
@@ -318,22 +391,35 @@ def build_problem(
                         b / pieces(p) if p is not None else 0.0
                         for b, p in zip(out_bytes, s.outputs, strict=False)
                     ]
-                    in_local = 0.0
-                    for b, p in zip(in_bytes, s.inputs, strict=False):
-                        if b is not None and p is not None:
-                            in_local += b / pieces(p)
+                    ins = [
+                        b / pieces(p) if b is not None and p is not None else 0.0
+                        for b, p in zip(in_bytes, s.inputs, strict=False)
+                    ]
                     flops = node_fl / split(s)
-                    nbytes = 0.0 if view else (in_local + sum(out_local))
-                    c_row.append(
-                        roofline_time(flops, nbytes, device, precision.compute_dtype, efficiency, scale)
-                    )
+                    nbytes = 0.0 if view else (sum(ins) + sum(out_local))
+                    t = roofline_time(flops, nbytes, device, precision.compute_dtype, efficiency, scale)
+                    c_row.append(2 * t if s.recompute else t)  # a recomputed op runs again in the backward
+                    in_parts.append([b * scale / microbatches for b in ins])
                     # with m micro-batches a step runs the graph m times on 1/m of the batch: the same
                     # total compute and traffic, 1/m of the activations live at once
                     m_row.append(0.0 if view else sum(out_local) * scale / microbatches)
                     parts.append([0.0 if view else b * scale / microbatches for b in out_local])
-            got = rows[key] = (c_row, m_row, parts, gather)
-        c_row, m_row, parts, gather = got
+            got = rows[key] = (c_row, m_row, parts, gather, in_parts)
+        c_row, m_row, parts, gather, in_parts = got
         iv = (0, end) if is_param else facts.interval[name]
+        if gap is not None:
+            # live in the forward; kept over the gap unless recomputed; live again in the backward
+            here = len(names)
+            kept = [0.0 if s.recompute else m for s, m in zip(options, m_row, strict=True)]
+            items.append((here, gap, kept))
+            if iv[1] > gap[1]:
+                items.append((here, (gap[1], iv[1]), list(m_row)))
+            late = facts.late_inputs[name]
+            for k, inp in enumerate(ns.inputs):
+                if inp in late:  # an input that would be freed earlier is kept for the recomputation
+                    row = [x[k] if s.recompute and k < len(x) else 0.0 for s, x in zip(options, in_parts, strict=True)]
+                    items.append((here, (late[inp], gap[1]), row))
+            iv = (iv[0], gap[0])
         for k, stop in facts.tuple_tails.get(name, []) if kind == "op" else []:
             # an output of a tuple-valued op, alive after the op through its getitem (a saved mean, a mask)
             items.append((len(names), (iv[1], stop), [row[k] if k < len(row) else 0.0 for row in parts]))

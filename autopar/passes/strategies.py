@@ -73,6 +73,9 @@ class Strategy:
     # ZeRO stage 1 or 2 of a parameter replicated over dp: its optimizer state (and gradient) split
     # over dp at run time; the placement the graph sees is ``outputs`` all the same (sharding_problem)
     zero: int = 0
+    # the output is dropped after its last forward use and computed again before its first backward
+    # use (selective recompute); the placements are those of the strategy it varies (sharding_problem)
+    recompute: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ once, so none hangs in a collective waiting for it, and raises
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -50,6 +51,7 @@ def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s)
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    faulthandler.enable()  # a rank killed by a signal prints where it was
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
