@@ -350,28 +350,87 @@ class _ShardInterpreter(fx.Interpreter):
         return pytree.tree_unflatten(res, spec)
 
 
-def _issue_early_wait_late(graph: fx.Graph) -> None:
-    """Start each collective as soon as its input exists and wait for it only where it is first read.
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", "") in COLLECTIVES
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor"
+
+
+def schedule_collectives(graph: fx.Graph) -> None:
+    """Overlap each collective with compute, with one in flight per process group.
 
     Functional collectives return at once and ``wait_tensor`` blocks; the trace
-    puts the wait right after the collective, which serialises communication
-    with compute.  Moving waits to their first reader lets a gradient's
-    reduction run while the rest of the backward computes, as DDP's bucket
-    hooks do.
+    puts each wait right after its collective, which serialises communication
+    with compute.  Here, per process group:
+
+    * a wait moves to where its value is first read;
+    * a collective moves up to where its inputs exist, but a value that is read
+      later (a parameter gathered for a layer, a result a replayed op reads in
+      the backward) no earlier than the first read of the group's previous
+      such value: one value prefetched ahead, as FSDP does, and not every
+      gathered parameter of the step alive from its start;
+    * a collective whose result only leaves the graph (a gradient's reduction)
+      starts as soon as its input exists, as DDP's bucket hooks do;
+    * before a collective starts, the group's previous one is waited for, so at
+      most one is in flight per group.  Gloo's CPU collectives corrupted the heap
+      with several in flight on one group (a crash every few hundred steps),
+      and one at a time still overlaps each with the compute around it.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        if node.op != "call_function" or getattr(node.target, "_opname", "") not in COLLECTIVES:
-            continue
-        ready = max((a for a in node.all_input_nodes), key=lambda a: order[a], default=None)
-        if ready is not None and ready.op != "placeholder":
-            ready.append(node)  # right after the last of its inputs
-    order = {n: i for i, n in enumerate(graph.nodes)}  # moving waits keeps the others' relative order
-    for node in list(graph.nodes):
-        if node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor":
-            first = min(node.users, key=lambda u: order[u], default=None)
-            if first is not None:
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    for node in nodes:  # waits to their first reader
+        if _is_wait(node) and node.users:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            first = min(node.users, key=lambda u: order[u])
+            if first is not output:
                 first.prepend(node)
+            else:
+                output.prepend(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waits = {}
+    for node in graph.nodes:
+        if _is_wait(node) and node.args and _is_collective(node.args[0]):
+            waits[node.args[0]] = node
+
+    def first_read(c: fx.Node) -> int | None:
+        """Where the collective's result is first read inside the graph; None when only the output reads it."""
+        w = waits.get(c)
+        users = [u for u in (w.users if w is not None else ()) if u is not output]
+        return min(order[u] for u in users) if users else None
+
+    by_group: dict[str, list[fx.Node]] = {}
+    for c in (n for n in graph.nodes if _is_collective(n)):
+        by_group.setdefault(str(c.args[-1]), []).append(c)
+    nodes = list(graph.nodes)
+    for group in by_group.values():
+        reads = {c: first_read(c) for c in group}
+        read_order = sorted((c for c in group if reads[c] is not None), key=lambda c: (reads[c], order[c]))
+        previous_read = {c: reads[p] for p, c in zip(read_order, read_order[1:], strict=False)}
+        for c in group:
+            ready = max((order[a] + 1 for a in c.all_input_nodes if a.op != "placeholder"), default=0)
+            target = max(ready, previous_read.get(c, 0))
+            w = waits.get(c)
+            if w is not None:
+                target = min(target, order[w])
+            while _is_collective(nodes[target]):  # anchor on a node that does not move
+                target += 1
+            if target < order[c]:
+                nodes[target].prepend(c)  # nodes[] and order[] are the positions before any move
+    # one in flight per group: wait for the previous collective before the next one starts
+    pending: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if _is_wait(node) and node.args and _is_collective(node.args[0]):
+            group = str(node.args[0].args[-1])
+            if pending.get(group) is node.args[0]:
+                del pending[group]
+        elif _is_collective(node):
+            group = str(node.args[-1])
+            previous = pending.get(group)
+            if previous is not None and previous in waits:
+                node.prepend(waits[previous])
+            pending[group] = node
 
 
 def flat_chunk_numel(numel: int, parts: int) -> int:
@@ -514,7 +573,7 @@ def shard_graph(
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
     # make_fx records those ops too; nothing reads them
     local_gm.graph.eliminate_dead_code()
-    _issue_early_wait_late(local_gm.graph)
+    schedule_collectives(local_gm.graph)
     _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
     local_gm.recompile()
     if interp.local_only:

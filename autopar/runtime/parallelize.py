@@ -117,8 +117,13 @@ def layout_placements(
 
 
 def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
-    """Placements for a plan the data-parallel model chose (no per-op placements recorded)."""
-    return layout_placements(captured, plan, cluster, "zero3" if plan.zero == 3 else "dp")
+    """Placements for a plan the data-parallel model chose (no per-op placements recorded).
+
+    The layout's per-parameter ZeRO stages are dropped: such a plan has one
+    stage for all, ``plan.zero``, which the placements would otherwise override.
+    """
+    placements = layout_placements(captured, plan, cluster, "zero3" if plan.zero == 3 else "dp")
+    return {k: {kk: v for kk, v in e.items() if kk != "zero"} for k, e in placements.items()}
 
 
 def parallelize(
