@@ -13,21 +13,25 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import optimizer_states, precision_spec
+from autopar.cost_models.pipeline import schedule_name
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
 from autopar.graph_cache import captured_with_stats, example_batch
+from autopar.memory_summary import sharding_facts
 from autopar.passes.explain_records import explain_records
+from autopar.passes.pipeline_search import PipelineResult, pipeline_meshes, search_pipelines
 from autopar.passes.search import search_meshes
+from autopar.passes.stages import forward_segments
 from autopar.plan import GB, Estimate, Plan
 
 log = logging.getLogger(__name__)
 
-FIXED_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatches")
+FIXED_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatches", "schedule")
 
 
 def plan(
@@ -78,6 +82,7 @@ def plan(
 
     if sharding:
         sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
         sharded.solver["capture_s"] = round(t_capture, 3)
         sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
         return _make_plan(
@@ -89,6 +94,8 @@ def plan(
             sharded.solver,
             sharded.warnings,
             placements=sharded.placements,
+            stages=sharded.stages,
+            schedule=sharded.schedule,
         )
 
     candidates = _candidates(cluster, gbs, fixed)
@@ -175,11 +182,12 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
             raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise PlanError(f"fixed['zero'] must be 0, 1, 2 or 3, not {fixed['zero']!r}")
-    if fixed.get("pp", 1) != 1:
-        raise PlanError(
-            f"pp={fixed['pp']} is not costed by this version of autopar (no pipeline search yet); leave pp at 1"
-        )
-    if fixed.get("tp", 1) != 1 and "microbatches" in fixed:
+    if "schedule" in fixed:
+        try:
+            fixed["schedule"] = schedule_name(fixed["schedule"])
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+    if fixed.get("tp", 1) != 1 and "microbatches" in fixed and fixed.get("pp", 1) == 1:
         raise PlanError("tp > 1 cannot be combined with fixed microbatches yet; fix tp, or microbatches")
     if fixed.get("recompute", "selective") not in ("none", "selective"):
         raise PlanError(
@@ -191,8 +199,8 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
 
 def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
     """The MILP decides shardings, ZeRO stages and micro-batches unless the request pins the
-    micro-batch count, which only the analytic data-parallel model costs."""
-    return cluster.world_size > 1 and "microbatches" not in fixed
+    micro-batch count without a pipeline, which only the analytic data-parallel model costs."""
+    return cluster.world_size > 1 and ("microbatches" not in fixed or fixed.get("pp", 1) > 1)
 
 
 @dataclass
@@ -201,14 +209,144 @@ class _Sharded:
     solver: dict[str, Any]
     placements: dict[str, Any]
     warnings: list[str]
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    schedule: str = ""
 
 
 def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
-    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits."""
+    """Search per-op sharding, ZeRO stages, micro-batches and pipelines on every mesh; PlanError if none fits.
+
+    Meshes without a pipeline (dp × tp) and with one (pp × dp × tp, pp ≥ 2) share the
+    solver's time limit by their number; the fastest plan that fits wins, and a plan
+    without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run).
+    """
     if "dp" in fixed and gbs % fixed["dp"]:
         raise PlanError(
             f"global batch {gbs} does not split over {fixed['dp']} data-parallel ranks; choose a multiple"
         )
+    pp = fixed.get("pp")
+    segments = len(forward_segments(captured))
+    pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
+    if pp is not None and pp > 1 and not pipe_meshes:
+        raise PlanError(
+            f"no mesh with pp={pp} fits this model and cluster: the model has {segments} segments to cut, "
+            f"{cluster.world_size} devices and a global batch of {gbs}; choose another pp"
+        )
+    flat_meshes = 0 if pp is not None and pp > 1 else max(1, len(cluster.mesh_shapes(max_pp=1)))
+    share = flat_meshes / (flat_meshes + len(pipe_meshes))
+    flat, none_fits = None, None
+    if flat_meshes:
+        try:
+            flat = _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share)
+        except PlanError as err:  # a pipeline may still fit: its stages hold less
+            if not pipe_meshes:
+                raise
+            none_fits = err
+    pipe, pipes = None, []
+    if pipe_meshes:
+        # most promising first: the tensor-parallel size the meshes without a pipeline chose, fewest stages
+        tp_ref = flat.args[0].tp if flat is not None else cluster.gpus_per_node
+        pipe_meshes.sort(key=lambda m: (abs(math.log2(m.tp / tp_ref)), m.pp, m.tp))
+        budget = time_limit_s * (1 - share)
+        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget)
+        pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
+    if pipe is not None and (
+        flat is None
+        or not flat.args[1].fits
+        or pipe.estimate.step_time_s < flat.args[1].step_time_s * (1 - TIE_TOLERANCE)
+    ):
+        return _pipelined(captured, pipe, pipes, gbs, flat)
+    if none_fits is not None:
+        raise none_fits
+    if flat is None:
+        raise PlanError(
+            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.items())} fits {_size(limit)} per device: "
+            "raise memory_limit, use more devices, or lower the batch"
+        )
+    return flat
+
+
+def _pipelines(
+    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s
+) -> list[PipelineResult]:
+    """The fastest pipeline that fits on each of ``meshes``; with ``fixed`` pp and none fitting, the fastest."""
+    kwargs = dict(
+        schedules=(fixed["schedule"],) if "schedule" in fixed else ("1F1B", "interleaved"),
+        microbatches=fixed.get("microbatches"),
+        zero=fixed.get("zero"),
+        recompute=fixed.get("recompute") != "none",
+    )
+    found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
+    if not found and fixed.get("pp", 1) > 1:
+        found = search_pipelines(captured, cluster, prec, optimizer, math.inf, meshes, time_limit_s, **kwargs)
+        for r in found:
+            r.estimate.memory_limit, r.estimate.fits = limit, r.estimate.memory.peak <= limit
+    return found
+
+
+def _pipelined(
+    captured, pipe: PipelineResult, pipes: list[PipelineResult], gbs: int, flat: _Sharded | None
+) -> _Sharded:
+    """The plan pieces of a pipeline result."""
+    res, est = pipe.sharding, pipe.estimate
+    est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
+    m, mesh = pipe.microbatches, pipe.mesh
+    cfg = Config(
+        dp=mesh.dp,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        zero=zero_stage(captured, res.placements, mesh.dp),
+        recompute="selective" if any("recompute" in e for e in res.placements.values()) else "none",
+        microbatches=m,
+        micro_batch_size=gbs // (mesh.dp * m),
+    )
+    sol = res.solution
+    warnings = []
+    if not est.fits:
+        msg = (
+            f"no pipeline fits {_size(est.memory_limit)} per device; the fastest needs "
+            f"{_size(est.memory.peak)}, over the limit by {_size(est.memory.peak - est.memory_limit)}"
+        )
+        log.warning(msg)
+        warnings.append(msg)
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "backend": sol.backend,
+        "source": pipe.source,
+        "pipeline": {
+            "schedule": pipe.schedule,
+            "chunks": pipe.chunks,
+            "exact": pipe.choice.exact,
+            "bubble_fraction": (mesh.pp - 1) / (m * pipe.chunks),
+        },
+        "meshes": (flat.solver.get("meshes", []) if flat else [])
+        + [
+            {
+                "mesh": r.mesh.to_dict(),
+                "microbatches": r.microbatches,
+                "schedule": r.schedule,
+                "status": r.sharding.solution.status,
+                "source": r.source,
+                "step_time_s": r.estimate.step_time_s,
+                "peak_bytes": r.estimate.memory.peak,
+                "fits": r.estimate.fits,
+                **{k: round(v, 3) for k, v in r.timings.items()},
+            }
+            for r in pipes
+        ],
+        "charged": res.charged,
+        "graph_nodes": sol.stats.get("nodes"),
+        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "ops": explain_records(captured, res),
+    }
+    stages = pipe.stages()
+    return _Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
+
+
+def _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
+    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits."""
     best, results = search_meshes(
         captured,
         cluster,
@@ -362,6 +500,8 @@ def _make_plan(
     solver: dict[str, Any],
     warnings: list[str],
     placements: dict[str, Any] | None = None,
+    stages: list[dict[str, Any]] | None = None,
+    schedule: str = "",
 ) -> Plan:
     return Plan(
         model=stats.model,
@@ -381,4 +521,6 @@ def _make_plan(
         solver=solver,
         warnings=warnings,
         placements=placements or {},
+        stages=stages or [],
+        schedule=schedule,
     )

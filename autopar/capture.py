@@ -39,6 +39,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
@@ -253,6 +254,24 @@ def _quiet(names: tuple[str, ...] = _NOISY_LOGGERS) -> Iterator[None]:
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
+
+
+@contextmanager
+def _lean_tracing() -> Iterator[None]:
+    """Trace without work that planning never reads: Python code for every graph, stack traces.
+
+    Export's passes and ``make_fx`` regenerate and compile a graph's Python code after each
+    change (a second or more on a 7B model); lazy graph modules (as torch.compile uses them)
+    generate it only when the module is called or its code read. Each node's ``stack_trace``
+    (a captured and symbolized traceback) is read by nothing here.
+    """
+    saved = fx.config.do_not_emit_stack_traces
+    try:
+        fx.config.do_not_emit_stack_traces = True
+        with _use_lazy_graph_module(True):
+            yield
+    finally:
+        fx.config.do_not_emit_stack_traces = saved
 
 
 def _check_dtypes(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -544,7 +563,7 @@ def capture(
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, in_spec)
     stack: list[str] = []
     try:
-        with _swapped_state(model, fake_of), _track_modules(model, stack), _quiet():
+        with _swapped_state(model, fake_of), _track_modules(model, stack), _quiet(), _lean_tracing():
             ep = torch.export.export(_LossWrapper(model, loss_fn), fargs, fkwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one readable line
         log.debug("export of %s failed", cls, exc_info=True)
@@ -580,7 +599,7 @@ def capture(
         + [x for x in fake_leaves if isinstance(x, torch.Tensor)]
     )
     try:
-        with fake_mode, _quiet():
+        with fake_mode, _quiet(), _lean_tracing():
             functional = _needs_functionalization(ep)
             gm = _trace_joint(ep, sources, len(trainable), fake_args, functional)
             mutating = sorted({str(n.target) for n in gm.graph.nodes if _is_mutating(n)})

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -127,7 +128,9 @@ def _cmd_plan(args) -> int:
 
     cluster = _cluster(args)  # cheap checks first, before the model is built
     fixed = {
-        k: getattr(args, k) for k in ("dp", "tp", "zero", "microbatches") if getattr(args, k) is not None
+        k: getattr(args, k)
+        for k in ("dp", "tp", "pp", "zero", "microbatches", "schedule")
+        if getattr(args, k) is not None
     }
     with _progress("building the model", args.verbose) as phase:
         made = _load_factory(args.model)
@@ -151,7 +154,16 @@ def _cmd_plan(args) -> int:
         print(f"plan written to {args.json}")
     if args.report:
         _write_report(plan, args.report)
+    if args.show_pipeline:
+        _write_pipeline(plan, args.show_pipeline)
     return 0
+
+
+def _write_pipeline(plan, path: str) -> None:
+    from autopar.pictures import pipeline_figure, to_png
+
+    _write(lambda: Path(path).write_bytes(to_png(pipeline_figure(plan))), path)
+    print(f"pipeline timeline written to {path}")
 
 
 def _cmd_show(args) -> int:
@@ -164,6 +176,8 @@ def _cmd_show(args) -> int:
         print(plan.summary())
     if args.report:
         _write_report(plan, args.report)
+    if args.show_pipeline:
+        _write_pipeline(plan, args.show_pipeline)
     if args.pictures:
         from autopar.pictures import save_pictures
 
@@ -248,16 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
     train.add_argument("--memory-limit", type=float, metavar="GB", help="per device (default: device memory)")
     train.add_argument(
-        "--time-limit", type=float, default=60.0, metavar="S", help="solver time budget in seconds (default 60)"
+        "--time-limit",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="solver time budget in seconds (default 60)",
     )
     fix = p.add_argument_group("fix part of the plan")
     fix.add_argument("--dp", type=int, help="data-parallel size")
     fix.add_argument("--tp", type=int, help="tensor-parallel size")
+    fix.add_argument("--pp", type=int, help="pipeline-parallel size (number of pipeline stages' devices)")
+    fix.add_argument("--schedule", help="pipeline schedule: 1F1B (default), GPipe or interleaved")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     fix.add_argument("--microbatches", type=int, help="gradient-accumulation steps per optimizer step")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="save the plan as JSON (for show, diff, export-onnx)")
     out.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
+    out.add_argument(
+        "--show-pipeline", metavar="PNG", help="draw the pipeline schedule's timeline (one row per device)"
+    )
     p.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(
@@ -274,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
     s.add_argument("--pictures", metavar="DIR", help="write memory.png, time.png and pipeline.png into DIR")
+    s.add_argument(
+        "--show-pipeline", metavar="PNG", help="draw the pipeline schedule's timeline (one row per device)"
+    )
     s.set_defaults(func=_cmd_show)
 
     d = sub.add_parser(

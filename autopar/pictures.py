@@ -199,64 +199,68 @@ def time_figure(plan: Plan) -> Figure:
 
 
 def pipeline_schedule(plan: Plan) -> list[tuple[int, str, int, float, float]]:
-    """(stage, "F" | "B", micro-batch, start, end) of a 1F1B schedule; empty without a pipeline.
+    """(stage, "F" | "B", micro-batch, start, end) of the plan's schedule; empty without a pipeline.
 
-    Per-stage forward and backward times come from the stages when they carry
-    ``forward_s`` / ``backward_s``; else the step's compute is split evenly over the
-    stages and micro-batches, backward twice the forward.
+    The order of work on each device is the one the runtime runs: the actions
+    of torch.distributed.pipelining's schedule for the plan's schedule (GPipe,
+    1F1B, interleaved 1F1B; :func:`autopar.runtime.pipeline.schedule_actions`).
+    A forward waits for the previous stage's forward of its micro-batch, a
+    backward for the next stage's backward and its own forward.  Per-stage times
+    come from the stages (``forward_s`` / ``backward_s``); a stage without them
+    gets an even share of the step's compute, backward twice the forward.
     """
-    p = max(int(plan.mesh.get("pp", 1)), len(plan.stages) if plan.mesh.get("pp", 1) > 1 else 1)
-    m = max(int(plan.microbatches), 1)
-    if p <= 1:
+    from autopar.runtime.pipeline import schedule_actions
+
+    pp = int(plan.mesh.get("pp", 1))
+    if pp <= 1:
         return []
+    n = max(len(plan.stages), pp)
+    m = max(int(plan.microbatches), 1)
+    even = plan.estimate.compute_s / (n * m) if plan.estimate.compute_s else 1.0
     fwd, bwd = [], []
-    even = plan.estimate.compute_s / (p * m) if plan.estimate.compute_s else 1.0
-    for s in range(p):
+    for s in range(n):
         st = plan.stages[s] if s < len(plan.stages) and isinstance(plan.stages[s], dict) else {}
         fwd.append(float(st.get("forward_s", even / 3)))
         bwd.append(float(st.get("backward_s", 2 * even / 3)))
-    # each stage's order: warm-up forwards, then one forward one backward, then the remaining backwards
-    orders = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        seq = [("F", i) for i in range(warm)]
-        f_next, b_next = warm, 0
-        while f_next < m or b_next < m:
-            if f_next < m:
-                seq.append(("F", f_next))
-                f_next += 1
-            if b_next < m:
-                seq.append(("B", b_next))
-                b_next += 1
-        orders.append(seq)
+    actions = schedule_actions(plan.schedule or "1F1B", pp, n, m)
+    kinds = {"F": "F", "B": "B"}  # the compute actions: forward, full backward
+    orders = [
+        [
+            (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+            for a in actions[r]
+            if a.computation_type.value in kinds
+        ]
+        for r in range(pp)
+    ]
     done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
-    pos = [0] * p
+    free = [0.0] * pp
+    pos = [0] * pp
     out = []
     progress = True
     while progress:
         progress = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, s, i = orders[r][pos[r]]
                 if kind == "F":
                     dep = done.get(("F", s - 1, i)) if s > 0 else 0.0
                 else:
-                    dep = done.get(("B", s + 1, i)) if s < p - 1 else done.get(("F", s, i))
+                    later = done.get(("B", s + 1, i)) if s < n - 1 else 0.0
+                    dep = None if later is None or ("F", s, i) not in done else max(later, done[("F", s, i)])
                 if dep is None:
                     break
-                start = max(free[s], dep)
-                end = start + (fwd[s] if kind == "F" else bwd[s])
-                done[(kind, s, i)] = end
-                free[s] = end
-                out.append((s, kind, i, start, end))
-                pos[s] += 1
+                begin = max(free[r], dep)
+                stop = begin + (fwd[s] if kind == "F" else bwd[s])
+                done[(kind, s, i)] = stop
+                free[r] = stop
+                out.append((s, kind, i, begin, stop))
+                pos[r] += 1
                 progress = True
     return out
 
 
 def pipeline_figure(plan: Plan) -> Figure:
-    """The pipeline timeline (1F1B): one row per stage, a box per micro-batch's forward and backward.
+    """The pipeline timeline: one row per device, a box per stage's forward and backward of a micro-batch.
 
     Without a pipeline (pp = 1) a placeholder says so.
     """
@@ -273,26 +277,31 @@ def pipeline_figure(plan: Plan) -> Figure:
             color="#555555",
         )
         return fig
-    p = max(s for s, *_ in sched) + 1
+    pp = int(plan.mesh.get("pp", 1))
     end = max(e for *_, e in sched)
     unit, scale = _time_unit(end)
-    fig = _figure(0.9 + 0.4 * p)
+    fig = _figure(0.9 + 0.4 * pp)
     ax = fig.add_subplot()
     for s, kind, i, start, stop in sched:
         color = "#4C72B0" if kind == "F" else "#DD8452"
-        ax.barh(s, (stop - start) / scale, left=start / scale, color=color, edgecolor="white", height=0.8)
+        ax.barh(
+            s % pp, (stop - start) / scale, left=start / scale, color=color, edgecolor="white", height=0.8
+        )
         if (stop - start) / end > 0.02:
+            label = str(i) if len(plan.stages) <= pp else f"{i}:{s}"
             ax.text(
-                (start + stop) / 2 / scale, s, str(i), ha="center", va="center", fontsize=7, color="white"
+                (start + stop) / 2 / scale, s % pp, label, ha="center", va="center", fontsize=7, color="white"
             )
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_yticks(range(pp), [f"device {d}" for d in range(pp)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
     busy = sum(stop - start for *_, start, stop in sched)
-    bubble = 1 - busy / (p * end) if end else 0.0
+    bubble = 1 - busy / (pp * end) if end else 0.0
+    stages = max(len(plan.stages), pp)
     fig.suptitle(
-        f"Pipeline (1F1B): {p} stages, {plan.microbatches} micro-batches, idle {bubble * 100:.0f}%  "
-        "(blue forward, orange backward)",
+        f"Pipeline ({plan.schedule or '1F1B'}): {stages} stages on {pp} devices, {plan.microbatches} "
+        f"micro-batches, idle {bubble * 100:.0f}%  (blue forward, orange backward; label: micro-batch"
+        f"{'' if stages == pp else ':stage'})",
         fontsize=10,
         x=0.01,
         ha="left",

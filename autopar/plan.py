@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PlanFormatError
+from autopar.memory_summary import peak_line, summary_rows
 
 FORMAT_VERSION = 1
 
@@ -33,6 +34,9 @@ class MemoryEstimate:
     activations: float = 0.0
     buffers: float = 0.0  # communication buckets, gathered ZeRO-3 parameters, backward workspace
     peak: float = 0.0
+    # what is live at the peak (params, optimizer, grads made so far, activations, buffers), and where it is
+    at_peak: dict[str, float] = field(default_factory=dict)
+    peak_at: str = ""
 
     @property
     def model_states(self) -> float:
@@ -80,7 +84,8 @@ class Plan:
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     placements: dict[str, Any] = field(default_factory=dict)  # op -> placement per mesh axis
-    stages: list[Any] = field(default_factory=list)  # pipeline stage cuts
+    stages: list[Any] = field(default_factory=list)  # pipeline stages: {"first": forward node, ...} each
+    schedule: str = ""  # pipeline schedule ("1F1B", "GPipe", "interleaved"); "" without a pipeline
     estimate: Estimate = field(default_factory=Estimate)
     solver: dict[str, Any] = field(default_factory=dict)  # status, objective, gap, candidates, time_s
     warnings: list[str] = field(default_factory=list)
@@ -159,8 +164,8 @@ class Plan:
         cfg.add_column("value")
         cfg.add_row("cluster", self.cluster_description)
         cfg.add_row("mesh", self.mesh_str())
-        cfg.add_row("ZeRO stage", str(self.zero))
-        cfg.add_row("recompute", self.recompute)
+        for key, value in summary_rows(self):  # what is sharded, ZeRO, what is recomputed
+            cfg.add_row(key, value)
         cfg.add_row(
             "batch",
             f"global {self.global_batch_size} = micro-batch {self.micro_batch_size} x "
@@ -196,6 +201,11 @@ class Plan:
             "yes" if est.fits else "NO",
         )
         console.print(mem_t)
+        if peak_line(self):
+            console.print(peak_line(self))
+
+        if self.stages:
+            console.print(self._pipeline_table())
 
         if est.collectives:
             coll = Table(title="collectives per step")
@@ -247,6 +257,37 @@ class Plan:
         for w in self.warnings:
             console.print(f"warning: {w}")
         return buf.getvalue()
+
+    def _pipeline_table(self):
+        """One row per pipeline stage: what it holds, its time per micro-batch and its peak memory."""
+        from rich.table import Table
+
+        pp, m = self.mesh.get("pp", 1), max(self.microbatches, 1)
+        chunks = max(len(self.stages) // max(pp, 1), 1)
+        bubble = (pp - 1) / (m * chunks)
+        table = Table(
+            title=f"pipeline: {self.schedule or '1F1B'}, {len(self.stages)} stages on {pp} devices, "
+            f"{m} micro-batches, bubble (p-1)/(v*m) = {bubble * 100:.1f}%"
+        )
+        for col in ("stage", "device", "holds", "params", "forward", "backward", "peak memory (GB)"):
+            table.add_column(col, justify="left" if col == "holds" else "right")
+        for i, st in enumerate(self.stages):
+            names = [n for n in st.get("segments", []) if n]
+            holds = (
+                names[0]
+                if len(names) == 1
+                else (f"{names[0]} .. {names[-1]}" if names else st.get("first", ""))
+            )
+            table.add_row(
+                str(i),
+                str(st.get("device", i % max(pp, 1))),
+                holds,
+                _count(st["params"]) if st.get("params") else "-",
+                _secs(st["forward_s"]) if "forward_s" in st else "-",
+                _secs(st["backward_s"]) if "backward_s" in st else "-",
+                f"{st['memory_bytes'] / GB:.2f}" if "memory_bytes" in st else "-",
+            )
+        return table
 
     def mesh_axes(self) -> tuple[str, ...]:
         """The mesh dims placements are written over (pipeline stages are not a placement dim)."""
@@ -302,6 +343,14 @@ def _solver_line(solver: dict[str, Any], mesh: dict[str, int] | None = None) -> 
     if "time_s" in solver:
         parts.append(f"{solver['time_s']:.2f} s")
     return ", ".join(parts)
+
+
+def _count(n: float) -> str:
+    """An element count as people say it: 124M, 6.7B, 53.2K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def _secs(s: float) -> str:

@@ -97,8 +97,24 @@ def gpt2_mini():
     return gpt(4, 128, 4, vocab=512, seq=64, batch=8, device="cpu")
 
 
+def gpt2_tiny_long():
+    """GPT-2 tiny's 2 layers at hidden 128 (vocab 512) on sequences of 64, batch 8: activations of the
+    order of the model states, so that both the ZeRO stage and recompute move the peak memory."""
+    return gpt(2, 128, 4, vocab=512, seq=64, batch=8, device="cpu")
+
+
 def llama_tiny():
     return llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
+
+
+def gpt2_tiny4():
+    """gpt2_tiny with 4 layers: enough to cut into pipeline stages of whole layers."""
+    return gpt(4, 64, 4, vocab=128, seq=16, batch=8, device="cpu")
+
+
+def llama_tiny4():
+    """llama_tiny with 4 layers."""
+    return llama(4, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 
 
 class MLP(torch.nn.Module):

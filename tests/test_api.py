@@ -41,10 +41,11 @@ def test_flops_match_the_dense_transformer_formula():
 def test_search_trades_speed_for_memory_as_the_limit_tightens():
     model, inputs = gpt(4, 512, 8, vocab=8192, seq=512, batch=1)
     cluster = Cluster.preset("dgx-a100", nodes=1)
-    roomy = autopar.plan(model, inputs, cluster, global_batch_size=64)
+    flat = {"pp": 1}  # the dp x tp meshes; pipelines are tested in test_pipeline.py
+    roomy = autopar.plan(model, inputs, cluster, global_batch_size=64, fixed=flat)
     assert roomy.estimate.fits and roomy.solver["status"] == "optimal"
     need = roomy.estimate.memory.peak
-    tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5)
+    tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5, fixed=flat)
     assert tight.estimate.fits and tight.estimate.memory.peak <= need * 0.5
     assert (tight.mesh, tight.microbatches) != (roomy.mesh, roomy.microbatches)
     # the MILP is exact for its linear objective; the estimate also overlaps gradient sync with the

@@ -38,7 +38,7 @@ def plan_with_ops(factory, cluster, **kwargs):
 
 @pytest.fixture(scope="module")
 def planned():
-    return plan_with_ops(gpt2_tiny, autopar.Cluster.local(4), precision="fp32")
+    return plan_with_ops(gpt2_tiny, autopar.Cluster.local(4), precision="fp32", fixed={"pp": 1})
 
 
 @pytest.fixture(scope="module")

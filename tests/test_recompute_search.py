@@ -30,7 +30,7 @@ def test_nothing_is_recomputed_when_memory_is_plenty(tiny):
 
 def test_tight_memory_recomputes_forward_ops_and_pays_for_them_in_time(tiny):
     model, batch, cluster, fixed, roomy = tiny
-    limit = 0.8 * roomy.estimate.memory.peak
+    limit = 0.85 * roomy.estimate.memory.peak
     plan = autopar.plan(model, batch, cluster, precision="fp32", fixed=fixed, memory_limit=limit)
     assert plan.estimate.fits and plan.estimate.memory.peak <= limit * (1 + 1e-6)
     assert plan.microbatches == 1  # recompute, not gradient accumulation, made it fit

@@ -31,8 +31,12 @@ def test_fixed_stage_sets_every_parameter_and_the_memory_breakdown(tiny, stage):
     mem, n = plan.estimate.memory, plan.num_params
     assert mem.params == pytest.approx(4 * n / (4 if stage == 3 else 1))
     assert mem.grads == pytest.approx(4 * n / (4 if stage >= 2 else 1))
-    assert mem.optimizer == pytest.approx(8 * n / (4 if stage >= 1 else 1))  # AdamW's two fp32 moments
-    assert mem.peak == pytest.approx(mem.model_states + mem.activations)
+    # AdamW's two fp32 moments; under ZeRO-1/2 in fp32 also the chunk of the parameter the optimizer steps
+    assert mem.optimizer == pytest.approx((8 + 4 * (stage in (1, 2))) * n / (4 if stage >= 1 else 1))
+    at = mem.at_peak  # params and optimizer state whole, the gradients made by the peak, activations, buffers
+    assert at["params"] == mem.params and at["optimizer"] == mem.optimizer and at["grads"] <= mem.grads
+    assert (at["activations"], at["buffers"]) == (mem.activations, mem.buffers) and mem.activations > 0
+    assert mem.peak == pytest.approx(sum(at.values())) and mem.peak_at
 
 
 def test_search_walks_through_zero_stages_to_an_infeasibility_message(tiny):

@@ -82,6 +82,18 @@ def optimizer_bytes_per_param(precision: Precision, optimizer: str) -> int:
     return precision.master_bytes + 4 * optimizer_states(optimizer)
 
 
+def partition_copy_bytes(precision: Precision) -> int:
+    """Bytes per parameter of the flat partition a ZeRO-1/2 optimizer steps, beyond its state.
+
+    With mixed precision the partition is the fp32 master copy, already counted
+    in the optimizer's bytes.  In fp32 there is no master copy, and the
+    optimizer steps a copy of the rank's chunk of each parameter
+    (:mod:`autopar.runtime.zero`) while the forward reads the whole parameter:
+    ``P·Ψ/N`` more.
+    """
+    return precision.param_bytes if precision.master_bytes == 0 else 0
+
+
 def model_state_bytes(
     num_params: float, precision: Precision, optimizer: str, zero: int, dp: int
 ) -> ModelStates:
@@ -92,7 +104,7 @@ def model_state_bytes(
     return ModelStates(
         params=precision.param_bytes * num_params / (dp if zero >= 3 else 1),
         grads=precision.grad_bytes * num_params / (dp if zero >= 2 else 1),
-        optimizer=k * num_params / (dp if zero >= 1 else 1),
+        optimizer=(k + (partition_copy_bytes(precision) if zero in (1, 2) else 0)) * num_params / (dp if zero >= 1 else 1),
     )
 
 

@@ -230,7 +230,7 @@ class _Context:
         return out
 
     def record(self, i: int, alternatives: int) -> dict[str, Any]:
-        p, sp = self.p, self.sp
+        sp = self.sp
         chosen = self.choice[i]
         costs = self.local_costs(i)
         totals = [c + m for c, m in costs]
@@ -249,7 +249,7 @@ class _Context:
                 "in": [placement_str(x) for x in st.inputs],
                 "compute_s": _r(c),
                 "comm_s": _r(m),
-                "mem": _r(p.node_memory[i][s]),
+                "mem": _r(self.held(i, s)),
             }
 
         rec: dict[str, Any] = {
@@ -259,6 +259,12 @@ class _Context:
             "why": self.why(i, chosen, others, costs, strategies),
         }
         return rec
+
+    def held(self, i: int, s: int) -> float:
+        """Bytes node ``i`` holds under strategy ``s``: its output, or a parameter's value, state and gradient."""
+        parts = getattr(self.sp, "state_parts", {})
+        grad = parts[i][s][1] if i in parts else 0.0
+        return self.p.node_memory[i][s] + grad
 
     def why(self, i: int, chosen: int, others: list[int], costs, strategies) -> str:
         """One or two sentences: why ``chosen`` rather than the locally cheapest alternative."""
@@ -284,7 +290,7 @@ class _Context:
             return reason + _vs_replicated(costs, chosen, strategies)
         # a cheaper alternative was left: name why
         lead = f"{bname} would cost {_t(saving)} less here"
-        mem_more = p.node_memory[i][best] - p.node_memory[i][chosen]
+        mem_more = self.held(i, best) - self.held(i, chosen)
         limit = p.memory_limit
         if res.source != "milp":
             return (

@@ -29,7 +29,9 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
+from autopar.heap import long_lived_heap
 from autopar.passes.coarsen import repeated_groups
+from autopar.passes.pipeline_segments import microbatch_divides
 from autopar.passes.seeds import seed_filter, seeds_for
 from autopar.passes.sharding_problem import (
     ShardingProblem,
@@ -39,8 +41,9 @@ from autopar.passes.sharding_problem import (
     with_microbatches,
 )
 from autopar.passes.solve import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, solve_strategies
+from autopar.passes.step_memory import step_memory
 from autopar.passes.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.plan import Estimate, MemoryEstimate
+from autopar.plan import Estimate
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class ShardingResult:
     charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
     source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
     milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
+    # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
+    # same problem fits them either, so the seed layouts of the mesh skip them
+    unfit: frozenset[int] = frozenset()
 
 
 def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
@@ -85,6 +91,7 @@ class MeshProblem:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@long_lived_heap()
 def prepare_mesh(
     captured: CapturedGraph,
     cluster: Cluster,
@@ -130,18 +137,25 @@ def prepare_mesh(
     return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
 
 
+@long_lived_heap()
 def solve_prepared(
     mp: MeshProblem,
     time_limit_s: float = 60.0,
     allowed: Callable[[str, Strategy], bool] | None = None,
     describe: bool = True,
     bound: bool = True,
+    least_peak: bool = True,
+    unfit: frozenset[int] = frozenset(),
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
     Gradient accumulation only to fit: the fewest micro-batches that fit the memory
     limit. ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
     ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
+    ``least_peak=False``: an answer that does not fit is of no use to the caller (a seed
+    layout), so no solve is spent on the smallest memory that would fit, and none at all
+    when the parameters' states alone are over the limit. ``unfit``: micro-batch counts known not
+    to fit (``ShardingResult.unfit`` of a less restricted solve of ``mp``), not tried again.
     """
     captured, shape = mp.captured, (mp.mesh.dp, mp.mesh.tp)
     local = captured.batch_size // mp.mesh.dp
@@ -149,33 +163,66 @@ def solve_prepared(
     solve_s = 0.0
     counts = [k for k in range(1, local + 1) if local % k == 0]
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
-    solution, m = None, counts[0]
-    for k in counts:
+    solution, m, sp = None, counts[0], mp.sp
+    proven = set(unfit)  # counts that cannot fit
+    restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
+    if not least_peak:
+        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
+        if states > mp.memory_limit * (1 + MEMORY_RTOL):
+            solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory": states})
+            solution.stats["min_peak_memory_exact"] = False
+    tries = [k for k in counts if k not in proven]
+    if solution is None and not tries:
+        solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False})
+    for k in tries if solution is None else ():
         if (
             solution is not None
             and states is not None
             and not _may_fit(solution, m, k, states, mp.memory_limit)
         ):
             if not _may_fit(solution, m, counts[-1], states, mp.memory_limit):
+                proven.update(c for c in counts if c >= k)
                 break  # the bound falls as k grows: if the most micro-batches cannot fit, none can
+            proven.add(k)
             continue
         t = time.perf_counter()
         sp = with_microbatches(mp.sp, k)
-        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
         solution = solve_strategies(
-            problem, time_limit_s=max(deadline - time.perf_counter(), 1.0), bound=bound
+            problem,
+            time_limit_s=max(deadline - time.perf_counter(), 1.0),
+            bound=bound,
+            exact_peak=least_peak,
+        )
+        if solution.status == "infeasible":  # proven (an answer not found in time is "unknown")
+            proven.add(k)
+        solution = _fit_exactly(
+            sp,
+            problem,
+            solution,
+            shape,
+            mp.memory_limit,
+            lambda p: solve_strategies(p, time_limit_s=max(deadline - time.perf_counter(), 1.0), bound=False),
         )
         m = k
         solve_s += time.perf_counter() - t
+        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+            # a placement splits the batch over more ranks than 1/k of it holds: more micro-batches only
+            # make that worse
+            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", mp.mesh, k)
+            solution = Solution(
+                [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
+            )
+            break
         if solution.choice:
             break
         if states is None:
             states = sum(_least_memory(problem, i) for i in sp.param_nodes)
-    if not solution.choice and m != counts[-1]:
+    if not solution.choice and m != counts[-1] and least_peak:
         # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
         t = time.perf_counter()
         sp = with_microbatches(mp.sp, counts[-1])
-        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
         solution, m = solve_strategies(problem, time_limit_s=1.0, bound=False), counts[-1]
         solve_s += time.perf_counter() - t
     mp.timings["solve_s"] += solve_s
@@ -183,9 +230,70 @@ def solve_prepared(
         sp, solution, shape, mp.cluster, captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
     )
     res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": solve_s})
+    res.unfit = frozenset(proven)
     if describe:
         describe_result(captured, res)
     return res
+
+
+def _fit_exactly(
+    sp: ShardingProblem,
+    problem: StrategyProblem,
+    solution: Solution,
+    shape: tuple[int, ...],
+    memory_limit: float,
+    solve: Callable[[StrategyProblem], Solution],
+    tries: int = 4,
+) -> Solution:
+    """``solution``, solved again under a lower limit while its exact peak is over ``memory_limit``.
+
+    The MILP's memory rows leave out buffers that depend on the strategies of both ends
+    of an edge (a gradient being reduced, a value redistributed); the estimate counts them
+    (:mod:`autopar.passes.step_memory`).  Where an answer's exact peak is over the limit,
+    the MILP's limit is lowered to leave room for the most such memory any answer so far
+    needed beyond what the MILP saw, and the problem solved again; an answer still over
+    after ``tries`` is no answer.
+    """
+    limit, hidden = problem.memory_limit, 0.0
+    for _ in range(tries):
+        if not solution.choice or limit is None or not math.isfinite(limit):
+            return solution
+        exact = step_memory(sp, solution.choice, shape).peak
+        if exact <= memory_limit * (1 + MEMORY_RTOL):
+            return solution
+        hidden = max(hidden, exact - _seen_peak(problem, solution.choice))
+        limit = min(limit - (exact - memory_limit), memory_limit - hidden)
+        log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
+        if limit <= 0:
+            break
+        solution = solve(replace(problem, memory_limit=limit))
+    if solution.choice and step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL):
+        return replace(solution, choice=[], status="infeasible", objective=math.inf)
+    return solution
+
+
+def _seen_peak(problem: StrategyProblem, choice: list[int]) -> float:
+    """The peak of ``choice`` as the MILP's memory rows see it."""
+    item_node, intervals, item_memory = problem.items()
+    events: dict[int, float] = {}
+    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
+        m = item_memory[k][choice[v]]
+        events[s] = events.get(s, 0.0) + m
+        events[e] = events.get(e, 0.0) - m
+    live = peak = 0.0
+    for t in sorted(events):
+        live += events[t]
+        peak = max(peak, live)
+    return peak
+
+
+def _microbatched(restricted: StrategyProblem, problem: StrategyProblem) -> StrategyProblem:
+    """``restricted`` (from :func:`restrict`) with ``problem``'s memory and edges: another micro-batch count.
+
+    A restriction changes only node costs and groups, and micro-batching never touches those,
+    so the mesh's problem is restricted once and each count reuses it.
+    """
+    return replace(problem, node_costs=restricted.node_costs, groups=restricted.groups)
 
 
 def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: float) -> bool:
@@ -269,9 +377,15 @@ def solve_mesh(
     allowed: Callable[[str, Strategy], bool] | None = None,
     strategies: dict[str, NodeStrategies] | None = None,
     efficiency: ComputeEfficiency | None = None,
+    recompute: bool = False,
 ) -> ShardingResult:
-    """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``."""
-    mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, strategies, efficiency)
+    """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``.
+
+    ``recompute``: activations may be recomputed (as :func:`search_meshes` allows by default).
+    """
+    mp = prepare_mesh(
+        captured, cluster, mesh, precision, optimizer, memory_limit, strategies, efficiency, recompute
+    )
     res = solve_prepared(mp, time_limit_s, allowed)
     res.timings = dict(mp.timings)
     return res
@@ -283,6 +397,9 @@ def describe_collectives(
     """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     params = {p.placeholder for p in captured.params}
+    for n in captured.gm.graph.nodes:  # a view of a parameter (its transpose) moves the parameter
+        if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in params:
+            params.add(n.name)
     out = []
     for c in charged_collectives(sp, choice, mesh_shape):
         src = by_name[c["from"]]
@@ -340,23 +457,8 @@ def evaluate(
     exposed = data_comm + max(grad_comm - backward, tail) + zero_gather
     step = compute + exposed + optimizer_s
 
-    # memory: model states are live throughout; activations peak somewhere in between
-    states = sum(p.node_memory[i][choice[i]] for i in param_idx)
-    parts = [sp.state_parts[i][choice[i]] for i in param_idx if i in sp.state_parts]
-    item_node, intervals, item_memory = p.items()
-    events: dict[int, float] = {}
-    for v, (s, e), mem in zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True):
-        if v in param_idx:
-            continue
-        m = mem[choice[v]]
-        if m:
-            events[s] = events.get(s, 0.0) + m
-            events[e] = events.get(e, 0.0) - m
-    live = peak_act = 0.0
-    for t in sorted(events):
-        live += events[t]
-        peak_act = max(peak_act, live)
-    peak = states + peak_act
+    memory = step_memory(sp, choice, mesh_shape)
+    peak = memory.peak
     collectives = _aggregate(charged_collectives(sp, choice, mesh_shape), mesh_shape, links)
     devices = 1
     for n in mesh_shape:
@@ -367,13 +469,7 @@ def evaluate(
         step_time_s=step,
         samples_per_s=batch / step if step > 0 else 0.0,
         mfu=flops / (step * devices * peak_flops) if step > 0 else 0.0,
-        memory=MemoryEstimate(
-            params=sum(x[0] for x in parts),
-            grads=sum(x[1] for x in parts),
-            optimizer=sum(x[2] for x in parts),
-            activations=peak_act,
-            peak=peak,
-        ),
+        memory=memory,
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
         compute_s=compute,
@@ -445,6 +541,7 @@ def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, An
             entry["recompute"] = "selective"
 
 
+@long_lived_heap()
 def search_meshes(
     captured: CapturedGraph,
     cluster: Cluster,
@@ -494,6 +591,8 @@ def search_meshes(
                 allowed=seed if fixed is None else both(mp.sp, seed, fixed),
                 describe=False,
                 bound=False,
+                least_peak=False,
+                unfit=plain.unfit,
             )
             if seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9):
                 log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)

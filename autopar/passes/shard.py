@@ -21,6 +21,7 @@ the strategy pass only offered placements for which that is exact.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections import Counter
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,6 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture import CapturedGraph
+from autopar.cost_models.compute import is_view
 from autopar.passes import strategy_rules
 from autopar.passes.strategies import _placement_obj, placement_str
 
@@ -225,9 +228,11 @@ class _ShardInterpreter(fx.Interpreter):
         self.on_value = on_value or {}  # called with a node's value as soon as it is computed
 
     def run_node(self, n: fx.Node) -> Any:
-        out = self._run_planned(n)
-        if n in self.on_value:
-            self.on_value[n](out)
+        # traced nodes record ``n`` as their source ("from_node") when node meta is preserved
+        with fx_traceback.set_current_meta(n, "autopar_shard"):
+            out = self._run_planned(n)
+            if n in self.on_value:
+                self.on_value[n](out)
         return out
 
     def _run_planned(self, n: fx.Node) -> Any:
@@ -394,10 +399,14 @@ def schedule_collectives(graph: fx.Graph) -> None:
         if _is_wait(node) and node.args and _is_collective(node.args[0]):
             waits[node.args[0]] = node
 
+    def leaves(n: fx.Node) -> bool:
+        """Only the output reads ``n``, directly or through views (a gradient reshaped to its parameter's shape)."""
+        return all(u is output or (is_view(u) and leaves(u)) for u in n.users)
+
     def first_read(c: fx.Node) -> int | None:
         """Where the collective's result is first read inside the graph; None when only the output reads it."""
         w = waits.get(c)
-        users = [u for u in (w.users if w is not None else ()) if u is not output]
+        users = [u for u in (w.users if w is not None else ()) if not (u is output or (is_view(u) and leaves(u)))]
         return min(order[u] for u in users) if users else None
 
     by_group: dict[str, list[fx.Node]] = {}
@@ -431,6 +440,12 @@ def schedule_collectives(graph: fx.Graph) -> None:
             if previous is not None and previous in waits:
                 node.prepend(waits[previous])
             pending[group] = node
+
+
+def source_of(node: fx.Node) -> str | None:
+    """The captured node a node of a local graph traced with ``keep_sources`` came from; None if none."""
+    sources = node.meta.get("from_node")
+    return sources[-1].name if sources else None
 
 
 def flat_chunk_numel(numel: int, parts: int) -> int:
@@ -500,8 +515,14 @@ def shard_graph(
     plan_placements: dict[str, dict],
     mesh: DeviceMesh,
     zero_stages: dict[str, int] | None = None,
+    keep_sources: bool = False,
 ) -> LocalGraph:
     """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``).
+
+    ``keep_sources``: every traced node records the captured node it came from
+    (:func:`source_of`) and collectives are left where the trace put them (right
+    before their first reader), for a pass that splits the graph by source
+    (pipeline stages) and schedules each part itself.
 
     ``zero_stages`` maps parameter placeholders of dp-replicated parameters to
     their ZeRO stage (1 or 2); their gradients leave the graph as
@@ -567,13 +588,15 @@ def shard_graph(
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
+        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
+            local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
     finally:
         quiet.setLevel(level)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
     # make_fx records those ops too; nothing reads them
     local_gm.graph.eliminate_dead_code()
-    schedule_collectives(local_gm.graph)
+    if not keep_sources:
+        schedule_collectives(local_gm.graph)
     _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
     local_gm.recompile()
     if interp.local_only:

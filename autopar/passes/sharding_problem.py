@@ -8,8 +8,9 @@ joint graph with strategies s ∈ S_v becomes a node of the solver's
               W_v(s) = Π n_d over mesh dims d where s is not all-"R" (the work is split)
               bytes_v(s) = Σ inputs and outputs of their local (sharded) bytes
     c_p[s]  = optimizer update of parameter p's local shard (memory-bound)
-    m_v[s]  = local bytes of v's output, live from v to its last use (activations, temporaries)
-    m_p[s]  = local bytes of p's parameter, gradient and optimizer state, live throughout
+    m_v[s]  = local bytes of v's output, live from v through its last use (activations, temporaries)
+    m_p[s]  = local bytes of p's parameter and optimizer state, live throughout; its gradient from the
+              op that makes it, and buffers, are memory items (autopar.passes.step_memory)
 
 and every (producer u → consumer v) pair becomes an edge whose cost matrix is
 
@@ -25,11 +26,12 @@ all-gather on its data edges. A parameter replicated over dp (with D = dp
 ranks, n its local elements) also has ZeRO-1 and ZeRO-2 strategies, the same
 placement with
 
-    m_p[s, z=1] = n (b_param + b_grad + b_opt / D)
-    m_p[s, z=2] = n (b_param + (b_grad + b_opt) / D)
+    m_p[s, z=1] = n (b_param + b_grad + (b_opt + b_copy) / D)
+    m_p[s, z=2] = n (b_param + (b_grad + b_opt + b_copy) / D)
     c_p[s, z]   = update of n / D elements + all-gather of the stepped chunks (n b_param)
 
-and a gradient edge that ends in a reduce-scatter over dp instead of an
+(b_copy: in fp32, the chunk of the parameter the optimizer steps, which no master copy already is;
+the gradient's part, from the op that makes it, is a memory item) and a gradient edge that ends in a reduce-scatter over dp instead of an
 all-reduce (once per step for ZeRO-1, once per micro-batch for ZeRO-2, as the
 runtime does): the same 2Ψ of traffic as plain data parallelism, part of it
 after the backward instead of under it, for 1/D of the optimizer state (and
@@ -52,6 +54,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -60,10 +63,11 @@ from autopar.capture import CapturedGraph
 from autopar.cluster import Link
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view, node_flops, roofline_time
-from autopar.cost_models.memory import Precision, optimizer_bytes_per_param
+from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
 from autopar.cost_models.reshard import INF, collectives_between, shard_factor
 from autopar.passes.recompute import can_recompute
 from autopar.passes.solve import StrategyProblem
+from autopar.passes.step_memory import accumulated, parameter_items
 from autopar.passes.strategies import NodeStrategies, Strategy
 
 # A cost the solver must avoid but that keeps the matrix finite (a forbidden transition).
@@ -89,6 +93,11 @@ class ShardingProblem:
     state_parts: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
     param_comm: dict[int, list[float]] = field(default_factory=dict)
     dp_dim: int | None = 0
+    # the gradients' memory items (positions in problem.memory_items: sized by the parameters, not the
+    # batch); the graph's facts and the micro-batch count, for autopar.passes.step_memory
+    grad_items: list[int] = field(default_factory=list)
+    facts: Any = None
+    microbatches: int = 1
 
 
 def _tensor_bytes(val) -> float:
@@ -142,13 +151,20 @@ def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
     order = {n.name: i for i, n in enumerate(nodes)}
     facts = _GraphFacts(len(nodes), order, {n.name: n for n in nodes}, {}, {}, {}, {}, {}, {}, {}, set(), {})
     # A view keeps its base's storage alive: a tensor is freed after the last use of it or of any view of
-    # it (and an output of a tuple-valued op after the last use of its getitem and that one's views).
+    # it (and an output of a tuple-valued op after the last use of its getitem and that one's views; the
+    # pieces of a view op such as split are views of its input). A tensor is live while its last reader
+    # runs: the interval ends one after it. The graph's output is no reader: the gradients it returns are
+    # costed as the parameters' (autopar.passes.step_memory), the loss is a scalar. Nor is dead code (a
+    # saved-tensor handle recompute left without readers): the runtime drops it.
     owner: dict[fx.Node, tuple] = {}
     storage_end: dict[tuple, int] = {}
+    live = _live_nodes(nodes)
     for node in nodes:
-        last = max((order[u.name] for u in node.users), default=order[node.name] + 1)
+        ends = [order[u.name] + 1 for u in node.users if u.op != "output" and u in live]
+        last = max(ends, default=0 if is_view(node) or node not in live else order[node.name] + 1)
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            key = (node.args[0], node.args[1])
+            src = node.args[0]
+            key = owner.get(src, (src, None)) if is_view(src) else (src, node.args[1])
         elif is_view(node) and node.args and isinstance(node.args[0], fx.Node):
             key = owner.get(node.args[0], (node.args[0], None))
         else:
@@ -178,6 +194,15 @@ def _graph_facts(gm: fx.GraphModule) -> _GraphFacts:
     _recompute_facts(nodes, order, owner, storage_end, facts)
     _FACTS[gm] = facts
     return facts
+
+
+def _live_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes that run: placeholders, the output, ops with side effects, and what they read."""
+    live: set[fx.Node] = set()
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output") or n.is_impure() or any(u in live for u in n.users):
+            live.add(n)
+    return live
 
 
 def _recompute_facts(
@@ -311,6 +336,7 @@ def build_problem(
 
     b_param, b_grad = precision.param_bytes, precision.grad_bytes
     b_opt = optimizer_bytes_per_param(precision, optimizer)
+    b_copy = partition_copy_bytes(precision)
     names: list[str] = []
     strats: list[list[Strategy]] = []
     state_parts: dict[int, list[tuple[float, float, float]]] = {}
@@ -372,8 +398,9 @@ def build_problem(
                         collective_time("all_gather", numel * b_param, dp_n, links[dp_dim]) if s.zero else 0.0
                     )
                     c_row.append(numel * opt_traffic / opt_div / mem_bw + ag)
-                    parts.append((numel * b_param, numel * b_grad / grad_div, numel * b_opt / opt_div))
-                    m_row.append(sum(parts[-1]))
+                    opt = b_opt + (b_copy if s.zero else 0)
+                    parts.append((numel * b_param, numel * b_grad / grad_div, numel * opt / opt_div))
+                    m_row.append(parts[-1][0] + parts[-1][2])  # the gradient is an item: it lives from the backward
                     gather.append(ag)
             elif kind == "placeholder":
                 for s in options:
@@ -437,6 +464,11 @@ def build_problem(
         intervals.append(iv)
 
     index = {n: i for i, n in enumerate(names)}
+    grads = parameter_items(captured, by_name, facts.order, end, index, state_parts)
+    grad_items = list(range(len(items), len(items) + len(grads)))
+    items += grads
+    if microbatches > 1:
+        grad_items = accumulated(items, grad_items)
     edges: list[tuple[int, int]] = []
     edge_costs: list[list[float]] = []
     edge_info: list[tuple[str, str, int, float, str, int]] = []
@@ -463,7 +495,10 @@ def build_problem(
             haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in strats[iu])
             have_id = len(haves_of)
             haves_of[(list_ids[iu], out_idx)] = (have_id, haves)
-        key = (have_id, need_id, nbytes)
+        # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
+        # such views, and the gathered parameter would stay alive from the forward to the backward
+        pinned = u in param_nodes and kind == "data" and facts.view[v]
+        key = (have_id, need_id, nbytes, pinned)
         row = matrices.get(key)
         if row is None:  # repeated layers ask for the same matrix: build it once
             row = []
@@ -477,7 +512,7 @@ def build_problem(
                         steps = grad_sync_steps(have, b, zero, nbytes, mesh_shape, dp_dim)
                         t = INF if steps is None else _steps_time(steps, mesh_shape, links)
                         t = moves[(have, b, nbytes, zero)] = FORBIDDEN_S if t == INF else t
-                    row.append(t)
+                    row.append(FORBIDDEN_S if pinned and t > 0 else t)
             matrices[key] = row
         edges.append((iu, iv_))
         edge_costs.append(row)
@@ -520,6 +555,9 @@ def build_problem(
         state_parts,
         param_comm,
         dp_dim,
+        grad_items=grad_items,
+        facts=facts,
+        microbatches=microbatches,
     )
 
 
@@ -625,9 +663,15 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
                 for j in cols:
                     row[a * n_v + j] *= microbatches
             edge_costs[e] = row
-    items = [(v, iv, [x / microbatches for x in row]) for v, iv, row in sp.problem.memory_items or []] or None
-    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items)
-    return replace(sp, problem=problem)
+    # gradients are sized by the parameters, not the batch, and accumulate over the micro-batches
+    grads = set(sp.grad_items)
+    items = [
+        (v, iv, row if k in grads else [x / microbatches for x in row])
+        for k, (v, iv, row) in enumerate(sp.problem.memory_items or [])
+    ]
+    grad_items = accumulated(items, sp.grad_items)
+    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items or None)
+    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items)
 
 
 def restrict(problem: StrategyProblem, sp: ShardingProblem, allowed) -> StrategyProblem:

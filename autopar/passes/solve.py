@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.heap import long_lived_heap
 from autopar.passes.solve_backends import (
     HIGHS_MIP_MAX_NNZ,
     MIN_SOLVER_TIME_S,
@@ -112,6 +113,9 @@ logger = logging.getLogger(__name__)
 
 MEMORY_RTOL = 1e-9
 """Relative tolerance on the memory limit: a peak up to ``M * (1 + MEMORY_RTOL)`` fits."""
+
+MIN_PEAK_MAX_NNZ = 20_000_000
+"""Above this many nonzeros the smallest-peak MILP is not built: its lower bound is returned instead."""
 
 
 @dataclass
@@ -207,12 +211,23 @@ def _variable_graph(
     p: StrategyProblem, var_of_node: np.ndarray, members: list[list[int]]
 ) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
     """Per-variable costs and per-pair matrices (parallel edges summed, in-group edges on the diagonal)."""
-    costs = [np.sum([np.asarray(p.node_costs[v], dtype=float) for v in vs], axis=0) for vs in members]
+    # repeated layers share cost lists: each list is converted once
+    vectors: dict[int, np.ndarray] = {}
+
+    def vector(row: list[float]) -> np.ndarray:
+        got = vectors.get(id(row))
+        if got is None:
+            got = vectors[id(row)] = np.asarray(row, dtype=float)
+        return got
+
+    costs = [np.sum([vector(p.node_costs[v]) for v in vs], axis=0) for vs in members]
     mats: dict[tuple[int, int], np.ndarray] = {}
-    arrays: dict[tuple[int, int, int], np.ndarray] = {}  # repeated layers share cost lists: convert once
+    arrays: dict[tuple[int, int, int], np.ndarray] = {}
+    var_of = var_of_node.tolist()
+    sizes = [len(c) for c in p.node_costs]
     for e, (u, v) in enumerate(p.edges):
-        a, b = int(var_of_node[u]), int(var_of_node[v])
-        shape = (len(p.node_costs[u]), len(p.node_costs[v]))
+        a, b = var_of[u], var_of[v]
+        shape = (sizes[u], sizes[v])
         m = arrays.get((id(p.edge_costs[e]), *shape))
         if m is None:
             m = arrays[(id(p.edge_costs[e]), *shape)] = np.asarray(p.edge_costs[e], dtype=float).reshape(
@@ -257,7 +272,12 @@ def _peak_memory(p: StrategyProblem, choice: list[int]) -> float:
 
 
 def _min_peak_memory(
-    p: StrategyProblem, var_of_node: np.ndarray, members: list[list[int]], backend: str, time_limit_s: float
+    p: StrategyProblem,
+    var_of_node: np.ndarray,
+    members: list[list[int]],
+    backend: str,
+    time_limit_s: float,
+    exact: bool = True,
 ) -> tuple[float, bool]:
     """The smallest peak memory any choice reaches, and whether it is exact.
 
@@ -266,7 +286,9 @@ def _min_peak_memory(
 
     Cheap in the usual case: when one strategy of a variable minimises the memory of all its
     nodes at once, that strategy is optimal for the peak, and the peak is the largest sum of
-    per-node minima. Only groups whose members disagree need a small MILP over those groups.
+    per-node minima. Only groups whose members disagree need a small MILP over those groups;
+    ``exact=False`` skips it and returns that largest sum, a lower bound (its MILP holds every
+    row a long-lived item touches, seconds on a 7B training graph).
     """
     item_node, intervals, item_memory = p.items()
     item_var = var_of_node[item_node]
@@ -293,8 +315,15 @@ def _min_peak_memory(
                 hard.append(k)
     if not hard:
         return float(floor.max()), True
+    if not exact:
+        return float(floor.max()), False
     # minimise P  s.t.  sum_s x_{k,s} = 1 (hard k),  floor_r + sum (m - min) x - P <= 0 (rows they touch)
     hard_set = set(hard)
+    nonzeros = sum(
+        int(rows.r1[i] - rows.r0[i]) * len(mem[i]) for i in active.tolist() if int(item_var[i]) in hard_set
+    )
+    if nonzeros > MIN_PEAK_MAX_NNZ:  # its rows would not fit in memory (a 70B graph: tens of GB)
+        return float(floor.max()), False
     sizes = np.array([len(allowed[k]) for k in hard], dtype=np.int64)
     x0 = dict(zip(hard, np.concatenate([[0], np.cumsum(sizes)])[:-1].tolist(), strict=True))
     n_x = int(sizes.sum())
@@ -342,11 +371,14 @@ def _infeasible(
     var_of_node: np.ndarray,
     members: list[list[int]],
     time_limit_s: float,
+    exact_peak: bool = True,
 ) -> Solution:
     stats["infeasible_reason"] = reason
     message = f"no feasible strategy choice: {reason}"
     if p.memory_limit is not None and math.isfinite(p.memory_limit):
-        peak, exact = _min_peak_memory(p, var_of_node, members, backend, max(time_limit_s, 1.0))
+        peak, exact = _min_peak_memory(
+            p, var_of_node, members, backend, max(time_limit_s, 1.0), exact=exact_peak
+        )
         stats["min_peak_memory"] = peak
         stats["min_peak_memory_exact"] = exact
         message += f"; the smallest memory that would fit is {peak:.6g} bytes"
@@ -364,6 +396,7 @@ def _local_from_values(milp: Milp, core: CoreProblem, values: np.ndarray) -> np.
     return padded.argmax(axis=1)
 
 
+@long_lived_heap()
 def solve_strategies(
     problem: StrategyProblem,
     time_limit_s: float = 60.0,
@@ -372,6 +405,7 @@ def solve_strategies(
     reduce: bool = True,
     memory_form: str = "auto",
     bound: bool = True,
+    exact_peak: bool = True,
 ) -> Solution:
     """Choose a strategy per node minimising total cost under the memory limit (see module doc).
 
@@ -383,7 +417,10 @@ def solve_strategies(
     When neither the solver nor memory pricing gives a lower bound, one comes from
     :mod:`autopar.passes.solve_bound` for the gap; ``bound=False`` skips that (the answer
     is the same), for callers that only compare answers by their cost. The bound behind
-    the gap is ``stats["lower_bound"]``.
+    the gap is ``stats["lower_bound"]``. When nothing fits, ``stats["min_peak_memory"]`` is
+    the smallest peak any choice reaches; ``exact_peak=False`` makes it a cheap lower bound
+    instead (``stats["min_peak_memory_exact"]`` says which), for callers that only need to
+    know whether fewer activations could fit.
     """
     start = time.perf_counter()
     if not time_limit_s >= 0:
@@ -423,9 +460,8 @@ def solve_strategies(
         else:
             reducer.refresh_memory(all_binding=True)
     except InfeasibleError as err:
-        return _infeasible(
-            problem, str(err), stats, start, name, var_of_node, members, deadline - time.perf_counter()
-        )
+        left = deadline - time.perf_counter()
+        return _infeasible(problem, str(err), stats, start, name, var_of_node, members, left, exact_peak)
     core = reducer.core()
     binding = len(core.cap)
     if reduce:
@@ -543,7 +579,7 @@ def solve_strategies(
     if best is None:
         if result is not None and result.status == "INFEASIBLE":
             reason = f"{name} proved that no choice fits the memory limit and avoids the forbidden strategies"
-            return _infeasible(problem, reason, stats, start, name, var_of_node, members, 10.0)
+            return _infeasible(problem, reason, stats, start, name, var_of_node, members, 10.0, exact_peak)
         logger.warning("solve: no feasible answer found within %.3g s", time_limit_s)
         return Solution([], math.inf, "unknown", None, time.perf_counter() - start, name, stats)
     if proved and result is not None and result.status in ("OPTIMAL", "LP_OPTIMAL"):

@@ -57,6 +57,7 @@ by another is dropped).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections import deque
@@ -442,27 +443,32 @@ class Reducer:
 
     def _prune(self, k: int, push: Callable[[int], None]) -> bool:
         """Drop forbidden and dominated strategies of ``k``; True when any went."""
+        # This runs for every variable, often many times, mostly on a few strategies: it is
+        # written to make few numpy calls (their overhead, not the comparisons, is its cost).
         c = self.cost[k]
         n = len(c)
-        forbidden = c == np.inf
         parts = [c[:, None]]
+        starts = [0]  # where each part's columns begin
         for f in self.of_var[k]:
-            t = np.swapaxes(self.table[f], 0, self.scope[f].index(k)).reshape(n, -1)
-            forbidden |= (t == np.inf).all(axis=1)
-            parts.append(t)
+            t, axis = self.table[f], self.scope[f].index(k)
+            starts.append(starts[-1] + parts[-1].shape[1])
+            parts.append((np.swapaxes(t, 0, axis) if axis else t).reshape(n, -1))
+        prof = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        # a strategy is forbidden by its own cost, or by a factor all of whose entries for it are
+        forbidden = np.logical_and.reduceat(prof == np.inf, starts, axis=1).any(axis=1)
         if forbidden.all():
             raise InfeasibleError(f"{self.describe(k)} has no allowed strategy (all cost infinity)")
         if n == 1:
             return False
         if self.relevant_var[k]:
-            keep = self.keep[k]
-            parts.extend(self.item_mem[i][keep][:, None] for i in self.items_of[k] if self.relevant_item[i])
-        prof = np.hstack(parts)
-        # le[a, b]: b is no worse than a everywhere; lt[a, b]: b is better somewhere.
+            rel = [i for i in self.items_of[k] if self.relevant_item[i]]
+            if rel:
+                mems = np.array([self.item_mem[i] for i in rel])[:, self.keep[k]]
+                prof = np.concatenate([prof, mems.T], axis=1)
+        # le[a, b]: b is no worse than a everywhere; b is better somewhere exactly when not le[b, a].
+        # b dominates a when it is no worse and better somewhere, or the same with a lower index.
         le = (prof[None, :, :] <= prof[:, None, :]).all(axis=2)
-        lt = (prof[None, :, :] < prof[:, None, :]).any(axis=2)
-        dom = le & (lt | (np.arange(n)[None, :] < np.arange(n)[:, None]))
-        np.fill_diagonal(dom, False)
+        dom = le & (~le.T | _earlier(n))
         drop = dom.any(axis=1) | forbidden
         if not drop.any():
             return False
@@ -561,6 +567,12 @@ class Reducer:
             )
             choice[rec.var] = rec.table[pos]
         return choice
+
+
+@functools.cache
+def _earlier(n: int) -> np.ndarray:
+    """``[a, b]``: strategy ``b`` comes before ``a`` (ties in dominance keep the lowest index)."""
+    return np.tri(n, k=-1, dtype=bool)
 
 
 def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

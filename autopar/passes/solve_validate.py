@@ -75,6 +75,43 @@ def _first_bad(lists: list[list[float]], allow_inf: bool, nonneg: bool = False) 
     return None
 
 
+def _shapes_ok(p: StrategyProblem) -> bool:
+    """Whether every node's sizes and interval and every edge's ends and size are well formed.
+
+    The same checks as the loops of :func:`validate`, over arrays: a problem of ten thousand
+    nodes is validated once per solve, and the search solves each mesh several times. When
+    this says no, the loops run to name the culprit.
+    """
+    n, m = len(p.node_costs), len(p.edges)
+    if not n:
+        return False
+    sizes = np.fromiter(map(len, p.node_costs), dtype=np.int64, count=n)
+    if (sizes == 0).any() or not np.array_equal(sizes, np.fromiter(map(len, p.node_memory), np.int64, n)):
+        return False
+    if not _int_pairs(p.node_intervals):
+        return False
+    iv = np.array(p.node_intervals, dtype=np.int64).reshape(n, 2)
+    if (iv[:, 0] < 0).any() or (iv[:, 0] > iv[:, 1]).any():
+        return False
+    if not m:
+        return True
+    if not _int_pairs(p.edges):
+        return False
+    ends = np.array(p.edges, dtype=np.int64).reshape(m, 2)
+    if (ends < 0).any() or (ends >= n).any() or (ends[:, 0] == ends[:, 1]).any():
+        return False
+    want = sizes[ends[:, 0]] * sizes[ends[:, 1]]
+    return np.array_equal(want, np.fromiter(map(len, p.edge_costs), np.int64, m))
+
+
+def _int_pairs(pairs: list) -> bool:
+    """Whether every entry is a pair of Python ints (numpy integers, bools and the rest: the loops decide)."""
+    try:
+        return all(len(x) == 2 and type(x[0]) is int and type(x[1]) is int for x in pairs)
+    except TypeError:
+        return False
+
+
 def validate(p: StrategyProblem) -> None:
     """Raise ValueError naming the first malformed node, edge or group."""
     n = len(p.node_costs)
@@ -85,7 +122,8 @@ def validate(p: StrategyProblem) -> None:
         raise ValueError(f"node_names has {len(p.node_names)} entries, node_costs has {n}")
     if len(p.edge_costs) != len(p.edges):
         raise ValueError(f"edge_costs has {len(p.edge_costs)} entries, edges has {len(p.edges)}")
-    for v in range(n):
+    shapes_ok = _shapes_ok(p)
+    for v in range(0 if shapes_ok else n):
         s = len(p.node_costs[v])
         if s == 0:
             raise ValueError(f"{node_label(p, v)}: has no strategies")
@@ -105,7 +143,7 @@ def validate(p: StrategyProblem) -> None:
         if bad is not None:
             raise ValueError(f"{node_label(p, bad[0])}: {field_name} {bad[1]}")
     _validate_items(p)
-    for e, edge in enumerate(p.edges):
+    for e, edge in enumerate([] if shapes_ok else p.edges):
         if len(edge) != 2:
             raise ValueError(f"edge {e}: {edge!r} is not a pair (u, v)")
         u, v = edge
@@ -141,7 +179,10 @@ def validate(p: StrategyProblem) -> None:
 def _validate_items(p: StrategyProblem) -> None:
     """Each extra memory item names a node, a live interval and a memory per strategy of that node."""
     n = len(p.node_costs)
-    for k, item in enumerate(p.memory_items or []):
+    items = p.memory_items or []
+    # the values of all items in one array pass (see _first_bad); the loop raises at the first bad one
+    bad_values = _first_bad([_item_memory(item) for item in items], allow_inf=False, nonneg=True)
+    for k, item in enumerate(items):
         if len(item) != 3:
             raise ValueError(f"memory item {k}: {item!r} is not (node, (start, end), memory per strategy)")
         v, iv, mem = item
@@ -154,6 +195,13 @@ def _validate_items(p: StrategyProblem) -> None:
                 f"memory item {k} of {node_label(p, v)}: {len(mem)} memory entries, the node has "
                 f"{len(p.node_costs[v])} strategies"
             )
-        message = _value_problem(mem, allow_inf=False, nonneg=True)
-        if message is not None:
-            raise ValueError(f"memory item {k} of {node_label(p, v)}: {message}")
+        if bad_values is not None and bad_values[0] == k:
+            raise ValueError(f"memory item {k} of {node_label(p, v)}: {bad_values[1]}")
+
+
+def _item_memory(item) -> list:
+    """An item's memory per strategy, or nothing when it is not shaped as one (the loop says so)."""
+    try:
+        return item[2] if len(item) == 3 else []
+    except TypeError:
+        return []

@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
@@ -58,6 +58,14 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
 from autopar.passes import strategy_rules
+from autopar.passes.node_keys import (
+    NodeKey,
+    is_tensor_node,
+    node_keys,
+    output_vals,
+    tensor_inputs,
+    tensor_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,43 +257,6 @@ def _costs_off() -> Iterator[None]:
         _quiet.on = before
 
 
-# ---------------------------------------------------------------------------- node helpers
-
-
-def _tensor_meta(v: Any) -> TensorMeta | None:
-    if not isinstance(v, torch.Tensor):
-        return None
-    return TensorMeta(torch.Size(v.shape), tuple(v.stride()), v.dtype)
-
-
-def _is_tensor_node(a: Any) -> bool:
-    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-
-
-def _output_vals(node: fx.Node) -> tuple[Any, ...]:
-    v = node.meta.get("val")
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
-
-
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """Tensor-valued argument nodes in the order DTensor flattens them: args, then kwargs."""
-    flat = torch.utils._pytree.tree_leaves(
-        (node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node)
-    )
-    return [a for a in flat if _is_tensor_node(a)]
-
-
-def _freeze(x: Any) -> Any:
-    """A hashable stand-in for a non-tensor argument (lists become tuples)."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze(e) for e in x)
-    if isinstance(x, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
-    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise TypeError("symbolic")
-    return x
-
-
 # ---------------------------------------------------------------------------- the pass
 
 
@@ -304,7 +275,7 @@ def enumerate_strategies(
     mesh_shape = tuple(int(n) for n in mesh_shape)
     names = _names_for(mesh_shape, tuple(mesh_dim_names))
     t0 = time.perf_counter()
-    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape)
+    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm))
     out: dict[str, NodeStrategies] = {}
     with _costs_off():
         for node in gm.graph.nodes:
@@ -327,9 +298,10 @@ def enumerate_strategies(
 class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
-    def __init__(self, mesh: DeviceMesh, mesh_shape: tuple[int, ...]) -> None:
+    def __init__(self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey]) -> None:
         self.mesh = mesh
         self.mesh_shape = mesh_shape
+        self.keys = keys
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.done: dict[fx.Node, NodeStrategies] = {}
         self.memo: dict[Any, tuple[str, list[Strategy]]] = {}
@@ -367,7 +339,7 @@ class _Enumerator:
         keeps them in range and changes nothing.  ``only`` pins some nodes to one
         placement (see :meth:`_dtensor`).
         """
-        tm = _tensor_meta(node.meta["val"])
+        tm = tensor_meta(node.meta["val"])
         cands = (only[node],) if only and node in only else self.candidates(node)
         if pad > len(cands):
             cands = tuple(itertools.islice(itertools.cycle(cands), pad))
@@ -398,13 +370,15 @@ class _Enumerator:
             return self._replicated(node, op_name, warn=True)
         if node.target is operator.getitem:
             return self._follower(node)
-        inputs = _tensor_inputs(node)
-        outs = _output_vals(node)
+        nk = self.keys[node]
+        inputs = nk.inputs
+        outs = output_vals(node)
         if not any(isinstance(v, torch.Tensor) for v in outs):
             # Symbolic-size arithmetic and the like: nothing to place.
             return self._replicated(node, op_name, warn=False)
 
-        key = self._key(node, inputs)
+        # what the strategies depend on: the graph's part (node_keys), and the producers' candidates
+        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots))
         cached = self.memo.get(key) if key is not None else None
         if cached is not None:
             self.hits += 1
@@ -417,32 +391,6 @@ class _Enumerator:
         if not strats:
             return self._replicated(node, op_name, warn=True)
         return NodeStrategies(node.name, op_name, [a.name for a in inputs], list(strats), rule)
-
-    def _key(self, node: fx.Node, inputs: list[fx.Node]) -> Any:
-        """What the strategies of ``node`` depend on, hashable; None if it cannot be."""
-
-        def freeze(a: Any) -> Any:
-            if isinstance(a, fx.Node):
-                v = a.meta.get("val")
-                if isinstance(v, torch.Tensor):
-                    return ("T", _tensor_meta(v), self.candidates(a))
-                return ("V", _freeze(v))
-            if isinstance(a, (list, tuple)):
-                return tuple(freeze(e) for e in a)
-            return _freeze(a)
-
-        try:
-            outs = tuple(_tensor_meta(v) for v in _output_vals(node))
-            key = (
-                node.target,
-                freeze(node.args),
-                tuple((k, freeze(v)) for k, v in node.kwargs.items()),
-                outs,
-            )
-            hash(key)
-        except TypeError:
-            return None
-        return key
 
     def _compute(
         self, node: fx.Node, inputs: list[fx.Node], outs: tuple[Any, ...]
@@ -478,11 +426,11 @@ class _Enumerator:
         only: dict[fx.Node, Placements] | None = None,
     ) -> OpSchema:
         def wrap(a: Any) -> Any:
-            if _is_tensor_node(a):
+            if is_tensor_node(a):
                 return self.op_strategy(a, pad, only)
             if isinstance(a, fx.Node):
                 return a.meta.get("val")
-            if isinstance(a, (list, tuple)) and a and any(_is_tensor_node(e) for e in a):
+            if isinstance(a, (list, tuple)) and a and any(is_tensor_node(e) for e in a):
                 children = [wrap(e) for e in a]
                 if all(isinstance(c, OpStrategy) for c in children):
                     return TupleStrategy(tuple(children) if isinstance(a, tuple) else children)
@@ -511,7 +459,7 @@ class _Enumerator:
         schema = self._schema(node, op)
         single = prop.op_single_dim_strategy_funcs.get(op)
         if single is not None:
-            metas = tuple(_tensor_meta(v) for v in outs)
+            metas = tuple(tensor_meta(v) for v in outs)
             out_meta: Any = metas[0] if len(metas) == 1 else metas
             rules = single.func(op, schema.args_meta, schema.kwargs_meta)
             n_out = len(rules[0]) - len(inputs) if rules else len(outs)
@@ -571,7 +519,7 @@ class _Enumerator:
         decomp = self.prop.decomp_strategy
         decomp.ensure_schema_info(op)
         fake = decomp._get_fake_mesh("cpu")
-        metas = [_tensor_meta(a.meta["val"]) for a in inputs]
+        metas = [tensor_meta(a.meta["val"]) for a in inputs]
 
         def spec_of(a: Any) -> Any:
             if isinstance(a, OpStrategy):
@@ -793,8 +741,8 @@ class _Enumerator:
 
     def _replicated(self, node: fx.Node, op_name: str, warn: bool) -> NodeStrategies:
         r = ("R",) * len(self.mesh_shape)
-        inputs = _tensor_inputs(node)
-        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in _output_vals(node))
+        inputs = tensor_inputs(node)
+        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in output_vals(node))
         if warn:
             self.fallback[op_name] += 1
         return NodeStrategies(

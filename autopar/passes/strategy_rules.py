@@ -2,7 +2,7 @@
 
 A rule takes the fx node and returns *single-mesh-dim* rows in plain form: each
 row lists a placement ("R", "S(d)", "P", or None for a non-tensor slot) for every
-output, then for every tensor input in the order :func:`strategies._tensor_inputs`
+output, then for every tensor input in the order :func:`node_keys.tensor_inputs`
 gives them.  :mod:`autopar.passes.strategies` expands the rows across the mesh
 (one row per mesh dim, every combination) and drops those whose shards do not
 divide, exactly as it does for DTensor's single-dim rules.  The all-"R" row must

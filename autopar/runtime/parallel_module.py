@@ -43,6 +43,33 @@ def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...]) -> tor
     return t.detach().clone().contiguous()
 
 
+def _owned(g: torch.Tensor, given: set[int]) -> torch.Tensor:
+    """``g`` itself when it alone owns its storage, else a copy: a gradient the graph returns becomes ``.grad``.
+
+    Copying every gradient would hold two of each at the end of the step; a
+    view into a larger buffer (a slice of a fused gradient) or a storage
+    another gradient already holds is copied, so that ``.grad`` neither keeps
+    the rest of that buffer alive nor shares it.
+    """
+    storage = g.untyped_storage()
+    whole = g.is_contiguous() and storage.nbytes() == g.numel() * g.element_size()
+    if not whole or storage.data_ptr() in given:
+        return g.clone()
+    given.add(storage.data_ptr())
+    return g
+
+
+def full_tensor(local: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard under ``spec`` on ``mesh`` (a collective)."""
+    if all(p == "R" for p in spec):
+        return local.detach().clone()
+    stride = torch.empty(shape, device="meta").stride()
+    dt = DTensor.from_local(
+        local.detach(), mesh, placements(spec), run_check=False, shape=torch.Size(shape), stride=stride
+    )
+    return dt.full_tensor()
+
+
 class ParallelModule(nn.Module):
     """The model on this rank: parameter shards, the local joint graph, and the plan it came from."""
 
@@ -141,6 +168,7 @@ class ParallelModule(nn.Module):
         with torch.no_grad():
             for k in range(self.microbatches):
                 loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                given: set[int] = set()  # storages already handed to a .grad in this micro-batch
                 total = loss if total is None else total + loss
                 for i, (p, g) in enumerate(zip(self.shards, grads, strict=True)):
                     if g is None:
@@ -154,7 +182,7 @@ class ParallelModule(nn.Module):
                     elif stage == 2:
                         self._zero.add_grad(i, g)
                     else:
-                        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                        p.grad = _owned(g, given) if p.grad is None else p.grad.add_(g)
                 del grads
             if partial:
                 self._zero.reduce_partials(partial)
@@ -211,18 +239,7 @@ class ParallelModule(nn.Module):
     # ------------------------------------------------------------------ state
 
     def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        if all(p == "R" for p in spec):
-            return local.detach().clone()
-        stride = torch.empty(shape, device="meta").stride()
-        dt = DTensor.from_local(
-            local.detach(),
-            self.mesh,
-            placements(spec),
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=stride,
-        )
-        return dt.full_tensor()
+        return full_tensor(local, self.mesh, spec, shape)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights and buffers under the model's own names (a collective: call on every rank)."""

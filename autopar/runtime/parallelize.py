@@ -72,8 +72,8 @@ def _check(plan: Plan, model: nn.Module, cluster: Cluster) -> None:
             f"the plan was made for another model ({plan.model}, {plan.num_params:,} parameters; parameter names "
             f"or shapes differ from this {type(model).__name__}): plan this model"
         )
-    if plan.mesh.get("pp", 1) != 1:
-        raise RuntimeMismatchError("pipeline-parallel plans (pp > 1) cannot run yet; plan with pp=1")
+    if plan.mesh.get("pp", 1) > 1 and not plan.stages:
+        raise RuntimeMismatchError("the plan has pp > 1 but no pipeline stages; plan again")
 
 
 def _broadcast_weights(model: nn.Module) -> None:
@@ -91,7 +91,7 @@ def layout_placements(
     ``split_batch`` also splits every input by batch over the data-parallel
     axis, as DDP and FSDP do, even where the cost model would rather not.
     """
-    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
+    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
     params = {p.placeholder: p.name for p in captured.params}
     inputs = {i.placeholder for i in captured.inputs}
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
@@ -176,11 +176,39 @@ def parallelize(
             f"the plan places no {missing[0]!r}: it was made for a different graph of {plan.model}; plan again"
         )
     captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
+    if plan.mesh.get("pp", 1) > 1:
+        return _pipeline_module(model, captured, chosen, plan, cluster)
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
     mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
     return ParallelModule(model, captured, local, mesh, plan)
+
+
+def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, cluster: Cluster):
+    """This rank's stages of a pipeline plan: the whole local graph on its stage's sub-mesh, cut to its stages."""
+    from autopar.capture import node_phase
+    from autopar.cost_models.pipeline import schedule_name
+    from autopar.passes.stage_split import split_stages
+    from autopar.passes.stages import stage_of_nodes, untie_across_stages
+    from autopar.runtime.pipeline_module import PipelineParallelModule
+
+    pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
+    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
+    firsts = [s["first"] for s in plan.stages]
+    schedule_name(plan.schedule or "1F1B")
+    stage_of = stage_of_nodes(captured, firsts)
+    captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)
+    phase_of = {n.name: node_phase(n) for n in captured.gm.graph.nodes}
+    stages = zero_stages(captured.params, chosen, plan)
+    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True)
+    me = mesh.get_coordinate()[0]
+    mine = [s for s in range(len(firsts)) if s % pp == me]
+    programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine)
+    index = {p.placeholder: i for i, p in enumerate(captured.params)}
+    tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
+    log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
+    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied)
 
 
 def cluster_device_type(cluster: Cluster) -> str:

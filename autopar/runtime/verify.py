@@ -155,6 +155,50 @@ def plan_with_layout(
     )
 
 
+def plan_with_pipeline(
+    plan: Plan,
+    model,
+    inputs,
+    cluster: Cluster,
+    pp: int,
+    *,
+    schedule: str = "1F1B",
+    microbatches: int | None = None,
+    layout: str = "dp",
+    chunks: int = 1,
+    seed: int = 0,
+) -> Plan:
+    """``plan`` made a pipeline by hand: ``pp`` ranks of ``chunks`` stages each, cut at even layer counts.
+
+    The rest of the mesh is what ``plan`` leaves (dp shrinks by ``pp``, tp is
+    kept); placements are the hand-set ``layout`` on that dp × tp sub-mesh.
+    For tests and comparisons: ``autopar.plan`` chooses cuts itself.
+    """
+    from autopar.passes.stages import forward_segments
+
+    tp = plan.mesh.get("tp", 1)
+    dp = cluster.world_size // (pp * tp)
+    m = microbatches or max(pp, plan.microbatches)
+    base = dataclasses.replace(
+        plan,
+        mesh={"dp": dp, "tp": tp, "pp": pp},
+        microbatches=m,
+        micro_batch_size=plan.global_batch_size // (dp * m),
+        schedule=schedule,
+        placements={},
+    )
+    laid = plan_with_layout(base, model, inputs, cluster, layout, seed=seed)
+    captured = capture(model, resize_batch(inputs, plan.global_batch_size // m))
+    segments = forward_segments(captured)
+    layers = [i for i, s in enumerate(segments) if s.name and s.name.rsplit(".", 1)[-1].isdigit()]
+    n = pp * chunks
+    if len(layers) < n:
+        raise ValueError(f"{len(layers)} layers do not make {n} stages")
+    starts = [0] + [layers[len(layers) * k // n] for k in range(1, n)]
+    stages = [{"first": segments[i].first, "segment": segments[i].name} for i in starts]
+    return dataclasses.replace(laid, stages=stages, solver={**laid.solver, "status": f"{schedule} pipeline (hand cut)"})
+
+
 def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
     import torch.distributed as dist
 

@@ -1,0 +1,215 @@
+"""Step time and memory of a pipeline: contiguous stages, micro-batches, a schedule.
+
+The model's forward is cut into ``K`` *segments* (a layer, the embedding, the
+head: the units a cut cannot split); a pipeline of ``p`` stages is a choice of
+``p − 1`` cut points among them.  Every figure of a segment is plain data
+(:class:`Segment`), read off a solved sharding of the graph, so this module
+knows nothing of torch and costs a cut set in microseconds.
+
+Per stage ``s`` (its segments summed; times per micro-batch unless noted):
+
+    F_s, B_s      forward and backward compute, tensor-parallel collectives included
+    w_s = F_s + B_s
+    c_j           sending the activations that cross cut ``j`` (and their gradients back):
+                  2 · (α + bytes_j / bw) on the pipeline axis' link
+    u_s           per step, after the last backward: optimizer update
+                  + max(gradient sync − B_s, its last bucket)   (the sync hides under the last backward)
+
+Step time, ``m`` micro-batches:
+
+    GPipe, 1F1B     T = Σ_s w_s + Σ_j c_j + (m − 1) · max_s w_s + max_s u_s
+    interleaved     chunks of ``v`` per device, device d holds chunks d, d + p, ...:
+                    T = m · max_d W_d + (p − 1) · max_c w_c + Σ_j c_j + max_d u_d,   W_d = Σ_{c of d} w_c
+
+With balanced stages, ``w_s = t``, the GPipe/1F1B line is ``(m + p − 1) · t``:
+the bubble is ``(p − 1) / m`` of the useful work, and ``(p − 1) / (v·m)``
+interleaved (REFERENCES.md, Pipelines).  The first form is Alpa's stage-slicing
+objective; the sum term charges the fill and drain at the real (unbalanced)
+stage times.
+
+Memory of stage ``s`` (0-based), with ``S_s`` its saved activations per
+micro-batch, ``X_s`` its largest transient and ``M_s`` its model states:
+
+    GPipe        M_s + m · S_s + X_s                       (every micro-batch's activations held)
+    1F1B         M_s + min(m, p − s) · S_s + X_s           (at most p − s in flight)
+    interleaved  M_d + min(m·v, (v − 1)·p + 2·(p − 1 − d) + 1) · S_d / v + X_d   (torch's warm-up depth)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("1F1B", "GPipe", "interleaved")
+_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved", "interleaved1f1b": "interleaved"}
+
+
+def schedule_name(name: str) -> str:
+    """The canonical name of a schedule ("GPipe", "1F1B", "interleaved"), any case or punctuation accepted."""
+    key = str(name).replace("-", "").replace("_", "").replace(" ", "").lower()
+    if key not in _NAMES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    return _NAMES[key]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of the model between two possible cut points; figures per device of its stage."""
+
+    name: str
+    forward_s: float = 0.0  # per micro-batch
+    backward_s: float = 0.0  # per micro-batch, recompute included
+    saved_bytes: float = 0.0  # activations kept from the forward for the backward, per micro-batch
+    transient_bytes: float = 0.0  # other memory live while it runs, one micro-batch
+    state_bytes: float = 0.0  # parameters, gradients and optimizer state
+    optimizer_s: float = 0.0  # per step: the update of its parameters (and ZeRO's gather of them)
+    grad_sync_s: float = 0.0  # per step: gradient synchronisation over the data-parallel axis
+    grad_tail_s: float = 0.0  # the part of grad_sync_s no backward can hide (the last bucket)
+    boundary_bytes: float = 0.0  # sent to the next stage per micro-batch when a cut follows it
+    params: int = 0  # parameter elements (whole, not per device): for the summary
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """The sums (and maxima) of a run of segments that form one stage or chunk."""
+
+    first: int  # index of its first segment
+    end: int  # one past its last segment
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+    transient_bytes: float
+    state_bytes: float
+    optimizer_s: float
+    grad_sync_s: float
+    grad_tail_s: float
+    params: int
+
+    @property
+    def work_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def tail_s(self) -> float:
+        """Per step after the pipeline drains: the update, and the gradient sync the last backward did not hide."""
+        return self.optimizer_s + max(self.grad_sync_s - self.backward_s, self.grad_tail_s, 0.0)
+
+
+def stage_figures(segments: list[Segment], first: int, end: int) -> StageFigures:
+    """Figures of the stage made of ``segments[first:end]``."""
+    run = segments[first:end]
+    return StageFigures(
+        first=first,
+        end=end,
+        forward_s=sum(s.forward_s for s in run),
+        backward_s=sum(s.backward_s for s in run),
+        saved_bytes=sum(s.saved_bytes for s in run),
+        transient_bytes=max((s.transient_bytes for s in run), default=0.0),
+        state_bytes=sum(s.state_bytes for s in run),
+        optimizer_s=sum(s.optimizer_s for s in run),
+        grad_sync_s=sum(s.grad_sync_s for s in run),
+        grad_tail_s=sum(s.grad_tail_s for s in run),
+        params=sum(s.params for s in run),
+    )
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Micro-batches of activations stage (device) ``stage`` holds at its peak, in units of its whole share."""
+    if schedule == "GPipe":
+        return float(microbatches)
+    if schedule == "1F1B":
+        return float(min(microbatches, stages - stage))
+    if schedule == "interleaved":
+        depth = min(microbatches * chunks, (chunks - 1) * stages + 2 * (stages - 1 - stage) + 1)
+        return depth / chunks
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def stage_memory(fig: StageFigures, schedule: str, stage: int, stages: int, microbatches: int) -> float:
+    """Peak bytes of a (non-interleaved) stage under ``schedule``."""
+    return (
+        fig.state_bytes
+        + in_flight(schedule, stage, stages, microbatches) * fig.saved_bytes
+        + fig.transient_bytes
+    )
+
+
+@dataclass
+class PipelineTime:
+    """A pipeline's step, split the way a person reads it."""
+
+    step_s: float
+    work_s: float  # m · the slowest stage (device): the time no schedule can remove
+    bubble_s: float  # fill and drain, and imbalance: step − work − p2p − tail
+    p2p_s: float  # activation and gradient transfers on the critical path
+    tail_s: float  # optimizer and exposed gradient sync of the slowest stage
+    stage_work_s: list[float] = field(default_factory=list)  # per stage (device), one micro-batch
+
+
+def p2p_times(segments: list[Segment], cuts: list[int], p2p) -> float:
+    """Σ over cuts of sending the crossing activations forward and their gradients back."""
+    return sum(2.0 * p2p(segments[c - 1].boundary_bytes) for c in cuts)
+
+
+def pipeline_time(
+    segments: list[Segment],
+    cuts: list[int],
+    microbatches: int,
+    schedule: str,
+    p2p,
+    chunks: int = 1,
+) -> PipelineTime:
+    """Step time of cutting ``segments`` before each index in ``cuts`` (sorted, 0 < c < K).
+
+    ``p2p(nbytes)`` is the seconds of one send on the pipeline axis.  For the
+    interleaved schedule the cuts make ``p · chunks`` pieces, dealt to devices
+    round-robin; otherwise ``len(cuts) + 1`` stages.
+    """
+    bounds = [0, *cuts, len(segments)]
+    pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    comm = p2p_times(segments, cuts, p2p)
+    m = microbatches
+    if schedule == "interleaved" and chunks > 1:
+        p = len(pieces) // chunks
+        if p * chunks != len(pieces):
+            raise ValueError(f"{len(pieces)} pieces do not deal into {chunks} chunks per device")
+        per_device = [sum(pieces[c].work_s for c in range(d, len(pieces), p)) for d in range(p)]
+        tails = [
+            sum(pieces[c].optimizer_s for c in range(d, len(pieces), p))
+            + max(
+                sum(pieces[c].grad_sync_s for c in range(d, len(pieces), p))
+                - sum(pieces[c].backward_s for c in range(d, len(pieces), p)),
+                sum(pieces[c].grad_tail_s for c in range(d, len(pieces), p)),
+                0.0,
+            )
+            for d in range(p)
+        ]
+        work = m * max(per_device)
+        step = work + (p - 1) * max(x.work_s for x in pieces) + comm + max(tails)
+        return PipelineTime(step, work, step - work - comm - max(tails), comm, max(tails), per_device)
+    per_stage = [x.work_s for x in pieces]
+    tail = max(x.tail_s for x in pieces)
+    step = sum(per_stage) + comm + (m - 1) * max(per_stage) + tail
+    work = m * max(per_stage)
+    return PipelineTime(step, work, step - work - comm - tail, comm, tail, per_stage)
+
+
+def pipeline_memory(
+    segments: list[Segment], cuts: list[int], microbatches: int, schedule: str, chunks: int = 1
+) -> list[float]:
+    """Peak bytes per device of the cut set (see the module docstring)."""
+    bounds = [0, *cuts, len(segments)]
+    pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    if schedule == "interleaved" and chunks > 1:
+        p = len(pieces) // chunks
+        out = []
+        for d in range(p):
+            mine = pieces[d::p]
+            depth = in_flight("interleaved", d, p, microbatches, chunks)
+            out.append(
+                sum(x.state_bytes for x in mine)
+                + depth * sum(x.saved_bytes for x in mine)
+                + max(x.transient_bytes for x in mine)
+            )
+        return out
+    p = len(pieces)
+    return [stage_memory(x, schedule, s, p, microbatches) for s, x in enumerate(pieces)]

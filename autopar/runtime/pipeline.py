@@ -1,0 +1,209 @@
+"""Run a pipeline schedule over the graph stages of one rank.
+
+The *order* of work comes from ``torch.distributed.pipelining``: its schedule
+classes write, per rank, the list of actions a schedule takes (forward or
+backward of a stage on a micro-batch) and its lowering pass inserts the sends
+and receives between neighbouring stages in an order that cannot deadlock.
+GPipe is ``ScheduleGPipe``'s order, 1F1B is the order ``Schedule1F1B``
+runs, interleaved 1F1B is ``ScheduleInterleaved1F1B``'s.
+
+The *work* is autopar's: a stage is not an ``nn.Module`` run under autograd
+but two graphs (:mod:`autopar.passes.stage_split`), the forward and the
+backward of the stage's share of the local joint graph, with every tensor- and
+data-parallel collective inside.  The executor here runs those graphs for each
+action, keeps what a forward saves for its backward until that backward runs,
+and moves the values that cross stages with ``isend`` / ``irecv`` between the
+ranks that hold neighbouring stages at the same data- and tensor-parallel
+coordinate.  Each transfer has its own tag, so a receive can only ever match
+its own send.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    FORWARD,
+    FULL_BACKWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    _Action,
+    _add_send_recv,
+)
+
+from autopar.cost_models.pipeline import schedule_name
+from autopar.passes.stage_split import StageGraphs, ValueSpec
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _StageStub:
+    """What torch's schedule classes read off a stage to write their action lists."""
+
+    stage_index: int
+    num_stages: int
+    group_rank: int
+    group_size: int
+    submod: object = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+def schedule_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> dict[int, list[_Action]]:
+    """Every rank's actions (compute, sends and receives) for ``stages`` stages on ``ranks`` pipeline ranks.
+
+    Stage ``s`` runs on rank ``s % ranks`` (round-robin, as interleaved 1F1B
+    deals them).  Actions other than forward, backward, send and receive
+    (FSDP's unshard / reshard, gradient reduction) are dropped: autopar's
+    graphs reduce their gradients themselves.
+    """
+    schedule = schedule_name(schedule)
+    if schedule in ("GPipe", "1F1B"):
+        if stages != ranks:
+            raise ValueError(f"{schedule} runs one stage per rank; use the interleaved schedule for more")
+        if schedule == "GPipe":
+            order = ScheduleGPipe(_StageStub(0, stages, 0, ranks), microbatches).pipeline_order
+        else:
+            order = _one_f_one_b(stages, microbatches)
+        compute = {
+            r: [a for a in acts if a is not None and a.computation_type in (FORWARD, FULL_BACKWARD)]
+            for r, acts in order.items()
+        }
+        actions = _add_send_recv(compute, stage_to_rank=lambda s: s % ranks, num_stages=stages)
+    else:
+        per_rank = stages // ranks
+        if per_rank * ranks != stages:
+            raise ValueError(f"{stages} stages do not deal evenly onto {ranks} pipeline ranks")
+        stubs = [_StageStub(k * ranks, stages, 0, ranks) for k in range(per_rank)]
+        actions = ScheduleInterleaved1F1B(stubs, microbatches).pipeline_order_with_comms
+    keep = (FORWARD, FULL_BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B)
+    return {r: [a for a in acts if a.computation_type in keep] for r, acts in actions.items()}
+
+
+def _one_f_one_b(stages: int, microbatches: int) -> dict[int, list[_Action]]:
+    """Each stage's compute order under ``Schedule1F1B``: its warm-up forwards, then a backward and a forward.
+
+    The order torch's ``Schedule1F1B._step_microbatches`` runs (stage ``s``
+    warms up with ``min(m, p − s)`` forwards, so at most ``p − s`` micro-batches
+    are in flight), written as actions for the send/receive lowering: that
+    class's own action list (``pipeline_order``) is written for its
+    visualiser and does not match what it runs.
+    """
+    out = {}
+    for s in range(stages):
+        warm = min(microbatches, stages - s)
+        acts = [_Action(s, FORWARD, i) for i in range(warm)]
+        f, b = warm, 0
+        while f < microbatches:
+            acts += [_Action(s, FULL_BACKWARD, b), _Action(s, FORWARD, f)]
+            f, b = f + 1, b + 1
+        acts += [_Action(s, FULL_BACKWARD, i) for i in range(b, microbatches)]
+        out[s] = acts
+    return out
+
+
+@dataclass
+class StageRunner:
+    """One stage of this rank: its graphs and how to read its arguments for a micro-batch."""
+
+    graphs: StageGraphs
+    args: Callable[[list[int], int], list[torch.Tensor]]  # (argument slots, micro-batch) -> tensors
+    on_grads: Callable[[list[int], list[torch.Tensor | None]], None]  # parameter indices, gradients
+    saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    received_back: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    to_send: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    to_send_back: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def _tag(direction: int, boundary: int, microbatch: int, index: int, stages: int) -> int:
+    """A distinct tag per transfer: direction (0 forward, 1 backward), cut, micro-batch, tensor."""
+    return ((microbatch * 2 + direction) * stages + boundary) * 4096 + index
+
+
+def run_schedule(
+    actions: list[_Action],
+    runners: dict[int, StageRunner],
+    stages: int,
+    peer: Callable[[int], int],
+) -> None:
+    """Run this rank's ``actions``; ``peer(stage)`` is the global rank holding ``stage`` at this coordinate."""
+    pending_recv: dict[tuple[str, int, int], list] = {}
+    sends: list = []
+
+    def recv(specs: list[ValueSpec], src: int, direction: int, boundary: int, mb: int):
+        bufs = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+        works = [
+            dist.irecv(b, src=src, tag=_tag(direction, boundary, mb, i, stages)) for i, b in enumerate(bufs)
+        ]
+        return bufs, works
+
+    def send(tensors: list[torch.Tensor], dst: int, direction: int, boundary: int, mb: int) -> None:
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            sends.append((t, dist.isend(t, dst=dst, tag=_tag(direction, boundary, mb, i, stages))))
+
+    def wait(key: tuple[str, int, int]) -> list[torch.Tensor]:
+        bufs, works = pending_recv.pop(key)
+        for w in works:
+            w.wait()
+        return bufs
+
+    for a in actions:
+        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
+        runner = runners[s]
+        g = runner.graphs
+        if kind == RECV_F:
+            pending_recv[("f", s, mb)] = recv(g.recv_forward, peer(s - 1), 0, s - 1, mb)
+        elif kind == RECV_B:
+            pending_recv[("b", s, mb)] = recv(g.recv_backward, peer(s + 1), 1, s, mb)
+        elif kind == SEND_F:
+            send(runner.to_send.pop(mb), peer(s + 1), 0, s, mb)
+        elif kind == SEND_B:
+            send(runner.to_send_back.pop(mb), peer(s - 1), 1, s - 1, mb)
+        elif kind == FORWARD:
+            if mb in runner.received:
+                received = runner.received.pop(mb)
+            else:
+                received = wait(("f", s, mb)) if g.recv_forward else []
+            out = g.forward(*runner.args(g.forward_args, mb), *received)
+            n_send, n_saved = len(g.send_forward), len(g.saved)
+            sent = list(out[:n_send])
+            runner.saved[mb] = list(out[n_send : n_send + n_saved])
+            if g.has_loss:
+                runner.losses.append(out[-1])
+            if s + 1 < stages and s + 1 in runners:  # the next stage is on this rank: hand over directly
+                runners[s + 1].received[mb] = sent
+            elif g.send_forward:
+                runner.to_send[mb] = sent
+        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            if g.recv_backward:
+                grads_in = runner.received_back.pop(mb) if mb in runner.received_back else wait(("b", s, mb))
+            else:
+                grads_in = []
+            out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
+            n_back = len(g.send_backward)
+            back = list(out[:n_back])
+            runner.on_grads(g.grads, list(out[n_back:]))
+            if s > 0 and s - 1 in runners:
+                runners[s - 1].received_back[mb] = back
+            elif g.send_backward:
+                runner.to_send_back[mb] = back
+    for _, w in sends:
+        w.wait()

@@ -1,0 +1,297 @@
+"""PipelineParallelModule: one rank's pipeline stage(s) of the model, trained by a pipeline schedule.
+
+The rank sits at (pipeline stage, data-parallel, tensor-parallel) coordinate
+(p, d, t) of the plan's pp × dp × tp mesh, pipeline outermost as in
+Megatron-LM.  It holds only the parameters its stages read: the shards of
+them its (d, t) coordinate owns on the stage's dp × tp sub-mesh.  A training
+step splits the batch into the plan's micro-batches and runs the schedule
+(:mod:`autopar.runtime.pipeline`); gradients land in ``.grad`` as in
+:class:`~autopar.runtime.parallel_module.ParallelModule` (averaged over the
+micro-batches; ZeRO-1/2 chunks alike), the gradients of a parameter untied
+across stages (:func:`autopar.passes.stages.untie_across_stages`) are summed
+over the stages holding it, and the loss is sent from the last stage to every
+rank, so ``train_step`` returns the same loss everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import CapturedGraph, input_tensors
+from autopar.errors import RuntimeMismatchError
+from autopar.passes.shard import LocalGraph
+from autopar.passes.stage_split import StageGraphs
+from autopar.plan import Plan
+from autopar.runtime.parallel_module import _local_part, full_tensor
+from autopar.runtime.pipeline import StageRunner, run_schedule, schedule_actions
+from autopar.runtime.zero import ZeroChunks
+
+log = logging.getLogger(__name__)
+
+
+class PipelineParallelModule(nn.Module):
+    """The stages of one pipeline rank: parameter shards, stage graphs, the schedule that runs them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        captured: CapturedGraph,
+        local: LocalGraph,
+        mesh: DeviceMesh,
+        plan: Plan,
+        programs: list[StageGraphs],
+        ties: list[list[tuple[int, int]]],
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh  # pp x dp x tp
+        self.stage_mesh = mesh["dp", "tp"]
+        self.programs = programs
+        self.pp_size = mesh.size(0)
+        self.pp_rank, self.dp_rank, self.tp_rank = mesh.get_coordinate()
+        self.dp_size = mesh.size(1)
+        self.microbatches = max(int(plan.microbatches), 1)
+        self.stages = sum(1 for _ in plan.stages) or self.pp_size
+        self.schedule = plan.schedule or "1F1B"
+        n_params, n_state = len(captured.params), len(captured.buffers)
+        self._n_params, self._n_state = n_params, n_state
+        self._specs = local.arg_placements
+        self._grad_specs = local.grad_placements
+        self._infos = captured.params + captured.buffers
+        self._input_specs = local.arg_placements[n_params + n_state :]
+        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
+        self._inputs_of = lambda inputs, targets: input_tensors(model, inputs, targets)
+        held = sorted(
+            {a for g in programs for a in (*g.forward_args, *g.backward_args) if a < n_params + n_state}
+            | {i for g in programs for i in g.grads}
+        )
+        self._params = [i for i in held if i < n_params]  # global parameter indices this rank holds
+        self._state = [i for i in held if i >= n_params]
+        self._slot = {i: k for k, i in enumerate(self._params)}
+        whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._aliases = {
+            name: next(n for n, q in whole.items() if q is t)
+            for name, t in [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+        }
+        sub = self.stage_mesh
+        self.shards = nn.ParameterList(
+            nn.Parameter(_local_part(whole[self._infos[i].name], sub, self._specs[i])) for i in self._params
+        )
+        for k, i in enumerate(self._state):
+            self.register_buffer(f"state_{k}", _local_part(whole[self._infos[i].name], sub, self._specs[i]))
+        self._state_slot = {i: k for k, i in enumerate(self._state)}
+        stages = list(local.zero_stages) or [0] * n_params
+        self.zero_stages = [stages[i] for i in self._params]
+        self._zero = (
+            ZeroChunks(self.shards, self.zero_stages, sub.get_group(0), self.dp_rank, self.dp_size)
+            if any(self.zero_stages)
+            else None
+        )
+        self._actions = schedule_actions(self.schedule, self.pp_size, self.stages, self.microbatches)[
+            self.pp_rank
+        ]
+        self._tie_groups = self._make_tie_groups(ties)
+        self._collectives = local.collectives()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return int(self.mesh.mesh[stage % self.pp_size, self.dp_rank, self.tp_rank])
+
+    def _make_tie_groups(self, ties: list[list[tuple[int, int]]]) -> list[tuple[list[int], Any]]:
+        """Per tie: this rank's copies (parameter slots) and the group of the ranks holding one.
+
+        ``new_group`` is collective over the world: every rank creates every group, in the same order.
+        """
+        out = []
+        mesh = self.mesh.mesh
+        for tie in ties:
+            stages = sorted({s % self.pp_size for _, s in tie})
+            mine_group = None
+            for d in range(mesh.shape[1]):
+                for t in range(mesh.shape[2]):
+                    ranks = sorted({int(mesh[s, d, t]) for s in stages})
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    if d == self.dp_rank and t == self.tp_rank:
+                        mine_group = group
+            slots = [self._slot[i] for i, _ in tie if i in self._slot]
+            if slots:
+                out.append((slots, mine_group))
+        return out
+
+    # ------------------------------------------------------------------ running
+
+    def _micro_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> list[list[torch.Tensor]]:
+        tensors = self._inputs_of(inputs, targets)
+        if len(tensors) != len(self._input_specs):
+            raise RuntimeMismatchError(
+                f"the plan's model takes {len(self._input_specs)} input tensors, these inputs hold {len(tensors)}; "
+                "pass inputs of the same form as the example inputs"
+            )
+        per_mb: list[list[torch.Tensor]] = [[] for _ in range(self.microbatches)]
+        for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
+            if local_batch:
+                if spec[0] != "S(0)":
+                    raise RuntimeMismatchError(
+                        "this plan does not split every input by batch over the data-parallel ranks; "
+                        "pass the global batch (local_batch=False)"
+                    )
+                spec = ("R", *spec[1:])
+            expected = shape[0] * self.microbatches // (self.dp_size if local_batch else 1) if shape else None
+            if t.dim() and t.shape[0] != expected:
+                raise RuntimeMismatchError(
+                    f"an input has batch {t.shape[0]}, the plan expects {expected}"
+                    f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
+                )
+            for k in range(self.microbatches):
+                part = t.chunk(self.microbatches, 0)[k] if t.dim() else t
+                per_mb[k].append(_local_part(part, self.stage_mesh, spec))
+        return per_mb
+
+    def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
+        """Forward and backward of one (global) batch through the pipeline; the loss, the same on every rank."""
+        micro = self._micro_inputs(inputs, targets, local_batch)
+        first_input = self._n_params + self._n_state
+        partial: dict[int, tuple[torch.Tensor, bool]] = {}
+        m = self.microbatches
+
+        def args(slots: list[int], mb: int) -> list[torch.Tensor]:
+            out = []
+            for a in slots:
+                if a < self._n_params:
+                    out.append(self.shards[self._slot[a]])
+                elif a < first_input:
+                    out.append(getattr(self, f"state_{self._state_slot[a]}"))
+                else:
+                    out.append(micro[mb][a - first_input])
+            return out
+
+        def on_grads(indices: list[int], grads: list[torch.Tensor | None]) -> None:
+            for i, g in zip(indices, grads, strict=True):
+                if g is None:
+                    continue
+                k = self._slot[i]
+                g = g / m if m > 1 else g
+                stage = self.zero_stages[k]
+                if stage == 1:
+                    held = partial.get(k)
+                    summed = self._grad_specs[i][0] == "P"
+                    partial[k] = (g, summed) if held is None else (held[0].add_(g), summed)
+                elif stage == 2:
+                    self._zero.add_grad(k, g)
+                else:
+                    p = self.shards[k]
+                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+        runners = {g.stage: StageRunner(g, args, on_grads) for g in self.programs}
+        with torch.no_grad():
+            run_schedule(self._actions, runners, self.stages, self._rank_of_stage)
+            if partial:
+                self._zero.reduce_partials(partial)
+            self._sum_tied_grads()
+            losses = [x for r in runners.values() for x in r.losses]
+            loss = torch.stack(losses).sum() / m if losses else torch.zeros(())
+            last = self._rank_of_stage(self.stages - 1)
+            dist.broadcast(loss, src=last, group=self.mesh.get_group(0))
+        return loss
+
+    def _grad_holder(self, k: int) -> nn.Parameter:
+        return self._zero.chunk(k) if self._zero is not None and k in self._zero else self.shards[k]
+
+    def _sum_tied_grads(self) -> None:
+        """A parameter untied across stages: every copy's gradient becomes the sum over all copies."""
+        for slots, group in self._tie_groups:
+            holders = [self._grad_holder(k) for k in slots]
+            grads = [h.grad for h in holders if h.grad is not None]
+            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(holders[0])
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for h in holders:
+                h.grad = total.clone()
+
+    def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
+        """The loss on one batch, without touching gradients (evaluation)."""
+        params = [*self.shards, *(self._zero.chunks if self._zero else ())]
+        saved = [p.grad for p in params]
+        loss = self.train_step(inputs, targets)
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+        return loss
+
+    def make_optimizer(self, cls, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls`` over this rank's parameter shards (ZeRO-1/2: its chunks), as ``ParallelModule`` builds it."""
+        if self._zero is None:
+            return cls(self.shards.parameters(), *args, **kwargs)
+        params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
+        opt = cls(params, *args, **kwargs)
+        self._zero.attach(opt)
+        return opt
+
+    def collectives(self) -> dict[str, int]:
+        """Collectives of one micro-batch of the whole local graph (all stages) on this rank's sub-mesh."""
+        return dict(self._collectives)
+
+    # ------------------------------------------------------------------ state
+
+    def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        return full_tensor(local, self.stage_mesh, spec, shape)
+
+    def _gather_over_pipeline(self, mine: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        every: list[dict | None] = [None] * self.pp_size
+        dist.all_gather_object(every, mine, group=self.mesh.get_group(0))
+        out: dict[str, torch.Tensor | None] = {}
+        for part in every:
+            for k, v in (part or {}).items():
+                if out.get(k) is None:
+                    out[k] = v
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights and buffers under the model's own names (a collective: call on every rank)."""
+        mine = {}
+        for k, i in enumerate(self._params):
+            mine[self._infos[i].name] = self._full(self.shards[k], self._specs[i], self._infos[i].shape)
+        for k, i in enumerate(self._state):
+            local = getattr(self, f"state_{k}")
+            mine[self._infos[i].name] = self._full(local, self._specs[i], self._infos[i].shape)
+        canonical = self._gather_over_pipeline(mine)
+        return {alias: canonical[name] for alias, name in self._aliases.items() if name in canonical}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The unsharded gradients by parameter name (a collective: call on every rank)."""
+        mine = {}
+        for k, i in enumerate(self._params):
+            p = self.shards[k]
+            g = self._zero.full_grad(k) if self._zero is not None and k in self._zero else p.grad
+            mine[self._infos[i].name] = (
+                None if g is None else self._full(g, self._specs[i], self._infos[i].shape)
+            )
+        return self._gather_over_pipeline(mine)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, by the model's names."""
+        out = {self._infos[i].name: self.shards[k].detach() for k, i in enumerate(self._params)}
+        out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
+        return out
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        raise RuntimeMismatchError(
+            "checkpoints of pipeline-parallel plans are not supported yet: save full_state_dict() instead"
+        )
+
+    load = save
+
+    def extra_repr(self) -> str:
+        return (
+            f"stages={[g.stage for g in self.programs]} of {self.stages}, schedule={self.schedule}, "
+            f"microbatches={self.microbatches}, params={len(self.shards)}"
+        )
