@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost_models.memory import optimizer_states, precision_spec
+from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
 from autopar.cost_models.pipeline import schedule_name
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
 from autopar.graph_cache import captured_with_stats, example_batch
 from autopar.memory_summary import sharding_facts
 from autopar.passes.explain_records import explain_records
+from autopar.passes.pipeline_preview import Preview
 from autopar.passes.pipeline_search import PipelineResult, pipeline_meshes, search_pipelines
-from autopar.passes.search import search_meshes
+from autopar.passes.search import flat_tp_sizes, search_meshes
 from autopar.passes.stages import forward_segments
 from autopar.plan import GB, Estimate, Plan
 
@@ -211,6 +212,7 @@ class _Sharded:
     warnings: list[str]
     stages: list[dict[str, Any]] = field(default_factory=list)
     schedule: str = ""
+    results: list = field(default_factory=list)  # every mesh's ShardingResult, for the pipeline search
 
 
 def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
@@ -232,23 +234,48 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             f"no mesh with pp={pp} fits this model and cluster: the model has {segments} segments to cut, "
             f"{cluster.world_size} devices and a global batch of {gbs}; choose another pp"
         )
-    flat_meshes = 0 if pp is not None and pp > 1 else max(1, len(cluster.mesh_shapes(max_pp=1)))
-    share = flat_meshes / (flat_meshes + len(pipe_meshes))
-    flat, none_fits = None, None
-    if flat_meshes:
+    start = time.perf_counter()
+    flat_allowed = pp is None or pp == 1
+    share = 0.4 if flat_allowed and pipe_meshes else 1.0  # of the time limit, for meshes without a pipeline
+    # a model whose states outgrow a node is pipelined in practice (Megatron-LM: tp inside a node, pp
+    # across): its pipelines are searched first, and meshes without one in the time left
+    pipelines_first = bool(pipe_meshes) and flat_allowed and _state_bytes(captured, prec, optimizer) > (
+        cluster.gpus_per_node * limit
+    )
+    preview = Preview(captured, cluster, prec, limit)
+    flat, none_fits, pipes = None, None, []
+
+    def search_flat(deadline: float, optional: bool) -> None:
+        nonlocal flat, none_fits
         try:
-            flat = _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share)
+            flat = _plan_flat(
+                captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share, deadline, optional
+            )
         except PlanError as err:  # a pipeline may still fit: its stages hold less
             if not pipe_meshes:
                 raise
             none_fits = err
-    pipe, pipes = None, []
-    if pipe_meshes:
-        # most promising first: the tensor-parallel size the meshes without a pipeline chose, fewest stages
+
+    def search_pipes(budget: float) -> None:
+        nonlocal pipes
+        # most promising first: previewed with the shardings solved so far; the rest by the
+        # tensor-parallel size the meshes without a pipeline chose, fewest stages first
         tp_ref = flat.args[0].tp if flat is not None else cluster.gpus_per_node
         pipe_meshes.sort(key=lambda m: (abs(math.log2(m.tp / tp_ref)), m.pp, m.tp))
-        budget = time_limit_s * (1 - share)
-        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget)
+        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget, preview)
+
+    if pipelines_first:
+        search_pipes(time_limit_s * (1 - share))
+        search_flat(start + time_limit_s, optional=any(r.estimate.fits for r in pipes))
+    else:
+        if flat_allowed:
+            search_flat(start + time_limit_s * share, optional=False)
+        if pipe_meshes:
+            preview.learn_flat(flat.results if flat else [])
+            # what is left of the time limit, and at least half the share pipelines were given
+            search_pipes(max(start + time_limit_s - time.perf_counter(), time_limit_s * (1 - share) / 2))
+    pipe = None
+    if pipe_meshes:
         pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
     if pipe is not None and (
         flat is None
@@ -267,7 +294,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
 
 
 def _pipelines(
-    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s
+    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s, preview=None
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes``; with ``fixed`` pp and none fitting, the fastest."""
     kwargs = dict(
@@ -275,6 +302,7 @@ def _pipelines(
         microbatches=fixed.get("microbatches"),
         zero=fixed.get("zero"),
         recompute=fixed.get("recompute") != "none",
+        preview=preview,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
     if not found and fixed.get("pp", 1) > 1:
@@ -321,6 +349,7 @@ def _pipelined(
             "exact": pipe.choice.exact,
             "bubble_fraction": (mesh.pp - 1) / (m * pipe.chunks),
         },
+        "meshes_left_out": flat.solver.get("meshes_left_out", 0) if flat else 0,
         "meshes": (flat.solver.get("meshes", []) if flat else [])
         + [
             {
@@ -345,8 +374,15 @@ def _pipelined(
     return _Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
 
 
-def _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
-    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits."""
+def _plan_flat(
+    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False
+) -> _Sharded | None:
+    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
+
+    Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
+    ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
+    a mesh is costed with its seed layouts only, the baselines a plan must not lose to.
+    """
     best, results = search_meshes(
         captured,
         cluster,
@@ -358,7 +394,13 @@ def _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit
         dp=fixed.get("dp"),
         zero=fixed.get("zero"),
         recompute=fixed.get("recompute") != "none",
+        deadline=deadline,
+        require_one=not optional,
+        milp=not optional,
     )
+    if not results and optional and deadline is not None and time.perf_counter() > deadline:
+        log.info("meshes without a pipeline: all left out at the time limit")
+        return None
     if not results:
         raise PlanError(
             f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}; "
@@ -413,6 +455,8 @@ def _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit
         "objective": sol.objective,
         "backend": sol.backend,
         "candidates": len(results),
+        "meshes_left_out": len(flat_tp_sizes(cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp")))
+        - len(results),
         "meshes": [
             {
                 "mesh": {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
@@ -431,7 +475,14 @@ def _plan_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit
         "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
         "ops": explain_records(captured, best),
     }
-    return _Sharded((cfg, est), solver, best.placements, warnings)
+    return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
+
+
+def _state_bytes(captured, prec, optimizer: str) -> float:
+    """The model's parameters, gradients and optimizer state in bytes, unsharded."""
+    params = sum(math.prod(p.shape) for p in captured.params)
+    states = model_state_bytes(params, prec, optimizer, 0, 1)
+    return states.params + states.grads + states.optimizer
 
 
 def _size(nbytes: float) -> str:

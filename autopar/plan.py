@@ -224,7 +224,11 @@ class Plan:
             console.print(pt)
         meshes = self.solver.get("meshes") or []
         if len(meshes) > 1:
-            mt = Table(title="meshes searched")
+            left = self.solver.get("meshes_left_out") or 0
+            mt = Table(
+                title="meshes searched",
+                caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
+            )
             for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
                 mt.add_column(col, justify="right")
             for r in meshes:
@@ -269,8 +273,17 @@ class Plan:
             title=f"pipeline: {self.schedule or '1F1B'}, {len(self.stages)} stages on {pp} devices, "
             f"{m} micro-batches, bubble (p-1)/(v*m) = {bubble * 100:.1f}%"
         )
-        for col in ("stage", "device", "holds", "params", "forward", "backward", "peak memory (GB)"):
+        rows = self.stage_rows()
+        for col in rows[0] if rows else ():
             table.add_column(col, justify="left" if col == "holds" else "right")
+        for row in rows:
+            table.add_row(*row.values())
+        return table
+
+    def stage_rows(self) -> list[dict[str, str]]:
+        """Each pipeline stage as text: stage, device, what it holds, params, forward, backward, peak memory."""
+        pp = max(self.mesh.get("pp", 1), 1)
+        rows = []
         for i, st in enumerate(self.stages):
             names = [n for n in st.get("segments", []) if n]
             holds = (
@@ -278,16 +291,18 @@ class Plan:
                 if len(names) == 1
                 else (f"{names[0]} .. {names[-1]}" if names else st.get("first", ""))
             )
-            table.add_row(
-                str(i),
-                str(st.get("device", i % max(pp, 1))),
-                holds,
-                _count(st["params"]) if st.get("params") else "-",
-                _secs(st["forward_s"]) if "forward_s" in st else "-",
-                _secs(st["backward_s"]) if "backward_s" in st else "-",
-                f"{st['memory_bytes'] / GB:.2f}" if "memory_bytes" in st else "-",
+            rows.append(
+                {
+                    "stage": str(i),
+                    "device": str(st.get("device", i % pp)),
+                    "holds": holds,
+                    "params": _count(st["params"]) if st.get("params") else "-",
+                    "forward": _secs(st["forward_s"]) if "forward_s" in st else "-",
+                    "backward": _secs(st["backward_s"]) if "backward_s" in st else "-",
+                    "peak memory (GB)": f"{st['memory_bytes'] / GB:.2f}" if "memory_bytes" in st else "-",
+                }
             )
-        return table
+        return rows
 
     def mesh_axes(self) -> tuple[str, ...]:
         """The mesh dims placements are written over (pipeline stages are not a placement dim)."""

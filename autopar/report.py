@@ -218,26 +218,8 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Iterab
 def _stages(plan: Plan) -> str:
     if not plan.stages:
         return f"<p>No pipeline: pp = {plan.mesh.get('pp', 1)}; every device holds every layer.</p>"
-    rows = []
-    for i, st in enumerate(plan.stages):
-        if isinstance(st, dict):
-            mods = st.get("modules") or st.get("layers") or []
-            mem = st.get("memory")
-            peak = mem.get("peak") if isinstance(mem, dict) else mem
-            rows.append(
-                [
-                    str(i),
-                    ", ".join(map(str, mods)) if isinstance(mods, list) else str(mods),
-                    _secs(st["forward_s"]) if "forward_s" in st else "-",
-                    _secs(st["backward_s"]) if "backward_s" in st else "-",
-                    _bytes(peak) if isinstance(peak, (int, float)) else "-",
-                ]
-            )
-        else:
-            rows.append([str(i), str(st), "-", "-", "-"])
-    return _table(
-        ["stage", "layers / modules", "forward", "backward", "peak memory"], rows, numeric=(2, 3, 4)
-    )
+    rows = plan.stage_rows()
+    return _table(list(rows[0]), [list(r.values()) for r in rows], numeric=(3, 4, 5, 6))
 
 
 def _param_table(plan: Plan) -> str:

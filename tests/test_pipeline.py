@@ -260,7 +260,6 @@ def test_pipelines_on_4_processes_train_like_one_device():
     cases += [
         (gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "1F1B", 4, tp=2, layout="megatron")),
         (llama_tiny4, _hand(llama_tiny4, 4, 2, "interleaved", 2, chunks=2)),
-        (llama_tiny4, _searched(llama_tiny4, 4, pp=2, dp=2)),
     ]
     assert all(p.mesh["pp"] == 2 for _, p in cases)
     assert {p.mesh["dp"] for _, p in cases} == {1, 2}

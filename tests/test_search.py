@@ -5,7 +5,11 @@ import pytest
 
 import autopar
 from autopar import Cluster
-from examples.models import llama
+from autopar.capture import capture
+from autopar.cost_models.memory import precision_spec
+from autopar.passes.pipeline_search import pipeline_meshes
+from autopar.passes.search import flat_tp_sizes, search_meshes
+from examples.models import llama, llama_tiny
 
 
 def _tp(plan, param_suffix):
@@ -83,3 +87,21 @@ def test_narrow_layer_large_batch_is_data_parallel():
     # the forward moves parameters (when they are stored sharded), never activations
     forward = [c for c in plan.solver["charged"] if c["phase"] == "forward" and c["bytes"] > 1e4]
     assert all(c["from_param"] for c in forward), forward[:3]
+
+
+def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():
+    """The search order (tensor parallel inside a node, largest first) and the time limit as a deadline."""
+    assert flat_tp_sizes(Cluster.preset("dgx-h100", nodes=8), 512) == [8, 4, 2, 1, 16, 32, 64]
+    assert flat_tp_sizes(Cluster.preset("dgx-h100", nodes=8), 512, tp=2) == [2]
+    # tensor parallel inside a pipeline stays on a node's devices: no tp of 3 or 6 on 8-GPU nodes
+    tps = {m.tp for m in pipeline_meshes(Cluster.preset("dgx-a100", nodes=96), 1536, 62, {})}
+    assert tps == {1, 2, 4, 8}
+
+    model, inputs = llama_tiny()
+    captured = capture(model, inputs)
+    cluster = Cluster.local(4)
+    prec = precision_spec("fp32")
+    _, every = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0)
+    assert [r.mesh.tp for r in every] == [4, 2, 1]
+    best, first = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0, deadline=0.0)
+    assert [r.mesh.tp for r in first] == [4] and best is first[0]

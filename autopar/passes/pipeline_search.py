@@ -39,9 +39,12 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time, stage_figures
 from autopar.passes.pipeline import CutChoice, best_cuts
+from autopar.passes.pipeline_preview import Preview
 from autopar.passes.pipeline_segments import (
     even_layer_cuts,
+    microbatch_counts,
     microbatch_divides,
+    microbatch_filter,
     pipeline_memory_problem,
     rescale,
     segment_figures,
@@ -111,17 +114,6 @@ def _costed_cuts(segments, cuts, m, schedule, p2p, memory_limit, chunks) -> CutC
     return CutChoice(cuts, pipeline_time(segments, cuts, m, schedule, p2p, chunks), memory, exact=False)
 
 
-def _microbatch_counts(local_batch: int, pp: int, fixed: int | None) -> list[int]:
-    """Micro-batch counts worth costing: at least pp of them (else the bubble dominates), at most four."""
-    if fixed is not None:
-        return [fixed] if local_batch % fixed == 0 else []
-    counts = [k for k in range(1, local_batch + 1) if local_batch % k == 0]
-    deep = [k for k in counts if k >= pp] or counts[-1:]
-    if len(deep) > 4:
-        deep = sorted({deep[0], deep[len(deep) // 3], deep[2 * len(deep) // 3], deep[-1]})
-    return deep
-
-
 def _splittable(pm: PipelineMesh, sp: ShardingProblem, choice: list[int]) -> list[int]:
     """The micro-batch counts under which every placement of ``choice`` still divides its tensor."""
     return [m for m in pm.counts if microbatch_divides(pm.captured, sp, choice, (pm.mesh.dp, pm.mesh.tp), m)]
@@ -164,7 +156,7 @@ def prepare_pipeline_mesh(
     graph_segments = forward_segments(captured)
     if len(graph_segments) < mesh.pp:
         return None
-    counts = _microbatch_counts(captured.batch_size // mesh.dp, mesh.pp, microbatches)
+    counts = microbatch_counts(captured.batch_size // mesh.dp, mesh.pp, microbatches)
     if not counts:
         return None
     mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
@@ -217,16 +209,30 @@ def solve_pipeline(
     mesh, mp, sp, m_solve = pm.mesh, pm.mp, pm.sp, pm.solve_microbatches
     shape = (mesh.dp, mesh.tp)
     best: tuple | None = None  # (step, m, schedule, chunks, choice, segments, solution, source)
-    for source, allowed in candidates:
-        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
-        solution = solve_strategies(problem, time_limit_s=per, bound=False)
-        if not solution.choice:
-            continue
+    divides = microbatch_filter(pm.captured, shape, m_solve)
+
+    def answers():
+        """(source, solution, micro-batch counts it divides at) of each candidate."""
+        for source, allowed in candidates:
+            problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+            solution = solve_strategies(problem, time_limit_s=per, bound=False)
+            counts = _splittable(pm, sp, solution.choice) if solution.choice else []
+            if solution.choice:
+                yield source, solution, counts
+            if m_solve not in counts:
+                # placements that split a batch dim finer than a micro-batch holds: solve again without
+                # them (they divide at every count, since every count divides the most micro-batches)
+                narrow = divides if allowed is None else both(sp, allowed, divides)
+                solution = solve_strategies(restrict(sp.problem, sp, narrow), time_limit_s=per, bound=False)
+                if solution.choice:
+                    yield source, solution, _splittable(pm, sp, solution.choice)
+
+    for source, solution, counts in answers():
         sp_solve = with_microbatches(mp.sp, m_solve)
         base = segment_figures(
             pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale
         )
-        for m in _splittable(pm, sp, solution.choice):
+        for m in counts:
             segments = rescale(base, m_solve, m)
             for schedule in schedules:
                 chunks = 2 if schedule == "interleaved" else 1
@@ -290,6 +296,10 @@ def solve_pipeline_mesh(
 
 # The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.
 MILP_MESHES = 2
+# The share of the time limit for costing meshes with the seed layouts; the MILP rounds get the rest.
+SEED_ROUND = 0.75
+# Each mesh of the seed round may take up to 1/SHARE_OF of the round's time left.
+SHARE_OF = 3
 
 
 def search_pipelines(
@@ -305,22 +315,28 @@ def search_pipelines(
     microbatches: int | None = None,
     zero: int | None = None,
     recompute: bool = True,
+    preview: Preview | None = None,
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
     Every mesh is first costed with its seed layouts inside the stages (restricted
-    solves, quick), in the order given, until half the time limit is spent (the
-    caller puts the most promising meshes first; the rest are left out, and the
-    log says how many); the MILP then runs on the ``MILP_MESHES`` meshes whose
-    seeded pipelines were fastest, where it can only improve them.
+    solves, quick), most promising first, until SEED_ROUND of the time limit is
+    spent (the rest are left out, and the log says how many): in the order given,
+    or, with a ``preview``, in the order of its previewed step times, which every
+    costed mesh refines for the meshes of its tp. The MILP then runs on the
+    ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
+    improve them, as long as the time left is at least what costing a mesh took.
     """
     start = time.perf_counter()
-    half = start + time_limit_s / 2
+    seeds_end = start + time_limit_s * SEED_ROUND
     seeded: list[tuple[PipelineMesh, PipelineResult | None]] = []
-    for k, mesh in enumerate(meshes):
-        if k and time.perf_counter() > half:
+    todo = preview.order(meshes) if preview is not None else list(meshes)
+    costed = 0
+    for k in range(len(meshes)):
+        if k and time.perf_counter() > seeds_end:
             log.info("pipelines: time limit reached after %d of %d meshes", k, len(meshes))
             break
+        mesh = todo.pop(0)
         pm = prepare_pipeline_mesh(
             captured,
             cluster,
@@ -332,8 +348,17 @@ def search_pipelines(
             recompute=recompute,
         )
         if pm is not None:
-            left = max(half - time.perf_counter(), 0.0) / max(len(meshes) - k, 1)
-            seeded.append((pm, solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False)))
+            costed += 1
+            # a share of what is left that lets a large mesh's solve find an answer: the limit ends
+            # the round long before every mesh of a large cluster is costed
+            left = max(seeds_end - time.perf_counter(), 0.0) / min(max(len(meshes) - k, 1), SHARE_OF)
+            res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False)
+            seeded.append((pm, res))
+            if preview is not None:
+                preview.costed(mesh, res.estimate.step_time_s if res is not None else None)
+                if res is not None:
+                    preview.learn(res.mesh, res.segments, res.microbatches)
+                todo = preview.order(todo)
     if not seeded:
         return []
 
@@ -342,9 +367,13 @@ def search_pipelines(
 
     order = sorted(range(len(seeded)), key=lambda i: step(seeded[i][1]))
     top = order[:MILP_MESHES]
-    for i in top:
+    per_mesh = (time.perf_counter() - start) / max(costed, 1)  # what costing one mesh took
+    for n, i in enumerate(top):
+        left = max(start + time_limit_s - time.perf_counter(), 0.0) / (len(top) - n)
+        if left < per_mesh:  # a MILP round takes at least as long as a seed costing: no time for it
+            log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
+            break
         pm, old = seeded[i]
-        left = max(start + time_limit_s - time.perf_counter(), 0.0) / len(top)
         res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=())
         if res is not None and step(res) < step(old) * (1 - 1e-9):
             seeded[i] = (pm, res)
@@ -424,8 +453,9 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
 def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: dict[str, Any]) -> list[MeshShape]:
     """The pp × dp × tp meshes (pp ≥ 2) worth a pipeline search, fewest stages first.
 
-    Tensor parallelism stays inside a node (across nodes it runs on the slow
-    links: Megatron-LM keeps it there too); a stage needs at least one segment;
+    Tensor parallelism stays inside a node, its size a divisor of the node's
+    devices (across nodes it runs on the slow links: Megatron-LM keeps it there
+    too); a stage needs at least one segment;
     dp must divide the batch.
     """
     world = cluster.world_size
@@ -436,10 +466,11 @@ def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: dict[str
         for tp in range(1, world // pp + 1):
             if (world // pp) % tp or ("tp" in fixed and fixed["tp"] != tp):
                 continue
-            if tp > cluster.gpus_per_node and "tp" not in fixed:
+            if cluster.gpus_per_node % tp and "tp" not in fixed:
                 continue
             dp = world // (pp * tp)
             if batch % dp or ("dp" in fixed and fixed["dp"] != dp):
                 continue
             out.append(cluster.check_mesh(dp=dp, tp=tp, pp=pp))
     return out
+

@@ -155,6 +155,17 @@ def segment_figures(
     ]
 
 
+def microbatch_counts(local_batch: int, pp: int, fixed: int | None) -> list[int]:
+    """Micro-batch counts worth costing: at least pp of them (else the bubble dominates), at most four."""
+    if fixed is not None:
+        return [fixed] if local_batch % fixed == 0 else []
+    counts = [k for k in range(1, local_batch + 1) if local_batch % k == 0]
+    deep = [k for k in counts if k >= pp] or counts[-1:]
+    if len(deep) > 4:
+        deep = sorted({deep[0], deep[len(deep) // 3], deep[2 * len(deep) // 3], deep[-1]})
+    return deep
+
+
 def rescale(segments: list[Segment], measured: int, microbatches: int) -> list[Segment]:
     """Segments costed at ``measured`` micro-batches, at ``microbatches`` instead.
 
@@ -204,6 +215,17 @@ def microbatch_divides(
     """
     if microbatches == 1:
         return True
+    allowed = microbatch_filter(captured, mesh_shape, microbatches)
+    return all(allowed(name, sp.strategies[i][choice[i]]) for i, name in enumerate(sp.nodes))
+
+
+def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], microbatches: int):
+    """``allowed(node name, strategy)``: whether the strategy's placements divide at ``microbatches``.
+
+    A strategy allowed at ``m`` micro-batches is allowed at every count that divides
+    ``m`` (each batch-scaled dim is then a multiple of its size at ``m``), so one
+    filter at the most micro-batches serves every count the search costs.
+    """
     batch = captured.batch_size
     by_name = {n.name: n for n in captured.gm.graph.nodes}
 
@@ -221,17 +243,16 @@ def microbatch_divides(
                 return False
         return True
 
-    for i, name in enumerate(sp.nodes):
+    def allowed(name: str, s) -> bool:
         node = by_name.get(name)
-        if node is None:
-            continue
-        s = sp.strategies[i][choice[i]]
+        if node is None or microbatches == 1:
+            return True
         vals = node.meta.get("val")
         outs = vals if isinstance(vals, (list, tuple)) else [vals]
         if not all(fits(v, p) for v, p in zip(outs, s.outputs, strict=False)):
             return False
         leaves = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
         args = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        if not all(fits(a.meta["val"], p) for a, p in zip(args, s.inputs, strict=False)):
-            return False
-    return True
+        return all(fits(a.meta["val"], p) for a, p in zip(args, s.inputs, strict=False))
+
+    return allowed

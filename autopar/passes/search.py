@@ -31,7 +31,7 @@ from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.heap import long_lived_heap
 from autopar.passes.coarsen import repeated_groups
-from autopar.passes.pipeline_segments import microbatch_divides
+from autopar.passes.pipeline_segments import microbatch_divides, microbatch_filter
 from autopar.passes.seeds import seed_filter, seeds_for
 from autopar.passes.sharding_problem import (
     ShardingProblem,
@@ -174,6 +174,19 @@ def solve_prepared(
     tries = [k for k in counts if k not in proven]
     if solution is None and not tries:
         solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False})
+
+    def left() -> float:
+        return max(deadline - time.perf_counter(), 1.0)
+
+    def fitted(sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
+        """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
+
+        def again(p: StrategyProblem) -> Solution:
+            return solve_strategies(p, time_limit_s=left(), bound=False)
+
+        raw = solve_strategies(problem, time_limit_s=left(), bound=bound_work, exact_peak=least_peak)
+        return raw, _fit_exactly(sp, problem, raw, shape, mp.memory_limit, again)
+
     for k in tries if solution is None else ():
         if (
             solution is not None
@@ -188,32 +201,26 @@ def solve_prepared(
         t = time.perf_counter()
         sp = with_microbatches(mp.sp, k)
         problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
-        solution = solve_strategies(
-            problem,
-            time_limit_s=max(deadline - time.perf_counter(), 1.0),
-            bound=bound,
-            exact_peak=least_peak,
-        )
-        if solution.status == "infeasible":  # proven (an answer not found in time is "unknown")
+        raw, solution = fitted(sp, problem, bound)
+        if raw.status == "infeasible":  # proven (an answer not found in time is "unknown")
             proven.add(k)
-        solution = _fit_exactly(
-            sp,
-            problem,
-            solution,
-            shape,
-            mp.memory_limit,
-            lambda p: solve_strategies(p, time_limit_s=max(deadline - time.perf_counter(), 1.0), bound=False),
-        )
+        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+            # a placement splits the batch over more ranks than 1/k of it holds: solve again without such
+            # placements (more micro-batches would only make them worse)
+            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", mp.mesh, k)
+            divides = microbatch_filter(captured, shape, k)
+            narrow = divides if allowed is None else both(mp.sp, allowed, divides)
+            problem = restrict(sp.problem, sp, narrow)
+            _, solution = fitted(sp, problem, False)
+            if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+                solution = Solution(
+                    [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
+                )
+                m = k
+                solve_s += time.perf_counter() - t
+                break
         m = k
         solve_s += time.perf_counter() - t
-        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
-            # a placement splits the batch over more ranks than 1/k of it holds: more micro-batches only
-            # make that worse
-            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", mp.mesh, k)
-            solution = Solution(
-                [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
-            )
-            break
         if solution.choice:
             break
         if states is None:
@@ -541,6 +548,24 @@ def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, An
             entry["recompute"] = "selective"
 
 
+def flat_tp_sizes(cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None) -> list[int]:
+    """The tensor-parallel sizes of the dp × tp meshes to search, in the order to search them.
+
+    Those inside a node come first, largest first (a large model wants them, and a
+    small one solves quickly anyway); those that cross nodes follow, smallest first.
+    dp must divide the batch.
+    """
+    world = cluster.world_size
+    sizes = [t for t in range(1, world + 1) if world % t == 0]
+    if tp is not None:
+        sizes = [tp]
+    if dp is not None:
+        sizes = [t for t in sizes if world // t == dp]
+    sizes = [t for t in sizes if batch % (world // t) == 0]
+    inside = [t for t in sizes if cluster.gpus_per_node % t == 0]
+    return sorted(inside, reverse=True) + [t for t in sizes if t not in inside]
+
+
 @long_lived_heap()
 def search_meshes(
     captured: CapturedGraph,
@@ -553,11 +578,18 @@ def search_meshes(
     dp: int | None = None,
     zero: int | None = None,
     recompute: bool = True,
+    deadline: float | None = None,
+    require_one: bool = True,
+    milp: bool = True,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
-    Tensor-parallel sizes that cross a node are tried too: the link model
-    makes them expensive, not forbidden. Returns (best or None, all results);
+    Tensor-parallel sizes that cross a node are tried too, after those inside a
+    node (:func:`flat_tp_sizes`): the link model makes them expensive, not
+    forbidden. Past ``deadline`` (a ``time.perf_counter()`` instant) the meshes
+    not yet solved are left out once one fits (``require_one=False``: all may
+    be). ``milp=False`` solves only the seed layouts where a mesh has some, on the
+    meshes inside a node. Returns (best or None, all results);
     each mesh's problem is built once and its seed layouts are solved on it with the
     other strategies forbidden. Only the best result has its placements and charged
     collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
@@ -565,25 +597,29 @@ def search_meshes(
     ``recompute=False`` keeps every activation for the backward.
     """
     world = cluster.world_size
-    sizes = [t for t in range(1, world + 1) if world % t == 0]
-    if tp is not None:
-        sizes = [tp]
-    if dp is not None:
-        sizes = [t for t in sizes if world // t == dp]
-    sizes = [t for t in sizes if captured.batch_size % (world // t) == 0]  # dp shards the batch
+    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp)
+    if not milp:  # the baselines keep tensor parallelism inside a node
+        sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
     results = []
     per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
     params = {p.placeholder: p.name for p in captured.params}
     conv1d = captured.model_name.startswith("GPT2")
-    for t in sizes:
+    for k, t in enumerate(sizes):
+        late = deadline is not None and time.perf_counter() > deadline
+        if late and (not require_one or any(r.estimate.fits for r in results)):
+            log.info("meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
+            break
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         fixed = zero_filter(mp.sp, zero) if zero is not None else None
         # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
-        plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False)
+        plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False) if milp else None
         # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
         # the backward, which the MILP's linear objective does not see
-        for kind in seeds_for(t, list(params.values())):
+        kinds = seeds_for(t, list(params.values()))
+        if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
+            plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False)
+        for kind in kinds:
             seed = seed_filter(kind, params, conv1d)
             seeded = solve_prepared(
                 mp,
@@ -592,13 +628,16 @@ def search_meshes(
                 describe=False,
                 bound=False,
                 least_peak=False,
-                unfit=plain.unfit,
+                unfit=plain.unfit if plain is not None else frozenset(),
             )
-            if seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9):
-                log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)
+            if res is None or (
+                seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
+            ):
+                if plain is not None:
+                    log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)
                 seeded.source, seeded.milp = kind, plain
                 res = seeded
-        if res is not plain:
+        if plain is not None and res is not plain:
             _against_bound(
                 res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches
             )
