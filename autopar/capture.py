@@ -348,14 +348,49 @@ def _strip(path: str) -> str:
     return path[len(_WRAPPED) + 1 :] if path.startswith(_WRAPPED + ".") else ""
 
 
+_CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
+_MEAN, _SUM = 1, 2  # torch's Reduction enum
+
+
+def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tensor | None:
+    """A mean cross-entropy / NLL over class indices, written ``sum(losses) / total_weight``.
+
+    torch's mean divides inside the kernel by the number (or weight) of targets
+    not equal to ``ignore_index``.  Sharded over tokens, each shard divides by its
+    own count and the shards' means are averaged, which is the mean only when
+    every shard ignores equally many targets.  Written as two sums and a division,
+    both sums reduce over the shards first: the loss is exact on any split, and
+    the backward is the same ``nll_loss_backward``.  Returns None for forms left
+    as they are (label smoothing, class probabilities, inputs other than 2-D).
+    """
+    schema = target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args, strict=False))
+    bound.update(kwargs)
+    x, labels = bound["self"], bound["target"]
+    if bound["reduction"] != _MEAN or bound.get("label_smoothing", 0.0) != 0.0:
+        return None
+    if x.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
+        return None
+    if target is aten.cross_entropy_loss.default:
+        x = aten.log_softmax.int(x, 1)
+    total, weight = aten.nll_loss_forward.default(x, labels, bound["weight"], _SUM, bound["ignore_index"])
+    return total / weight
+
+
 class _Replay(fx.Interpreter):
-    """Replays the exported graph with dropout as ``native_dropout``: functional (CPU dropout expands to
-    in-place bernoulli_/div_), what CUDA runs, and the op cost models know."""
+    """Replays the exported graph with dropout as ``native_dropout`` (functional: CPU dropout expands to
+    in-place bernoulli_/div_; what CUDA runs, and the op cost models know), and mean class losses as
+    a sum over a total weight (see ``_mean_as_sum_over_weight``)."""
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is aten.dropout.default:
             x, p, train = args
             return aten.native_dropout.default(x, p, train)[0] if train and p > 0 else x
+        if target in _CLASS_LOSSES:
+            loss = _mean_as_sum_over_weight(target, args, kwargs)
+            if loss is not None:
+                return loss
         return super().call_function(target, args, kwargs)
 
 

@@ -117,6 +117,20 @@ def llama_tiny4():
     return llama(4, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 
 
+def gpt2_tiny4_padded():
+    """gpt2_tiny4 on padded sequences: sequence i keeps 16 - 2i labels, the rest are -100 (ignored).
+
+    Splits of this batch (data-parallel ranks, micro-batches, tokens over tensor
+    parallelism) hold different numbers of labels, so a loss averaged per split
+    differs from the mean over the whole batch.
+    """
+    model, inputs = gpt2_tiny4()
+    labels = inputs["input_ids"].clone()
+    for i in range(labels.shape[0]):
+        labels[i, labels.shape[1] - 2 * i :] = -100
+    return model, {"input_ids": inputs["input_ids"], "labels": labels}
+
+
 class MLP(torch.nn.Module):
     """Two-layer perceptron whose forward returns its mean-squared-error loss."""
 

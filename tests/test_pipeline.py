@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -37,8 +38,8 @@ from autopar.passes.shard import shard_graph
 from autopar.passes.stage_split import split_stages
 from autopar.passes.stages import forward_segments, stage_of_nodes, untie_across_stages
 from autopar.runtime.pipeline import schedule_actions
-from autopar.runtime.verify import check_plans, plan_with_pipeline
-from examples.models import gpt2_tiny4, llama_tiny4
+from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_pipeline
+from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
 
 TOL = 1e-5
 
@@ -219,13 +220,24 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
 # ---------------------------------------------------------------- several processes
 
 
-def _hand(factory, n: int, pp: int, schedule: str, microbatches: int, tp: int = 1, layout="dp", chunks=1):
+def _hand(
+    factory, n: int, pp: int, schedule: str, microbatches: int, tp: int = 1, layout="dp", chunks=1, seed=0
+):
     torch.manual_seed(0)
     model, inputs = factory()
     cluster = autopar.Cluster.local(n)
     base = autopar.plan(model, inputs, cluster, fixed={"tp": tp, "pp": 1}, precision="fp32")
     return plan_with_pipeline(
-        base, model, inputs, cluster, pp, schedule=schedule, microbatches=microbatches, layout=layout, chunks=chunks
+        base,
+        model,
+        inputs,
+        cluster,
+        pp,
+        schedule=schedule,
+        microbatches=microbatches,
+        layout=layout,
+        chunks=chunks,
+        seed=seed,
     )
 
 
@@ -261,6 +273,13 @@ def test_pipelines_on_4_processes_train_like_one_device():
         (gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "1F1B", 4, tp=2, layout="megatron")),
         (llama_tiny4, _hand(llama_tiny4, 4, 2, "interleaved", 2, chunks=2)),
     ]
+    # Padded labels: micro-batches of one sequence with the loss split over tp, and ranks fed their own part.
+    one_sequence = functools.partial(_hand, gpt2_tiny4_padded, 4, 2, "1F1B", 8, tp=2, layout="random")
+    cases += [
+        (gpt2_tiny4_padded, loss_split_layout(lambda seed: one_sequence(seed=seed))),
+        (gpt2_tiny4_padded, _hand(gpt2_tiny4_padded, 4, 2, "1F1B", 2)),
+    ]
     assert all(p.mesh["pp"] == 2 for _, p in cases)
     assert {p.mesh["dp"] for _, p in cases} == {1, 2}
-    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(4)))
+    local_batch = [False] * (len(cases) - 1) + [True]
+    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(4), local_batch=local_batch))

@@ -24,8 +24,8 @@ from autopar.cost_models.memory import precision_spec
 from autopar.passes.search import solve_mesh
 from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
-from autopar.runtime.verify import check_plans, plan_with_layout
-from examples.models import gpt2_tiny, llama_tiny, mlp_tiny
+from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_layout
+from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -57,10 +57,21 @@ def test_plans_on_2_processes_train_like_one_device():
         (gpt2_tiny, _plan(gpt2_tiny, 2, 1, 2, "megatron")),
         (llama_tiny, _plan(llama_tiny, 2, 2, 1, "dp")),
         (gpt2_tiny, _accumulating_plan(gpt2_tiny)),
+        (gpt2_tiny4_padded, _loss_split_plan(gpt2_tiny4_padded, 2, 1, 2)),
+        (gpt2_tiny4_padded, _accumulating_plan(gpt2_tiny4_padded)),
     ]
-    checks = check_plans(cases, autopar.Cluster.local(2))
+    local_batch = [False] * (len(cases) - 1) + [True]
+    checks = check_plans(cases, autopar.Cluster.local(2), local_batch=local_batch)
     _assert_all_match(cases, checks)
-    assert checks[-3].collectives.get("all_reduce", 0) >= 2  # Megatron's row-parallel reductions ran
+    assert checks[-5].collectives.get("all_reduce", 0) >= 2  # Megatron's row-parallel reductions ran
+
+
+def _loss_split_plan(factory, n: int, dp: int, tp: int) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = factory()
+    cluster = autopar.Cluster.local(n)
+    plan = autopar.plan(model, inputs, cluster, fixed={"dp": dp, "tp": tp}, precision="fp32")
+    return loss_split_layout(lambda seed: plan_with_layout(plan, model, inputs, cluster, "random", seed=seed))
 
 
 def _accumulating_plan(factory) -> autopar.Plan:

@@ -26,6 +26,7 @@ from autopar.capture import CapturedGraph, input_tensors
 from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph, placements
 from autopar.plan import Plan
+from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
 from autopar.runtime.zero import ZeroChunks
 
@@ -107,6 +108,7 @@ class ParallelModule(nn.Module):
         self.dp_size = mesh.size(0)
         self.dp_rank = mesh.get_coordinate()[0]
         self.microbatches = max(int(plan.microbatches), 1)
+        self._labels = label_chain(captured) if self.microbatches > 1 else None
         self._grad_specs = local.grad_placements
         self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
         self._zero = (
@@ -117,7 +119,8 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ running
 
-    def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> list[torch.Tensor]:
+    def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list, list[float]]:
+        """(tensor, placement) per input, and each micro-batch's weight in the step (``loss_weights``)."""
         tensors = self._inputs_of(inputs, targets)
         if len(tensors) != len(self._input_specs):
             raise RuntimeMismatchError(
@@ -127,7 +130,7 @@ class ParallelModule(nn.Module):
         out = []
         for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
             if local_batch:
-                if spec[0] != "S(0)":
+                if spec[0] != "S(0)" and self.dp_size > 1:
                     raise RuntimeMismatchError(
                         "this plan does not split every input by batch over the data-parallel ranks; "
                         "pass the global batch (local_batch=False)"
@@ -141,7 +144,8 @@ class ParallelModule(nn.Module):
                     f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
                 )
             out.append((t, spec))
-        return out
+        group = self.mesh.get_group(0) if local_batch and self.dp_size > 1 else None
+        return out, microbatch_weights(self._labels, tensors, self.microbatches, group)
 
     def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
         res = []
@@ -155,11 +159,11 @@ class ParallelModule(nn.Module):
         """Forward and backward on one (global) batch; returns the loss, the same on every rank.
 
         Gradients are added to each shard's ``.grad`` (as ``loss.backward()`` would),
-        averaged over the plan's micro-batches; under ZeRO-1/2 to the ``.grad``
+        each micro-batch weighted by its share of the batch's loss (``loss_weights``); under ZeRO-1/2 to the ``.grad``
         of this rank's chunk of the parameter instead (ZeRO-1 reduces once, at
         the end of the step; ZeRO-2 in the graph, per micro-batch).
         """
-        pairs = self._local_inputs(inputs, targets, local_batch)
+        pairs, weights = self._local_inputs(inputs, targets, local_batch)
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         total = None
         partial: dict[
@@ -169,11 +173,12 @@ class ParallelModule(nn.Module):
             for k in range(self.microbatches):
                 loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
                 given: set[int] = set()  # storages already handed to a .grad in this micro-batch
-                total = loss if total is None else total + loss
+                share = weights[k]
+                total = loss * share if total is None else total + loss * share
                 for i, (p, g) in enumerate(zip(self.shards, grads, strict=True)):
                     if g is None:
                         continue
-                    g = g / self.microbatches if self.microbatches > 1 else g
+                    g = g * share if self.microbatches > 1 else g
                     stage = self.zero_stages[i]
                     if stage == 1:
                         held = partial.get(i)
@@ -186,7 +191,7 @@ class ParallelModule(nn.Module):
                 del grads
             if partial:
                 self._zero.reduce_partials(partial)
-        return total / self.microbatches
+        return total
 
     def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The loss on one batch, without touching gradients (evaluation)."""

@@ -123,13 +123,13 @@ class StageRunner:
 
     graphs: StageGraphs
     args: Callable[[list[int], int], list[torch.Tensor]]  # (argument slots, micro-batch) -> tensors
-    on_grads: Callable[[list[int], list[torch.Tensor | None]], None]  # parameter indices, gradients
+    on_grads: Callable[[int, list[int], list[torch.Tensor | None]], None]  # micro-batch, parameter indices, gradients
     saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     received_back: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     to_send: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     to_send_back: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # by micro-batch
 
 
 def _tag(direction: int, boundary: int, microbatch: int, index: int, stages: int) -> int:
@@ -187,7 +187,7 @@ def run_schedule(
             sent = list(out[:n_send])
             runner.saved[mb] = list(out[n_send : n_send + n_saved])
             if g.has_loss:
-                runner.losses.append(out[-1])
+                runner.losses[mb] = out[-1]
             if s + 1 < stages and s + 1 in runners:  # the next stage is on this rank: hand over directly
                 runners[s + 1].received[mb] = sent
             elif g.send_forward:
@@ -200,7 +200,7 @@ def run_schedule(
             out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
             n_back = len(g.send_backward)
             back = list(out[:n_back])
-            runner.on_grads(g.grads, list(out[n_back:]))
+            runner.on_grads(mb, g.grads, list(out[n_back:]))
             if s > 0 and s - 1 in runners:
                 runners[s - 1].received_back[mb] = back
             elif g.send_backward:

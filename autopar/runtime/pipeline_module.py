@@ -6,8 +6,9 @@ Megatron-LM.  It holds only the parameters its stages read: the shards of
 them its (d, t) coordinate owns on the stage's dp × tp sub-mesh.  A training
 step splits the batch into the plan's micro-batches and runs the schedule
 (:mod:`autopar.runtime.pipeline`); gradients land in ``.grad`` as in
-:class:`~autopar.runtime.parallel_module.ParallelModule` (averaged over the
-micro-batches; ZeRO-1/2 chunks alike), the gradients of a parameter untied
+:class:`~autopar.runtime.parallel_module.ParallelModule` (each micro-batch
+weighted by its share of the loss, :mod:`autopar.runtime.loss_weights`;
+ZeRO-1/2 chunks alike), the gradients of a parameter untied
 across stages (:func:`autopar.passes.stages.untie_across_stages`) are summed
 over the stages holding it, and the loss is sent from the last stage to every
 rank, so ``train_step`` returns the same loss everywhere.
@@ -28,6 +29,7 @@ from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph
 from autopar.passes.stage_split import StageGraphs
 from autopar.plan import Plan
+from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.parallel_module import _local_part, full_tensor
 from autopar.runtime.pipeline import StageRunner, run_schedule, schedule_actions
 from autopar.runtime.zero import ZeroChunks
@@ -57,6 +59,7 @@ class PipelineParallelModule(nn.Module):
         self.pp_rank, self.dp_rank, self.tp_rank = mesh.get_coordinate()
         self.dp_size = mesh.size(1)
         self.microbatches = max(int(plan.microbatches), 1)
+        self._labels = label_chain(captured) if self.microbatches > 1 else None
         self.stages = sum(1 for _ in plan.stages) or self.pp_size
         self.schedule = plan.schedule or "1F1B"
         n_params, n_state = len(captured.params), len(captured.buffers)
@@ -130,7 +133,8 @@ class PipelineParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ running
 
-    def _micro_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> list[list[torch.Tensor]]:
+    def _micro_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list[list[torch.Tensor]], list[float]]:
+        """This rank's inputs per micro-batch, and each micro-batch's weight in the step (``loss_weights``)."""
         tensors = self._inputs_of(inputs, targets)
         if len(tensors) != len(self._input_specs):
             raise RuntimeMismatchError(
@@ -140,7 +144,7 @@ class PipelineParallelModule(nn.Module):
         per_mb: list[list[torch.Tensor]] = [[] for _ in range(self.microbatches)]
         for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
             if local_batch:
-                if spec[0] != "S(0)":
+                if spec[0] != "S(0)" and self.dp_size > 1:
                     raise RuntimeMismatchError(
                         "this plan does not split every input by batch over the data-parallel ranks; "
                         "pass the global batch (local_batch=False)"
@@ -155,11 +159,12 @@ class PipelineParallelModule(nn.Module):
             for k in range(self.microbatches):
                 part = t.chunk(self.microbatches, 0)[k] if t.dim() else t
                 per_mb[k].append(_local_part(part, self.stage_mesh, spec))
-        return per_mb
+        group = self.stage_mesh.get_group(0) if local_batch and self.dp_size > 1 else None
+        return per_mb, microbatch_weights(self._labels, tensors, self.microbatches, group)
 
     def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
         """Forward and backward of one (global) batch through the pipeline; the loss, the same on every rank."""
-        micro = self._micro_inputs(inputs, targets, local_batch)
+        micro, weights = self._micro_inputs(inputs, targets, local_batch)
         first_input = self._n_params + self._n_state
         partial: dict[int, tuple[torch.Tensor, bool]] = {}
         m = self.microbatches
@@ -175,12 +180,12 @@ class PipelineParallelModule(nn.Module):
                     out.append(micro[mb][a - first_input])
             return out
 
-        def on_grads(indices: list[int], grads: list[torch.Tensor | None]) -> None:
+        def on_grads(mb: int, indices: list[int], grads: list[torch.Tensor | None]) -> None:
             for i, g in zip(indices, grads, strict=True):
                 if g is None:
                     continue
                 k = self._slot[i]
-                g = g / m if m > 1 else g
+                g = g * weights[mb] if m > 1 else g
                 stage = self.zero_stages[k]
                 if stage == 1:
                     held = partial.get(k)
@@ -198,8 +203,8 @@ class PipelineParallelModule(nn.Module):
             if partial:
                 self._zero.reduce_partials(partial)
             self._sum_tied_grads()
-            losses = [x for r in runners.values() for x in r.losses]
-            loss = torch.stack(losses).sum() / m if losses else torch.zeros(())
+            losses = [x * weights[mb] for r in runners.values() for mb, x in sorted(r.losses.items())]
+            loss = torch.stack(losses).sum() if losses else torch.zeros(())
             last = self._rank_of_stage(self.stages - 1)
             dist.broadcast(loss, src=last, group=self.mesh.get_group(0))
         return loss

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autopar.capture import CapturedGraph, capture, model_loss
 from autopar.cluster import Cluster
@@ -155,6 +156,22 @@ def plan_with_layout(
     )
 
 
+def loss_split_layout(make_plan: Callable[[int], Plan], tries: int = 50) -> Plan:
+    """``make_plan(seed)`` (a random layout) for the first seed whose class loss splits its targets on every
+    mesh dim of size > 1.
+
+    For tests of padded batches: the shards of the loss then keep different
+    numbers of labels, which an average of per-shard means gets wrong.
+    """
+    for seed in range(tries):
+        plan = make_plan(seed)
+        nll = next(v for v in plan.placements.values() if v["op"] == "aten.nll_loss_forward.default")
+        sizes = [plan.mesh["dp"], plan.mesh.get("tp", 1)]
+        if all(p.startswith("S(") for p, n in zip(nll["inputs"][1], sizes, strict=True) if n > 1):
+            return plan
+    raise ValueError(f"none of {tries} random layouts splits the loss's targets")
+
+
 def plan_with_pipeline(
     plan: Plan,
     model,
@@ -199,7 +216,14 @@ def plan_with_pipeline(
     return dataclasses.replace(laid, stages=stages, solver={**laid.solver, "status": f"{schedule} pipeline (hand cut)"})
 
 
-def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
+def _dp_share(inputs: Any, rank: int, size: int) -> Any:
+    """Data-parallel rank ``rank``'s part of a batch: the ``rank``-th of ``size`` chunks of every tensor."""
+    return pytree.tree_map(
+        lambda t: t.chunk(size, 0)[rank] if isinstance(t, torch.Tensor) and t.dim() else t, inputs
+    )
+
+
+def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn) -> tuple:
     import torch.distributed as dist
 
     from autopar.runtime.parallelize import parallelize
@@ -209,7 +233,12 @@ def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
     plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
     pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn)
     opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
-    losses, first = _train(model, inputs, lambda: pm.train_step(inputs), opt, steps, pm.full_grads)
+    feed = _dp_share(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
+
+    def step() -> torch.Tensor:
+        return pm.train_step(feed, local_batch=local_batch)
+
+    losses, first = _train(model, inputs, step, opt, steps, pm.full_grads)
     final = pm.full_state_dict()
     if dist.get_rank() != 0:
         return losses, None, None, pm.collectives()
@@ -217,7 +246,11 @@ def _rank_run(factory, cluster, plan_dict, steps, lr, seed, loss_fn) -> tuple:
 
 
 def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn) -> list[tuple]:
-    return [_rank_run(factory, cluster, plan, steps, lr, seed, loss_fn) for factory, plan in cases]
+    """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
+    return [
+        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn)
+        for factory, plan, *local in cases
+    ]
 
 
 def check_plans(
@@ -228,10 +261,20 @@ def check_plans(
     lr: float = 1e-3,
     seed: int = 0,
     loss_fn: Callable | None = None,
+    local_batch: bool | list[bool] = False,
 ) -> list[Check]:
-    """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes."""
+    """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes.
+
+    ``local_batch`` (for all cases, or per case): each rank passes only its
+    data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
+    a job with a sampler per rank does.
+    """
+    local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
     refs = [single_device_run(factory, steps, lr, seed, loss_fn) for factory, _ in cases]
-    wire = [(factory, plan.to_dict() if plan is not None else None) for factory, plan in cases]
+    wire = [
+        (factory, plan.to_dict() if plan is not None else None, flag)
+        for (factory, plan), flag in zip(cases, local, strict=True)
+    ]
     per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn)
     return [_compare([r[k] for r in per_rank], refs[k]) for k in range(len(cases))]
 
