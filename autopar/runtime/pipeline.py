@@ -169,10 +169,15 @@ def run_schedule(
         s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
         runner = runners[s]
         g = runner.graphs
-        if kind == RECV_F:
-            pending_recv[("f", s, mb)] = recv(g.recv_forward, peer(s - 1), 0, s - 1, mb)
-        elif kind == RECV_B:
-            pending_recv[("b", s, mb)] = recv(g.recv_backward, peer(s + 1), 1, s, mb)
+        if kind in (RECV_F, RECV_B):
+            # a receive dropped before its wait would let the backend write into freed memory
+            key = ("f" if kind == RECV_F else "b", s, mb)
+            if key in pending_recv:
+                raise RuntimeError(f"pipeline schedule posts receive {key} twice")
+            if kind == RECV_F:
+                pending_recv[key] = recv(g.recv_forward, peer(s - 1), 0, s - 1, mb)
+            else:
+                pending_recv[key] = recv(g.recv_backward, peer(s + 1), 1, s, mb)
         elif kind == SEND_F:
             send(runner.to_send.pop(mb), peer(s + 1), 0, s, mb)
         elif kind == SEND_B:
@@ -207,3 +212,5 @@ def run_schedule(
                 runner.to_send_back[mb] = back
     for _, w in sends:
         w.wait()
+    if pending_recv:
+        raise RuntimeError(f"pipeline schedule never consumed receives {sorted(pending_recv)}")

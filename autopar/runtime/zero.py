@@ -126,19 +126,17 @@ class ZeroChunks:
 
         ``partial[i]`` is ``(gradient, summed)``: a dp-partial sum to be
         reduce-scattered, or a gradient the plan already reduced, of which the
-        chunk is cut locally.  All reductions are issued before any is waited for.
+        chunk is cut locally.  One reduction at a time: gloo's CPU collectives
+        corrupt the heap with several in flight on one group (see
+        :func:`autopar.passes.shard.schedule_collectives`), and nothing is left
+        to overlap them with at the end of the step.
         """
-        pending = []
         for i, (g, summed) in partial.items():
             if not summed:
                 self.add_grad(i, self._chunk_of(g, i))
                 continue
             out = torch.empty(self.chunk_numel[i], dtype=g.dtype, device=g.device)
-            inp = self._padded(g, i).contiguous()  # held until the wait: the backend reads it asynchronously
-            work = dist.reduce_scatter_single(out, inp, group=self.group, async_op=True)
-            pending.append((i, out, inp, work))
-        for i, out, _inp, work in pending:
-            work.wait()
+            dist.reduce_scatter_single(out, self._padded(g, i).contiguous(), group=self.group)
             self.add_grad(i, out)
 
     def full_grad(self, i: int) -> torch.Tensor | None:
@@ -160,18 +158,16 @@ class ZeroChunks:
                 self.chunk(i).copy_(self._chunk_of(self.shards[i].detach(), i))
 
     def gather_params(self) -> None:
-        """After the optimizer stepped the chunks: every dp rank's chunks back into the whole local parameters."""
-        pending = []
+        """After the optimizer stepped the chunks: every dp rank's chunks back into the whole local parameters.
+
+        One all-gather at a time, as in :meth:`reduce_partials`.
+        """
         with torch.no_grad():
             for i in self.stage:
                 p, n = self.shards[i], self.chunk_numel[i] * self.size
                 direct = p.is_contiguous() and p.numel() == n
                 out = p.detach().view(-1) if direct else torch.empty(n, dtype=p.dtype, device=p.device)
-                chunk = self.chunk(i).detach().contiguous()
-                work = dist.all_gather_into_tensor(out, chunk, group=self.group, async_op=True)
-                pending.append((p, out, chunk, direct, work))
-            for p, out, _chunk, direct, work in pending:
-                work.wait()
+                dist.all_gather_into_tensor(out, self.chunk(i).detach().contiguous(), group=self.group)
                 if not direct:
                     p.copy_(out[: p.numel()].view(p.shape))
 
