@@ -104,6 +104,18 @@ def node_phase(node: fx.Node) -> str:
     return node.meta.get("autopar_phase", "input" if node.op == "placeholder" else "backward")
 
 
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
 def tensor_nodes(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:
     """Nodes whose value is a single tensor (placeholders, ops, constants), in graph order."""
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
@@ -492,13 +504,7 @@ def _annotate(gm: fx.GraphModule, owner_of_placeholder: dict[str, str]) -> fx.No
     g = gm.graph
     out = next(n for n in reversed(g.nodes) if n.op == "output")
     loss = out.args[0][0]
-    forward: set[fx.Node] = set()
-    todo = [loss]
-    while todo:
-        n = todo.pop()
-        if n not in forward:
-            forward.add(n)
-            todo.extend(n.all_input_nodes)
+    forward = ancestors(loss)
     # Every output of a forward op is forward, even one only the backward reads (saved mean/rstd).
     forward |= {u for n in forward for u in n.users if u.target is operator.getitem}
 

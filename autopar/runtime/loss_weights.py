@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.capture import CapturedGraph
+from autopar.capture import CapturedGraph, ancestors
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -40,7 +41,7 @@ class LabelChain:
         self.inputs = inputs  # indices into CapturedGraph.inputs that the chain reads
         self.ignore_index = ignore_index
 
-    def kept(self, inputs: list[torch.Tensor]) -> float:
+    def kept(self, inputs: Mapping[int, torch.Tensor]) -> float:
         """How many targets of one micro-batch (its whole, every data-parallel rank's share) count."""
         target = self.gm(*(inputs[i] for i in self.inputs))
         return float((target != self.ignore_index).sum())
@@ -68,13 +69,7 @@ def label_chain(captured: CapturedGraph) -> LabelChain | None:
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     first_input = len(captured.params) + len(captured.buffers)
     index = {n: i - first_input for i, n in enumerate(placeholders)}
-    needed: set[fx.Node] = set()
-    todo = [target]
-    while todo:
-        n = todo.pop()
-        if n not in needed:
-            needed.add(n)
-            todo.extend(n.all_input_nodes)
+    needed = ancestors(target)
     if any(n.op == "placeholder" and index[n] < 0 for n in needed):
         return None
     chain = fx.Graph()
@@ -111,10 +106,10 @@ def microbatch_weights(
     for i in chain.inputs:
         t = tensors[i]
         if dp_group is not None and t.dim():
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(dp_group))]
-            dist.all_gather(parts, t.contiguous(), group=dp_group)
-            t = [p.chunk(m, 0) for p in parts]
-            read[i] = [torch.cat([p[k] for p in t]) for k in range(m)]
+            ranks = [torch.empty_like(t) for _ in range(dist.get_world_size(dp_group))]
+            dist.all_gather(ranks, t.contiguous(), group=dp_group)
+            # micro-batch k is the k-th chunk of every rank's part
+            read[i] = [torch.cat([r.chunk(m, 0)[k] for r in ranks]) for k in range(m)]
         else:
             read[i] = t.chunk(m, 0) if t.dim() else [t] * m
     kept = [chain.kept({i: read[i][k] for i in chain.inputs}) for k in range(m)]
