@@ -24,6 +24,7 @@ from autopar.cost_models.memory import precision_spec
 from autopar.passes.search import solve_mesh
 from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
+from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_layout
 from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
 
@@ -226,3 +227,25 @@ def test_a_dead_rank_stops_the_job_without_hanging():
 def test_a_failing_rank_reports_its_error():
     with pytest.raises(autopar.LaunchError, match="rank 0 failed: ValueError: bad batch"):
         autopar.launch(_one_rank_raises, 2, timeout_s=60)
+
+
+def test_gradients_sum_over_microbatches_into_grad_without_sharing_storage():
+    shards = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))])
+    fused = torch.arange(6.0)  # one buffer holding both gradients, as a fused backward returns them
+    sink = GradAccumulator(shards, [0, 0], None, [False, False])
+    sink.add({0: fused[:4], 1: fused[4:]})
+    assert shards[0].grad.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
+    whole = torch.ones(2)
+    sink = GradAccumulator(shards[1:], [0], None, [False])
+    shards[1].grad = None
+    sink.add({0: whole}, 0.25)
+    sink.add({0: whole}, 0.75)
+    sink.finish()
+    assert torch.equal(shards[1].grad, torch.ones(2)) and torch.equal(whole, torch.ones(2))
+    owned = torch.full((2,), 3.0)
+    shards[1].grad = None
+    GradAccumulator(shards[1:], [0], None, [False]).add({0: owned})
+    assert shards[1].grad is owned  # a gradient alone in its storage becomes .grad without a copy
+    shards[1].grad = None
+    GradAccumulator(shards[1:], [0], None, [False], copy=True).add({0: owned})
+    assert shards[1].grad is not owned and torch.equal(shards[1].grad, owned)

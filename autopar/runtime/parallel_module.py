@@ -26,6 +26,7 @@ from autopar.capture import CapturedGraph, input_tensors
 from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph, placements
 from autopar.plan import Plan
+from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
 from autopar.runtime.zero import ZeroChunks
@@ -44,23 +45,48 @@ def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...]) -> tor
     return t.detach().clone().contiguous()
 
 
-def _owned(g: torch.Tensor, given: set[int]) -> torch.Tensor:
-    """``g`` itself when it alone owns its storage, else a copy: a gradient the graph returns becomes ``.grad``.
+def check_input_count(tensors: list[torch.Tensor], specs: list) -> None:
+    """Refuse inputs of another form than the example inputs the plan was made for."""
+    if len(tensors) != len(specs):
+        raise RuntimeMismatchError(
+            f"the plan's model takes {len(specs)} input tensors, these inputs hold {len(tensors)}; "
+            "pass inputs of the same form as the example inputs"
+        )
 
-    Copying every gradient would hold two of each at the end of the step; a
-    view into a larger buffer (a slice of a fused gradient) or a storage
-    another gradient already holds is copied, so that ``.grad`` neither keeps
-    the rest of that buffer alive nor shares it.
+
+def batch_placement(
+    t: torch.Tensor,
+    spec: tuple[str, ...],
+    shape: tuple[int, ...],
+    microbatches: int,
+    dp_size: int,
+    local_batch: bool,
+) -> tuple[str, ...]:
+    """The placement ``t`` (a whole batch, or with ``local_batch`` this rank's data-parallel part) is cut by.
+
+    The graph holds one micro-batch of the global batch (example input
+    ``shape``); a batch of another size is refused, and so is a local batch
+    for a plan that does not split every input by batch over dp.
     """
-    storage = g.untyped_storage()
-    whole = g.is_contiguous() and storage.nbytes() == g.numel() * g.element_size()
-    if not whole or storage.data_ptr() in given:
-        return g.clone()
-    given.add(storage.data_ptr())
-    return g
+    if local_batch:
+        if spec[0] != "S(0)" and dp_size > 1:
+            raise RuntimeMismatchError(
+                "this plan does not split every input by batch over the data-parallel ranks; "
+                "pass the global batch (local_batch=False)"
+            )
+        spec = ("R", *spec[1:])  # the rank's part of the batch is already its data-parallel shard
+    expected = shape[0] * microbatches // (dp_size if local_batch else 1) if shape else None
+    if t.dim() and t.shape[0] != expected:
+        raise RuntimeMismatchError(
+            f"an input has batch {t.shape[0]}, the plan expects {expected}"
+            f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
+        )
+    return spec
 
 
-def full_tensor(local: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+def full_tensor(
+    local: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
     """The whole tensor of which ``local`` is this rank's shard under ``spec`` on ``mesh`` (a collective)."""
     if all(p == "R" for p in spec):
         return local.detach().clone()
@@ -71,127 +97,27 @@ def full_tensor(local: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...], sh
     return dt.full_tensor()
 
 
-class ParallelModule(nn.Module):
-    """The model on this rank: parameter shards, the local joint graph, and the plan it came from."""
+def model_aliases(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter or buffer (tied ones included) to the name capture knows it by."""
+    whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {
+        name: next(n for n, q in whole.items() if q is t)
+        for name, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+    }
 
-    def __init__(
-        self, model: nn.Module, captured: CapturedGraph, local: LocalGraph, mesh: DeviceMesh, plan: Plan
-    ) -> None:
-        super().__init__()
-        self.plan = plan
-        self.mesh = mesh
-        self.graph = local.gm
-        self._collectives = local.collectives()
-        self._inputs_of = functools.partial(input_tensors, model)
-        n_params, n_state = len(captured.params), len(captured.buffers)
-        self._param_specs = local.arg_placements[:n_params]
-        self._state_specs = local.arg_placements[n_params : n_params + n_state]
-        self._input_specs = local.arg_placements[n_params + n_state :]
-        self._infos = captured.params + captured.buffers
-        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
-        whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self._aliases = {
-            name: next(n for n, q in whole.items() if q is t)
-            for name, t in [
-                *model.named_parameters(remove_duplicate=False),
-                *model.named_buffers(remove_duplicate=False),
-            ]
-        }
-        self.param_names = [p.name for p in captured.params]
-        self.state_names = [b.name for b in captured.buffers]
-        self.shards = nn.ParameterList(
-            nn.Parameter(_local_part(whole[p.name], mesh, spec))
-            for p, spec in zip(captured.params, self._param_specs, strict=True)
-        )
-        for i, (b, spec) in enumerate(zip(captured.buffers, self._state_specs, strict=True)):
-            self.register_buffer(f"state_{i}", _local_part(whole[b.name], mesh, spec))
-        self.dp_size = mesh.size(0)
-        self.dp_rank = mesh.get_coordinate()[0]
-        self.microbatches = max(int(plan.microbatches), 1)
-        self._labels = label_chain(captured) if self.microbatches > 1 else None
-        self._grad_specs = local.grad_placements
-        self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
-        self._zero = (
-            ZeroChunks(self.shards, self.zero_stages, mesh.get_group(0), self.dp_rank, self.dp_size)
-            if any(self.zero_stages)
-            else None
-        )
 
-    # ------------------------------------------------------------------ running
+class RankModule(nn.Module):
+    """What a rank's module of either kind offers besides running its step: evaluation and the optimizer.
 
-    def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list, list[float]]:
-        """(tensor, placement) per input, and each micro-batch's weight in the step (``loss_weights``)."""
-        tensors = self._inputs_of(inputs, targets)
-        if len(tensors) != len(self._input_specs):
-            raise RuntimeMismatchError(
-                f"the plan's model takes {len(self._input_specs)} input tensors, these inputs hold {len(tensors)}; "
-                "pass inputs of the same form as the example inputs"
-            )
-        out = []
-        for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
-            if local_batch:
-                if spec[0] != "S(0)" and self.dp_size > 1:
-                    raise RuntimeMismatchError(
-                        "this plan does not split every input by batch over the data-parallel ranks; "
-                        "pass the global batch (local_batch=False)"
-                    )
-                spec = ("R", *spec[1:])  # the rank's part of the batch is already its data-parallel shard
-            # the graph holds one micro-batch of the global batch
-            expected = shape[0] * self.microbatches // (self.dp_size if local_batch else 1) if shape else None
-            if t.dim() and t.shape[0] != expected:
-                raise RuntimeMismatchError(
-                    f"an input has batch {t.shape[0]}, the plan expects {expected}"
-                    f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
-                )
-            out.append((t, spec))
-        group = self.mesh.get_group(0) if local_batch and self.dp_size > 1 else None
-        return out, microbatch_weights(self._labels, tensors, self.microbatches, group)
+    Subclasses hold ``shards`` (this rank's parameter shards), ``_zero``
+    (:class:`ZeroChunks` or None) and ``train_step``.
+    """
 
-    def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
-        res = []
-        for t, spec in pairs:
-            if t.dim():
-                t = t.chunk(self.microbatches, 0)[k]
-            res.append(_local_part(t, self.mesh, spec))
-        return res
-
-    def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
-        """Forward and backward on one (global) batch; returns the loss, the same on every rank.
-
-        Gradients are added to each shard's ``.grad`` (as ``loss.backward()`` would),
-        each micro-batch weighted by its share of the batch's loss (``loss_weights``); under ZeRO-1/2 to the ``.grad``
-        of this rank's chunk of the parameter instead (ZeRO-1 reduces once, at
-        the end of the step; ZeRO-2 in the graph, per micro-batch).
-        """
-        pairs, weights = self._local_inputs(inputs, targets, local_batch)
-        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
-        total = None
-        partial: dict[
-            int, tuple[torch.Tensor, bool]
-        ] = {}  # ZeRO-1: whole local gradients, summed over dp later
-        with torch.no_grad():
-            for k in range(self.microbatches):
-                loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
-                given: set[int] = set()  # storages already handed to a .grad in this micro-batch
-                share = weights[k]
-                total = loss * share if total is None else total + loss * share
-                for i, (p, g) in enumerate(zip(self.shards, grads, strict=True)):
-                    if g is None:
-                        continue
-                    g = g * share if self.microbatches > 1 else g
-                    stage = self.zero_stages[i]
-                    if stage == 1:
-                        held = partial.get(i)
-                        summed = self._grad_specs[i][0] == "P"
-                        partial[i] = (g, summed) if held is None else (held[0].add_(g), summed)
-                    elif stage == 2:
-                        self._zero.add_grad(i, g)
-                    else:
-                        p.grad = _owned(g, given) if p.grad is None else p.grad.add_(g)
-                del grads
-            if partial:
-                self._zero.reduce_partials(partial)
-        return total
+    shards: nn.ParameterList
+    _zero: ZeroChunks | None
 
     def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The loss on one batch, without touching gradients (evaluation)."""
@@ -219,6 +145,90 @@ class ParallelModule(nn.Module):
         opt = cls(params, *args, **kwargs)
         self._zero.attach(opt)
         return opt
+
+
+class ParallelModule(RankModule):
+    """The model on this rank: parameter shards, the local joint graph, and the plan it came from."""
+
+    def __init__(
+        self, model: nn.Module, captured: CapturedGraph, local: LocalGraph, mesh: DeviceMesh, plan: Plan
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self.graph = local.gm
+        self._collectives = local.collectives()
+        self._inputs_of = functools.partial(input_tensors, model)
+        n_params, n_state = len(captured.params), len(captured.buffers)
+        self._param_specs = local.arg_placements[:n_params]
+        self._state_specs = local.arg_placements[n_params : n_params + n_state]
+        self._input_specs = local.arg_placements[n_params + n_state :]
+        self._infos = captured.params + captured.buffers
+        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
+        whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._aliases = model_aliases(model)
+        self.param_names = [p.name for p in captured.params]
+        self.state_names = [b.name for b in captured.buffers]
+        self.shards = nn.ParameterList(
+            nn.Parameter(_local_part(whole[p.name], mesh, spec))
+            for p, spec in zip(captured.params, self._param_specs, strict=True)
+        )
+        for i, (b, spec) in enumerate(zip(captured.buffers, self._state_specs, strict=True)):
+            self.register_buffer(f"state_{i}", _local_part(whole[b.name], mesh, spec))
+        self.dp_size = mesh.size(0)
+        self.dp_rank = mesh.get_coordinate()[0]
+        self.microbatches = max(int(plan.microbatches), 1)
+        self._labels = label_chain(captured) if self.microbatches > 1 else None
+        self._dp_partial = [spec[0] == "P" for spec in local.grad_placements]
+        self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
+        self._zero = (
+            ZeroChunks(self.shards, self.zero_stages, mesh.get_group(0), self.dp_rank, self.dp_size)
+            if any(self.zero_stages)
+            else None
+        )
+
+    # ------------------------------------------------------------------ running
+
+    def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list, list[float]]:
+        """(tensor, placement) per input, and each micro-batch's weight in the step (``loss_weights``)."""
+        tensors = self._inputs_of(inputs, targets)
+        check_input_count(tensors, self._input_specs)
+        out = [
+            (t, batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch))
+            for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True)
+        ]
+        group = self.mesh.get_group(0) if local_batch and self.dp_size > 1 else None
+        return out, microbatch_weights(self._labels, tensors, self.microbatches, group)
+
+    def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
+        res = []
+        for t, spec in pairs:
+            if t.dim():
+                t = t.chunk(self.microbatches, 0)[k]
+            res.append(_local_part(t, self.mesh, spec))
+        return res
+
+    def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
+        """Forward and backward on one (global) batch; returns the loss, the same on every rank.
+
+        Gradients are added to each shard's ``.grad`` (as ``loss.backward()`` would),
+        each micro-batch weighted by its share of the batch's loss (``loss_weights``); under ZeRO-1/2 to the ``.grad``
+        of this rank's chunk of the parameter instead (ZeRO-1 reduces once, at
+        the end of the step; ZeRO-2 in the graph, per micro-batch).
+        """
+        pairs, weights = self._local_inputs(inputs, targets, local_batch)
+        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
+        total = None
+        sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial)
+        with torch.no_grad():
+            for k in range(self.microbatches):
+                loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                share = weights[k]
+                total = loss * share if total is None else total + loss * share
+                sink.add(dict(enumerate(grads)), share if self.microbatches > 1 else None)
+                del grads
+            sink.finish()
+        return total
 
     def measure_step_memory(
         self, inputs: Any, optimizer: torch.optim.Optimizer, targets: Any = None, *, local_batch: bool = False

@@ -29,15 +29,23 @@ from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph
 from autopar.passes.stage_split import StageGraphs
 from autopar.plan import Plan
+from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
-from autopar.runtime.parallel_module import _local_part, full_tensor
+from autopar.runtime.parallel_module import (
+    RankModule,
+    _local_part,
+    batch_placement,
+    check_input_count,
+    full_tensor,
+    model_aliases,
+)
 from autopar.runtime.pipeline import StageRunner, run_schedule, schedule_actions
 from autopar.runtime.zero import ZeroChunks
 
 log = logging.getLogger(__name__)
 
 
-class PipelineParallelModule(nn.Module):
+class PipelineParallelModule(RankModule):
     """The stages of one pipeline rank: parameter shards, stage graphs, the schedule that runs them."""
 
     def __init__(
@@ -65,7 +73,6 @@ class PipelineParallelModule(nn.Module):
         n_params, n_state = len(captured.params), len(captured.buffers)
         self._n_params, self._n_state = n_params, n_state
         self._specs = local.arg_placements
-        self._grad_specs = local.grad_placements
         self._infos = captured.params + captured.buffers
         self._input_specs = local.arg_placements[n_params + n_state :]
         self._input_shapes = [tuple(i.shape) for i in captured.inputs]
@@ -78,13 +85,7 @@ class PipelineParallelModule(nn.Module):
         self._state = [i for i in held if i >= n_params]
         self._slot = {i: k for k, i in enumerate(self._params)}
         whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self._aliases = {
-            name: next(n for n, q in whole.items() if q is t)
-            for name, t in [
-                *model.named_parameters(remove_duplicate=False),
-                *model.named_buffers(remove_duplicate=False),
-            ]
-        }
+        self._aliases = model_aliases(model)
         sub = self.stage_mesh
         self.shards = nn.ParameterList(
             nn.Parameter(_local_part(whole[self._infos[i].name], sub, self._specs[i])) for i in self._params
@@ -94,6 +95,7 @@ class PipelineParallelModule(nn.Module):
         self._state_slot = {i: k for k, i in enumerate(self._state)}
         stages = list(local.zero_stages) or [0] * n_params
         self.zero_stages = [stages[i] for i in self._params]
+        self._dp_partial = [local.grad_placements[i][0] == "P" for i in self._params]
         self._zero = (
             ZeroChunks(self.shards, self.zero_stages, sub.get_group(0), self.dp_rank, self.dp_size)
             if any(self.zero_stages)
@@ -133,29 +135,15 @@ class PipelineParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ running
 
-    def _micro_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list[list[torch.Tensor]], list[float]]:
+    def _micro_inputs(
+        self, inputs: Any, targets: Any, local_batch: bool
+    ) -> tuple[list[list[torch.Tensor]], list[float]]:
         """This rank's inputs per micro-batch, and each micro-batch's weight in the step (``loss_weights``)."""
         tensors = self._inputs_of(inputs, targets)
-        if len(tensors) != len(self._input_specs):
-            raise RuntimeMismatchError(
-                f"the plan's model takes {len(self._input_specs)} input tensors, these inputs hold {len(tensors)}; "
-                "pass inputs of the same form as the example inputs"
-            )
+        check_input_count(tensors, self._input_specs)
         per_mb: list[list[torch.Tensor]] = [[] for _ in range(self.microbatches)]
         for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
-            if local_batch:
-                if spec[0] != "S(0)" and self.dp_size > 1:
-                    raise RuntimeMismatchError(
-                        "this plan does not split every input by batch over the data-parallel ranks; "
-                        "pass the global batch (local_batch=False)"
-                    )
-                spec = ("R", *spec[1:])
-            expected = shape[0] * self.microbatches // (self.dp_size if local_batch else 1) if shape else None
-            if t.dim() and t.shape[0] != expected:
-                raise RuntimeMismatchError(
-                    f"an input has batch {t.shape[0]}, the plan expects {expected}"
-                    f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
-                )
+            spec = batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch)
             for k in range(self.microbatches):
                 part = t.chunk(self.microbatches, 0)[k] if t.dim() else t
                 per_mb[k].append(_local_part(part, self.stage_mesh, spec))
@@ -166,7 +154,7 @@ class PipelineParallelModule(nn.Module):
         """Forward and backward of one (global) batch through the pipeline; the loss, the same on every rank."""
         micro, weights = self._micro_inputs(inputs, targets, local_batch)
         first_input = self._n_params + self._n_state
-        partial: dict[int, tuple[torch.Tensor, bool]] = {}
+        sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial, copy=True)
         m = self.microbatches
 
         def args(slots: list[int], mb: int) -> list[torch.Tensor]:
@@ -181,27 +169,13 @@ class PipelineParallelModule(nn.Module):
             return out
 
         def on_grads(mb: int, indices: list[int], grads: list[torch.Tensor | None]) -> None:
-            for i, g in zip(indices, grads, strict=True):
-                if g is None:
-                    continue
-                k = self._slot[i]
-                g = g * weights[mb] if m > 1 else g
-                stage = self.zero_stages[k]
-                if stage == 1:
-                    held = partial.get(k)
-                    summed = self._grad_specs[i][0] == "P"
-                    partial[k] = (g, summed) if held is None else (held[0].add_(g), summed)
-                elif stage == 2:
-                    self._zero.add_grad(k, g)
-                else:
-                    p = self.shards[k]
-                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+            by_slot = {self._slot[i]: g for i, g in zip(indices, grads, strict=True)}
+            sink.add(by_slot, weights[mb] if m > 1 else None)
 
         runners = {g.stage: StageRunner(g, args, on_grads) for g in self.programs}
         with torch.no_grad():
             run_schedule(self._actions, runners, self.stages, self._rank_of_stage)
-            if partial:
-                self._zero.reduce_partials(partial)
+            sink.finish()
             self._sum_tied_grads()
             losses = [x * weights[mb] for r in runners.values() for mb, x in sorted(r.losses.items())]
             loss = torch.stack(losses).sum() if losses else torch.zeros(())
@@ -222,24 +196,6 @@ class PipelineParallelModule(nn.Module):
                 dist.all_reduce(total, group=group)
             for h in holders:
                 h.grad = total.clone()
-
-    def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
-        """The loss on one batch, without touching gradients (evaluation)."""
-        params = [*self.shards, *(self._zero.chunks if self._zero else ())]
-        saved = [p.grad for p in params]
-        loss = self.train_step(inputs, targets)
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
-        return loss
-
-    def make_optimizer(self, cls, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        """``cls`` over this rank's parameter shards (ZeRO-1/2: its chunks), as ``ParallelModule`` builds it."""
-        if self._zero is None:
-            return cls(self.shards.parameters(), *args, **kwargs)
-        params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
-        opt = cls(params, *args, **kwargs)
-        self._zero.attach(opt)
-        return opt
 
     def collectives(self) -> dict[str, int]:
         """Collectives of one micro-batch of the whole local graph (all stages) on this rank's sub-mesh."""
