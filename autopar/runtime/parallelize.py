@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.capture import capture
 from autopar.cluster import Cluster, MeshShape
@@ -179,7 +179,7 @@ def parallelize(
     if plan.mesh.get("pp", 1) > 1:
         return _pipeline_module(model, captured, chosen, plan, cluster)
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
-    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
+    mesh = device_mesh(cluster, shape, AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
     return ParallelModule(model, captured, local, mesh, plan)
@@ -194,7 +194,7 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
     from autopar.runtime.pipeline_module import PipelineParallelModule
 
     pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
-    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
+    mesh = device_mesh(cluster, (pp, dp, tp), ("pp", *AXES))
     firsts = [s["first"] for s in plan.stages]
     schedule_name(plan.schedule or "1F1B")
     stage_of = stage_of_nodes(captured, firsts)
@@ -209,6 +209,29 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
     tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
     log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
     return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied)
+
+
+def device_mesh(cluster: Cluster, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The plan's mesh over the job's ranks; on gloo, each axis's group runs its work on one thread.
+
+    Gloo runs a group's async work on a pool of threads (two by default), and
+    with several collectives in flight on one group it corrupts the heap now
+    and then (``scripts/gloo_inflight_repro.py``); the local graph therefore
+    keeps one in flight per group (:func:`autopar.passes.shard.schedule_collectives`).
+    With two threads, one collective's clean-up can still overlap the next one
+    on the group's gloo context; one thread costs nothing under that rule and
+    leaves no two of a group's works running at once.  Options for every axis
+    also give the axis that spans the whole job a group of its own rather than
+    the default one.
+    """
+    device = cluster_device_type(cluster)
+    override = None
+    if device == "cpu":
+        options = dist.ProcessGroupGloo._Options()
+        options._threads = 1
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        override = {i: ("gloo", options) for i in range(len(shape))}
+    return init_device_mesh(device, shape, mesh_dim_names=names, backend_override=override)
 
 
 def cluster_device_type(cluster: Cluster) -> str:
