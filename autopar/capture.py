@@ -361,7 +361,7 @@ def _strip(path: str) -> str:
 
 
 _CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
-_MEAN, _SUM = 1, 2  # torch's Reduction enum
+REDUCTION_MEAN, REDUCTION_SUM = 1, 2  # torch's Reduction enum
 
 
 def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tensor | None:
@@ -380,13 +380,13 @@ def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tenso
     bound.update(zip((a.name for a in schema), args, strict=False))
     bound.update(kwargs)
     x, labels = bound["self"], bound["target"]
-    if bound["reduction"] != _MEAN or bound.get("label_smoothing", 0.0) != 0.0:
+    if bound["reduction"] != REDUCTION_MEAN or bound.get("label_smoothing", 0.0) != 0.0:
         return None
     if x.dim() != 2 or labels.dim() != 1 or labels.is_floating_point():
         return None
     if target is aten.cross_entropy_loss.default:
         x = aten.log_softmax.int(x, 1)
-    total, weight = aten.nll_loss_forward.default(x, labels, bound["weight"], _SUM, bound["ignore_index"])
+    total, weight = aten.nll_loss_forward.default(x, labels, bound["weight"], REDUCTION_SUM, bound["ignore_index"])
     return total / weight
 
 

@@ -26,11 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.capture import CapturedGraph, ancestors
+from autopar.capture import REDUCTION_SUM, CapturedGraph, ancestors
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-_SUM = 2  # torch's Reduction.SUM
 
 
 class LabelChain:
@@ -63,7 +62,7 @@ def label_chain(captured: CapturedGraph) -> LabelChain | None:
     nll = s.args[0]
     if w.args[0] is not nll or (s.args[1], w.args[1]) != (0, 1):
         return None
-    if nll.target is not aten.nll_loss_forward.default or nll.args[3] != _SUM or nll.args[2] is not None:
+    if nll.target is not aten.nll_loss_forward.default or nll.args[3] != REDUCTION_SUM or nll.args[2] is not None:
         return None
     target = nll.args[1]
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
