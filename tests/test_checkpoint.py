@@ -10,10 +10,12 @@ optimizer state, hyperparameters), and what one device loads of each plan's
 checkpoint is what that plan held; with the oracle's tolerance: the step
 after a load is the step one device takes from the same checkpoint.
 
-Chains: GPT-2 through Megatron dp × tp → ZeRO-3 (tied weights, HF modules),
+Chains: GPT-2 through Megatron dp × tp → ZeRO-3 (tied weights, HF modules)
+→ pipeline pp2 × tp2 (the tied embedding untied across the two stages, one
+copy each) → pipeline pp2 × dp2 with ZeRO-1 (each stage's chunks),
 and an MLP whose sizes do not divide by the data-parallel size through data
 parallel → ZeRO-2 (chunks padded, rows cut mid-way) → Megatron dp × tp with
-ZeRO-1 (chunks of tensor-parallel shards).  About 50 s, most of it starting
+ZeRO-1 (chunks of tensor-parallel shards).  About 70 s, most of it starting
 4 processes and generating the GPT-2 graphs; the fast tests below cover the
 boxes of a ZeRO chunk, a one-device round trip and the error messages.
 """
@@ -32,16 +34,9 @@ import torch.distributed as dist
 import autopar
 from autopar.capture import model_loss
 from autopar.plan import Plan
-from autopar.runtime.checkpoint import (
-    _FlatChunk,
-    _LoadPlanner,
-    _SavePlanner,
-    flat_range_boxes,
-    full_optimizer_state,
-    load_single,
-    save_single,
-)
-from autopar.runtime.verify import group_error, plan_with_layout
+from autopar.runtime.checkpoint import full_optimizer_state, load_single, save_single
+from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner, flat_range_boxes
+from autopar.runtime.verify import group_error, plan_with_layout, plan_with_pipeline
 from examples.models import MLP, gpt2_tiny, mlp_tiny
 
 LR = 1e-3
@@ -114,7 +109,8 @@ def _resume(factory, cluster, plan: dict, src: str, dst: str, own_state: bool) -
     opt.zero_grad()
     pm.save(dst, opt)
     stepped = _parallel_state(pm, opt, names)
-    layout = (set(pm.zero_stages), {s[0][:2] for s in pm._param_specs})  # ZeRO-1/2 stages, dp placements
+    specs = [pm._specs[i] for i in pm._params] if hasattr(pm, "_params") else pm._param_specs  # pipeline or not
+    layout = (set(pm.zero_stages), {s[0][:2] for s in specs})  # ZeRO-1/2 stages, dp placements
     return (loaded, stepped, layout) if dist.get_rank() == 0 else None
 
 
@@ -187,12 +183,23 @@ def _zero(plan: Plan, stage: int) -> Plan:
     return dataclasses.replace(plan, zero=stage, placements=placements)
 
 
+def _pipeline(factory, tp: int, layout: str) -> Plan:
+    """The factory's model on pp = 2 (1F1B, 2 micro-batches) with the hand-set ``layout`` on each stage."""
+    torch.manual_seed(0)
+    model, batch = factory()
+    cluster = autopar.Cluster.local(4)
+    base = autopar.plan(model, batch, cluster, fixed={"tp": tp, "pp": 1}, precision="fp32")
+    return plan_with_pipeline(base, model, batch, cluster, 2, microbatches=2, layout=layout)
+
+
 def _gpt2_plans() -> list[tuple[str, Plan, bool]]:
     """(name, plan, whether the optimizer has state of its own before the load)."""
     layout = _layouts(gpt2_tiny, [(4, 1), (2, 2)])
     return [
         ("Megatron dp x tp", _zero(layout[2, 2]("megatron"), 0), False),
         ("ZeRO-3", _zero(layout[4, 1]("zero3"), 3), True),
+        ("pipeline pp2 x tp2", _zero(_pipeline(gpt2_tiny, 2, "megatron"), 0), False),
+        ("pipeline pp2 x dp2, ZeRO-1", _zero(_pipeline(gpt2_tiny, 1, "dp"), 1), True),
     ]
 
 
@@ -265,13 +272,13 @@ def test_a_zero_chunk_writes_and_reads_only_its_boxes(tmp_path):
     n = math.ceil(105 / 4)
     for rank in range(4):
         start, stop = min(rank * n, 105), min((rank + 1) * n, 105)
-        chunk = _FlatChunk(torch.full((n,), -1.0), (5, 7, 3), (0, 0, 0), (5, 7, 3), start, stop)
-        dcp.load({"t": chunk}, checkpoint_id=str(tmp_path / "whole"), planner=_LoadPlanner(), no_dist=True)
+        chunk = FlatChunk(torch.full((n,), -1.0), (5, 7, 3), (0, 0, 0), (5, 7, 3), start, stop)
+        dcp.load({"t": chunk}, checkpoint_id=str(tmp_path / "whole"), planner=LoadPlanner(), no_dist=True)
         expected = torch.nn.functional.pad(whole.reshape(-1)[start:stop], (0, n - (stop - start)), value=-1.0)
         assert torch.equal(chunk.chunk, expected), rank
     # what one rank writes: its boxes only, the rest of the tensor untouched on load
-    chunk = _FlatChunk(torch.arange(54.0, 81.0), (5, 7, 3), (0, 0, 0), (5, 7, 3), 54, 81)
-    dcp.save({"t": chunk}, checkpoint_id=str(tmp_path / "rank2"), planner=_SavePlanner(), no_dist=True)
+    chunk = FlatChunk(torch.arange(54.0, 81.0), (5, 7, 3), (0, 0, 0), (5, 7, 3), 54, 81)
+    dcp.save({"t": chunk}, checkpoint_id=str(tmp_path / "rank2"), planner=SavePlanner(), no_dist=True)
     back = torch.full((5, 7, 3), -1.0)
     dcp.load({"t": back}, checkpoint_id=str(tmp_path / "rank2"), no_dist=True)
     flat = back.reshape(-1)
@@ -303,6 +310,50 @@ def test_one_device_round_trip_is_bit_for_bit(tmp_path):
         model_loss(m, batch, None).backward()
         o.step()
     _assert_equal(_single_state(other, other_opt), _single_state(model, opt), "the step after")
+
+
+def test_a_weight_held_twice_on_one_rank_is_saved_once_and_loaded_into_both(tmp_path):
+    """Two copies of one weight on a rank (a tie across two of its pipeline stages): one entry; each copy
+    loads it, and each keeps optimizer state of its own (an aliased state would be stepped twice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture import TensorInfo
+    from autopar.runtime.checkpoint import _load, _save, sharded_layout
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        w, v = TensorInfo("w", "w", (4, 3), torch.float32), TensorInfo("v", "v", (5,), torch.float32)
+
+        def rank(seed: int, lr: float, steps: int):
+            torch.manual_seed(seed)
+            a = torch.nn.Parameter(torch.randn(4, 3))
+            b, c = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(torch.randn(5))
+            opt = torch.optim.AdamW([a, c, b], lr=lr)
+            for _ in range(steps):
+                grad = torch.randn(4, 3)
+                a.grad, b.grad, c.grad = grad, grad.clone(), torch.randn(5)
+                opt.step()
+            held = [(w, a, ("R", "R"), 0), (v, c, ("R", "R"), 1), (w, b, ("R", "R"), 2)]
+            return (a, b, c), opt, sharded_layout(mesh, held, None, [w, v, w])
+
+        (a, _, c), opt, layout = rank(0, LR, 2)
+        assert [x.name for x in layout.weights] == ["w", "v"] and len(layout.copies) == 1
+        _save(layout, tmp_path, opt, "test")
+        (a2, b2, c2), opt2, layout2 = rank(1, 10 * LR, 1)
+        _load(layout2, tmp_path, opt2)
+        assert torch.equal(a2, a) and torch.equal(b2, a) and torch.equal(c2, c)
+        assert opt2.param_groups[0]["lr"] == LR
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt2.state[b2][key], opt.state[a][key])
+            assert opt2.state[b2][key] is not opt2.state[a2][key]
+        grad = torch.randn(4, 3)
+        a2.grad, b2.grad, c2.grad = grad, grad.clone(), torch.zeros(5)
+        opt2.step()
+        assert torch.equal(a2, b2)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path):

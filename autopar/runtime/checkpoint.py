@@ -16,13 +16,14 @@ the plan's placements, so DCP writes each piece once and, under another plan,
 reads each rank's new piece from whichever files hold it (DCP's resharding).
 One device uses the same format through DCP's no-process-group path.
 
-ZeRO-1/2 optimizer state is a flat chunk of the dp-replicated local tensor
-(:mod:`autopar.runtime.zero`), which no DTensor placement describes.  Rather
-than all-gather it into the whole local tensor — the memory ZeRO exists to
-save — :class:`_FlatChunk` hands DCP the boxes of the parameter-shaped tensor
-the chunk covers (a flat range of a row-major tensor is at most ``2·ndim − 1``
-boxes): each rank writes and reads only its chunk, and the checkpoint looks
-like any other.
+ZeRO-1/2 optimizer state is a flat chunk of a parameter's local tensor,
+handed to DCP as the boxes it covers (:mod:`autopar.runtime.checkpoint_chunks`).
+
+Under a pipeline plan each rank holds only its stages' parameters, on its
+stage's dp × tp sub-mesh: the ranks of all stages together write every
+weight once (a weight untied across stages, :func:`autopar.passes.stages.untie_across_stages`,
+is laid out alike on every stage that holds it, so DCP keeps one copy), and a
+load reads into each rank only what its stages hold.
 
 A load checks the checkpoint against the model (names, shapes, optimizer
 class) on every rank first, and raises :class:`~autopar.errors.CheckpointError`
@@ -32,36 +33,29 @@ on all ranks alike before any tensor is read, so a bad path cannot hang a job.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.errors import CheckpointError
 from autopar.passes.shard import placements
+from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner
 
 if TYPE_CHECKING:
-    from autopar.runtime.parallel_module import ParallelModule
+    from autopar.capture import TensorInfo
+    from autopar.runtime.parallel_module import RankModule
+    from autopar.runtime.zero import ZeroChunks
 
 log = logging.getLogger(__name__)
 
@@ -69,134 +63,6 @@ FORMAT = 1
 INFO = "autopar"
 MODEL = "model."
 OPTIM = "optim."
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
-
-
-# ---------------------------------------------------------------- flat chunks as boxes
-
-
-def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """The elements ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
-
-    Each box is itself contiguous in the flat order, so box ``k`` is the next
-    ``prod(sizes)`` elements of the range: a partial first row, whole rows,
-    a partial last row, recursively.
-    """
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    rest = tuple(shape[1:])
-    inner = math.prod(rest)
-    first, a = divmod(start, inner)
-    last, b = divmod(stop, inner)
-
-    def in_row(row: int, lo: int, hi: int) -> list[Box]:
-        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(rest, lo, hi)]
-
-    if first == last:
-        return in_row(first, a, b)
-    out = []
-    if a:
-        out += in_row(first, a, inner)
-        first += 1
-    if last > first:
-        out.append(((first, *(0,) * len(rest)), (last - first, *rest)))
-    if b:
-        out += in_row(last, 0, b)
-    return out
-
-
-class _FlatChunk:
-    """One rank's ZeRO chunk of a parameter-shaped tensor, as DCP sees it: the boxes of the tensor it covers.
-
-    ``chunk`` is the flat, zero-padded piece the optimizer holds (positions
-    ``start .. stop`` of the flattened local tensor, then padding); the local
-    tensor sits at ``local_offset`` in the whole tensor of shape ``size``.  DCP
-    calls ``__create_write_items__`` / ``__create_chunk_list__`` for it (its
-    ``_Checkpointable`` protocol) and our planners look pieces up by offset.
-    """
-
-    def __init__(
-        self,
-        chunk: torch.Tensor,
-        local_shape: tuple[int, ...],
-        local_offset: tuple[int, ...],
-        size: tuple[int, ...],
-        start: int,
-        stop: int,
-    ) -> None:
-        self.chunk = chunk
-        self._size = torch.Size(size)
-        self.pieces: dict[tuple[int, ...], torch.Tensor] = {}
-        boxes = flat_range_boxes(local_shape, start, stop)
-        if math.prod(local_shape) == 0:  # an empty tensor still needs its (empty) entry in the checkpoint
-            boxes = [(tuple(0 for _ in local_shape), tuple(local_shape))]
-        pos = 0
-        for offsets, sizes in boxes:
-            n = math.prod(sizes)
-            key = tuple(o + lo for o, lo in zip(offsets, local_offset, strict=True))
-            self.pieces[key] = chunk[pos : pos + n].view(sizes)
-            pos += n
-
-    def size(self) -> torch.Size:
-        return self._size  # DCP compares it with the saved size on load
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.shape),
-                    properties=TensorProperties.create_from_tensor(piece),
-                    size=self._size,
-                ),
-            )
-            for offsets, piece in self.pieces.items()
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=p.shape) for o, p in self.pieces.items()]
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's planner with a flat key space (our keys are already flat) and ZeRO chunks looked up by piece."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return (
-            obj.pieces[tuple(index.offset)] if isinstance(obj, _FlatChunk) else super().lookup_object(index)
-        )
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, flat keys, ZeRO chunks looked up by piece.
-
-    ``set_up_planner`` skips DCP's meta-tensor initialisation, which knows
-    only tensors and would drop a :class:`_FlatChunk`; every target here is
-    allocated on its device already.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
-    ) -> None:
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return (
-            obj.pieces[tuple(index.offset)] if isinstance(obj, _FlatChunk) else super().lookup_tensor(index)
-        )
 
 
 # ---------------------------------------------------------------- what one rank holds
@@ -216,11 +82,13 @@ class _Weight:
 
 @dataclass
 class _Layout:
-    """The tensors of one rank (a ParallelModule's shards, or a whole model) and how to hand them to DCP."""
+    """The tensors of one rank (its shards under a plan, or a whole model) and how to hand them to DCP."""
 
-    weights: list[_Weight]
+    weights: list[_Weight]  # one per name
     owners: dict[int, tuple[_Weight, bool]]  # id(optimizer param) -> (weight, it is the weight's ZeRO chunk)
     mesh: DeviceMesh | None
+    model: dict[str, tuple[int, ...]]  # every weight of the model (not only this rank's): name -> shape
+    copies: list[tuple[_Weight, torch.Tensor]] = field(default_factory=list)  # further local copies of a weight
 
     @property
     def distributed(self) -> bool:
@@ -235,9 +103,9 @@ class _Layout:
             local, self.mesh, w.placements, run_check=False, shape=torch.Size(w.shape), stride=stride
         )
 
-    def flat(self, w: _Weight, chunk: torch.Tensor) -> _FlatChunk:
+    def flat(self, w: _Weight, chunk: torch.Tensor) -> FlatChunk:
         start, stop, _ = w.chunk
-        return _FlatChunk(chunk, tuple(w.local.shape), w.offset, w.shape, start, stop)
+        return FlatChunk(chunk, tuple(w.local.shape), w.offset, w.shape, start, stop)
 
     def optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, _Weight, bool]]:
         """Each parameter the optimizer steps, with the weight it belongs to."""
@@ -253,25 +121,39 @@ class _Layout:
         return out
 
 
-def _parallel_layout(pm: ParallelModule) -> _Layout:
-    zero = pm._zero
-    state = [getattr(pm, f"state_{i}") for i in range(len(pm._state_specs))]
-    weights, owners = [], {}
-    for i, (info, local, spec) in enumerate(
-        zip(pm._infos, [*pm.shards, *state], [*pm._param_specs, *pm._state_specs], strict=True)
-    ):
-        places = placements(spec)
-        _, offset = compute_local_shape_and_global_offset(tuple(info.shape), pm.mesh, places)
-        w = _Weight(info.name, local, tuple(info.shape), places, tuple(offset))
-        if zero is not None and i < len(pm.shards) and i in zero:
-            n = zero.chunk_numel[i]
+def sharded_layout(
+    mesh: DeviceMesh,
+    held: list[tuple[TensorInfo, torch.Tensor, tuple[str, ...], int | None]],
+    zero: ZeroChunks | None,
+    model: list[TensorInfo],
+) -> _Layout:
+    """What one rank holds under a plan, from ``(info, local tensor, spec, parameter slot)`` per tensor.
+
+    The slot indexes the rank's parameters (its ZeRO chunks); a buffer has
+    none.  A name held twice (a weight untied across two stages of this rank)
+    is one weight: DCP sees the first copy, the others follow it on load.
+    ``model`` is every weight of the model, for the check that a checkpoint
+    is of this model.
+    """
+    weights, owners, by_name, copies = [], {}, {}, []
+    for info, local, spec, slot in held:
+        w = by_name.get(info.name)
+        if w is None:
+            places = placements(spec)
+            _, offset = compute_local_shape_and_global_offset(tuple(info.shape), mesh, places)
+            w = by_name[info.name] = _Weight(info.name, local, tuple(info.shape), places, tuple(offset))
+            weights.append(w)
+        else:
+            copies.append((w, local))
+        if slot is None:
+            continue
+        if zero is not None and slot in zero:
+            n = zero.chunk_numel[slot]
             start = min(zero.rank * n, local.numel())
             w.chunk = (start, min(start + n, local.numel()), n)
-            owners[id(zero.chunk(i))] = (w, True)
-        if i < len(pm.shards):
-            owners[id(local)] = (w, False)
-        weights.append(w)
-    return _Layout(weights, owners, pm.mesh)
+            owners[id(zero.chunk(slot))] = (w, True)
+        owners[id(local)] = (w, False)
+    return _Layout(weights, owners, mesh, {i.name: tuple(i.shape) for i in model}, copies)
 
 
 def _single_layout(model: nn.Module) -> _Layout:
@@ -280,7 +162,7 @@ def _single_layout(model: nn.Module) -> _Layout:
         w = _Weight(name, t, tuple(t.shape))
         weights.append(w)
         owners[id(t)] = (w, False)
-    return _Layout(weights, owners, None)
+    return _Layout(weights, owners, None, {w.name: w.shape for w in weights})
 
 
 # ---------------------------------------------------------------- save
@@ -327,9 +209,29 @@ def _state_dict(layout: _Layout, optimizer: torch.optim.Optimizer | None, writer
             {**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
-        info["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "like_param": like}
+        ours = {"class": type(optimizer).__name__, "param_groups": groups, "like_param": like}
+        info["optimizer"] = _merge_over_ranks(ours) if layout.distributed else ours
     sd[INFO] = info
     return sd
+
+
+def _merge_over_ranks(ours: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer entry of the whole job from every rank's (a collective).
+
+    DCP writes one copy of a non-tensor entry; under a pipeline each rank's
+    optimizer steps only its stages' parameters, so the entry lists the
+    parameters of every rank: group ``g`` holds the names of every rank's group ``g``.
+    """
+    every: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ours)
+    groups: list[dict[str, Any]] = []
+    for entry in every:
+        for pos, g in enumerate(entry["param_groups"]):
+            if pos == len(groups):
+                groups.append({**g, "params": []})
+            groups[pos]["params"] = list(dict.fromkeys([*groups[pos]["params"], *g["params"]]))
+    like = sorted({k for entry in every for k in entry["like_param"]})
+    return {"class": ours["class"], "param_groups": groups, "like_param": like}
 
 
 def _save(
@@ -343,7 +245,7 @@ def _save(
     os.makedirs(path, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(sd, checkpoint_id=path, planner=_SavePlanner(), no_dist=not layout.distributed)
+        dcp.save(sd, checkpoint_id=path, planner=SavePlanner(), no_dist=not layout.distributed)
     what = "weights and optimizer state" if optimizer is not None else "weights"
     log.info("saved %s to %s in %.2f s", what, path, time.perf_counter() - t0)
 
@@ -375,7 +277,7 @@ def _read_info(path: str) -> tuple[Metadata, dict[str, Any]]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(box, checkpoint_id=path, planner=_LoadPlanner(), no_dist=True)
+            dcp.load(box, checkpoint_id=path, planner=LoadPlanner(), no_dist=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read the checkpoint at {path}: {exc}; save it again") from exc
     info = box[INFO]
@@ -389,7 +291,7 @@ def _read_info(path: str) -> tuple[Metadata, dict[str, Any]]:
 def _check_model(path: str, metadata: Metadata, layout: _Layout) -> None:
     """Same names and shapes as the model, or a one-line error naming the first difference."""
     saved = {k[len(MODEL) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
-    ours = {w.name: w.shape for w in layout.weights}
+    ours = layout.model
     missing = [n for n in ours if n not in saved]
     extra = [n for n in saved if n not in ours]
     for names, what in [(missing, "it has no {}"), (extra, "it holds {}, which this model lacks")]:
@@ -474,7 +376,7 @@ def _optimizer_targets(
 
 
 def _local_value(v: Any) -> Any:
-    return v.chunk if isinstance(v, _FlatChunk) else v.to_local() if isinstance(v, DTensor) else v
+    return v.chunk if isinstance(v, FlatChunk) else v.to_local() if isinstance(v, DTensor) else v
 
 
 def _restore_optimizer(
@@ -489,11 +391,15 @@ def _restore_optimizer(
     ``load_state_dict``; each of the optimizer's groups takes the saved group
     holding its first parameter (or the group at its position).
     """
-    state = {
-        i: {key: _local_value(sd[k]) for key, k in keys.items()}
-        for i, (_, _, keys) in enumerate(per_param)
-        if keys
-    }
+    state: dict[int, dict[str, Any]] = {}
+    used: set[str] = set()
+    for i, (_, _, keys) in enumerate(per_param):
+        for key, k in keys.items():
+            v = _local_value(sd[k])
+            if k in used and isinstance(v, torch.Tensor):  # a weight's second copy: state of its own
+                v = v.clone()
+            used.add(k)
+            state.setdefault(i, {})[key] = v
     saved_groups = saved["param_groups"]
     group_of = {name: g for g in saved_groups for name in g["params"]}
     name_of = {id(p): name for p, name, _ in per_param}
@@ -528,7 +434,10 @@ def _load(layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optim
         sd.update(targets)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner(), no_dist=not layout.distributed)
+        dcp.load(sd, checkpoint_id=path, planner=LoadPlanner(), no_dist=not layout.distributed)
+    with torch.no_grad():
+        for w, copy in layout.copies:
+            copy.copy_(w.local)
     if optimizer is not None:
         _restore_optimizer(optimizer, sd, per_param, saved)
     what = "weights and optimizer state" if optimizer is not None else "weights"
@@ -538,19 +447,15 @@ def _load(layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optim
 # ---------------------------------------------------------------- public
 
 
-def save_parallel(
-    pm: ParallelModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def save_rank(pm: RankModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
     """``pm.save``: each rank writes its shards (and optimizer state) under the model's names; a collective."""
     mesh = dict(zip(pm.mesh.mesh_dim_names or (), pm.mesh.shape, strict=False))
-    _save(_parallel_layout(pm), path, optimizer, f"ParallelModule {mesh}")
+    _save(pm._checkpoint_layout(), path, optimizer, f"{type(pm).__name__} {mesh}")
 
 
-def load_parallel(
-    pm: ParallelModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def load_rank(pm: RankModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
     """``pm.load``: each rank reads its shards of a checkpoint written under any plan; a collective."""
-    _load(_parallel_layout(pm), path, optimizer)
+    _load(pm._checkpoint_layout(), path, optimizer)
     if pm._zero is not None:
         pm._zero.load_from_params()  # the chunks follow the loaded parameters
 
@@ -576,7 +481,7 @@ def load_single(
     _load(_single_layout(model), path, optimizer)
 
 
-def _gather_chunk(pm: ParallelModule, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
+def _gather_chunk(pm: RankModule, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
     zero = pm._zero
     out = torch.empty(w.chunk[2] * zero.size, dtype=chunk.dtype, device=chunk.device)
     dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=zero.group)
@@ -584,17 +489,17 @@ def _gather_chunk(pm: ParallelModule, w: _Weight, chunk: torch.Tensor) -> torch.
 
 
 def full_optimizer_state(
-    owner: ParallelModule | nn.Module, optimizer: torch.optim.Optimizer
+    owner: RankModule | nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, dict[str, Any]]:
     """The optimizer's state by parameter name, every tensor whole (under a plan: a collective on every rank).
 
     For tests and inspection: it builds each whole tensor on every rank,
     ZeRO chunks all-gathered first; a checkpoint never does.
     """
-    from autopar.runtime.parallel_module import ParallelModule
+    from autopar.runtime.parallel_module import RankModule
 
-    parallel = isinstance(owner, ParallelModule)
-    layout = _parallel_layout(owner) if parallel else _single_layout(owner)
+    parallel = isinstance(owner, RankModule)
+    layout = owner._checkpoint_layout() if parallel else _single_layout(owner)
     out: dict[str, dict[str, Any]] = {}
     for p, w, chunked in layout.optimizer_params(optimizer):
         entry = out.setdefault(w.name, {})
@@ -604,4 +509,4 @@ def full_optimizer_state(
                 local = _gather_chunk(owner, w, v) if chunked else v.detach()
                 v = layout.wrap(w, local).full_tensor()
             entry[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-    return out
+    return owner._gather_stages(out) if parallel else out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
 from autopar.runtime.zero import ZeroChunks
+
+if TYPE_CHECKING:
+    from autopar.runtime.checkpoint import _Layout
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,36 @@ class RankModule(nn.Module):
         opt = cls(params, *args, **kwargs)
         self._zero.attach(opt)
         return opt
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write a checkpoint directory that any plan, or one device, can load (a collective: call on every rank).
+
+        Each rank writes only its shards (and its optimizer state, ZeRO chunks
+        included) under the model's own names with ``torch.distributed.checkpoint``;
+        see :mod:`autopar.runtime.checkpoint`.  ``optimizer``: the one ``make_optimizer`` built.
+        """
+        from autopar.runtime.checkpoint import save_rank
+
+        save_rank(self, path, optimizer)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read a checkpoint written under any plan (or by ``save_single``) into this rank's shards (a collective).
+
+        With ``optimizer`` (built by ``make_optimizer``), its state and
+        hyperparameters are restored too.  A checkpoint of another model is
+        refused on every rank before anything is read.
+        """
+        from autopar.runtime.checkpoint import load_rank
+
+        load_rank(self, path, optimizer)
+
+    def _checkpoint_layout(self) -> _Layout:
+        """What this rank holds, as :mod:`autopar.runtime.checkpoint` hands it to DCP."""
+        raise NotImplementedError
+
+    def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """Per-name values of this rank's tensors, completed with those only other stages hold (a collective)."""
+        return mine
 
 
 class ParallelModule(RankModule):
@@ -281,27 +314,14 @@ class ParallelModule(RankModule):
             out[info.name] = None if g is None else self._full(g, spec, info.shape)
         return out
 
-    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Write a checkpoint directory that any plan, or one device, can load (a collective: call on every rank).
+    def _checkpoint_layout(self) -> _Layout:
+        from autopar.runtime.checkpoint import sharded_layout
 
-        Each rank writes only its shards (and its optimizer state, ZeRO chunks
-        included) under the model's own names with ``torch.distributed.checkpoint``;
-        see :mod:`autopar.runtime.checkpoint`.  ``optimizer``: the one ``make_optimizer`` built.
-        """
-        from autopar.runtime.checkpoint import save_parallel
-
-        save_parallel(self, path, optimizer)
-
-    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Read a checkpoint written under any plan (or by ``save_single``) into this rank's shards (a collective).
-
-        With ``optimizer`` (built by ``make_optimizer``), its state and
-        hyperparameters are restored too.  A checkpoint of another model is
-        refused on every rank before anything is read.
-        """
-        from autopar.runtime.checkpoint import load_parallel
-
-        load_parallel(self, path, optimizer)
+        n = len(self.shards)
+        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
+        tensors = zip(self._infos, [*self.shards, *state], [*self._param_specs, *self._state_specs], strict=True)
+        held = [(info, t, spec, i if i < n else None) for i, (info, t, spec) in enumerate(tensors)]
+        return sharded_layout(self.mesh, held, self._zero, self._infos)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names."""

@@ -17,7 +17,7 @@ rank, so ``train_step`` returns the same loss everywhere.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import CapturedGraph, input_tensors
-from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph
 from autopar.passes.stage_split import StageGraphs
 from autopar.plan import Plan
@@ -41,6 +40,9 @@ from autopar.runtime.parallel_module import (
 )
 from autopar.runtime.pipeline import StageRunner, run_schedule, schedule_actions
 from autopar.runtime.zero import ZeroChunks
+
+if TYPE_CHECKING:
+    from autopar.runtime.checkpoint import _Layout
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +208,7 @@ class PipelineParallelModule(RankModule):
     def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return full_tensor(local, self.stage_mesh, spec, shape)
 
-    def _gather_over_pipeline(self, mine: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    def _gather_over_pipeline(self, mine: dict[str, Any]) -> dict[str, Any]:
         every: list[dict | None] = [None] * self.pp_size
         dist.all_gather_object(every, mine, group=self.mesh.get_group(0))
         out: dict[str, torch.Tensor | None] = {}
@@ -244,12 +246,15 @@ class PipelineParallelModule(RankModule):
         out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
         return out
 
-    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        raise RuntimeMismatchError(
-            "checkpoints of pipeline-parallel plans are not supported yet: save full_state_dict() instead"
-        )
+    def _checkpoint_layout(self) -> _Layout:
+        from autopar.runtime.checkpoint import sharded_layout
 
-    load = save
+        held = [(self._infos[i], self.shards[k], self._specs[i], k) for k, i in enumerate(self._params)]
+        held += [(self._infos[i], getattr(self, f"state_{k}"), self._specs[i], None) for k, i in enumerate(self._state)]
+        return sharded_layout(self.stage_mesh, held, self._zero, self._infos)
+
+    def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:
+        return self._gather_over_pipeline(mine)
 
     def extra_repr(self) -> str:
         return (
