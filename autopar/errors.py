@@ -28,7 +28,15 @@ class PlanFormatError(AutoparError):
 
 
 class LaunchError(AutoparError):
-    """A rank of a launched job failed, died or ran past its time limit."""
+    """A rank of a launched job failed, died or ran past its time limit.
+
+    ``signal``: the signal that killed a rank (a native crash: 6 SIGABRT, 11
+    SIGSEGV), None when a rank raised, exited or timed out.
+    """
+
+    def __init__(self, message: str, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
 
 
 class RuntimeMismatchError(AutoparError):

@@ -205,7 +205,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 def _one_rank_dies() -> None:
     if dist.get_rank() == 1:
-        os._exit(3)
+        os.abort()  # a native crash
     dist.barrier()  # would wait for rank 1 forever without the launcher
 
 
@@ -220,13 +220,30 @@ def test_launch_returns_every_rank_result():
 
 
 def test_a_dead_rank_stops_the_job_without_hanging():
-    with pytest.raises(autopar.LaunchError, match="rank 1 died"):
+    with pytest.raises(autopar.LaunchError, match="rank 1 was killed by SIGABRT") as caught:
         autopar.launch(_one_rank_dies, 2, timeout_s=60)
+    assert caught.value.signal == 6
 
 
 def test_a_failing_rank_reports_its_error():
     with pytest.raises(autopar.LaunchError, match="rank 0 failed: ValueError: bad batch"):
         autopar.launch(_one_rank_raises, 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("signal", [6, None])
+def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
+    from autopar.runtime import verify
+
+    calls = []
+
+    def crashing_launch(*args, **kwargs):
+        calls.append(1)
+        raise autopar.LaunchError("rank 1 was killed", signal=signal)
+
+    monkeypatch.setattr(verify, "launch", crashing_launch)
+    with pytest.raises(autopar.LaunchError, match="rank 1 was killed"):
+        check_plans([(mlp_tiny, None)], autopar.Cluster.local(2), steps=1, crash_retries=2)
+    assert len(calls) == (3 if signal else 1)
 
 
 def test_gradients_sum_over_microbatches_into_grad_without_sharing_storage():

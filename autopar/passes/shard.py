@@ -380,8 +380,9 @@ def schedule_collectives(graph: fx.Graph) -> None:
       starts as soon as its input exists, as DDP's bucket hooks do;
     * before a collective starts, the group's previous one is waited for, so at
       most one is in flight per group.  Gloo's CPU collectives corrupted the heap
-      with several in flight on one group (a crash every few hundred steps),
-      and one at a time still overlaps each with the compute around it.
+      with several in flight on one group (a crash every few hundred steps);
+      one at a time makes it rare (it is gloo's: README, Pipelines) and still
+      overlaps each with the compute around it.
     """
     nodes = list(graph.nodes)
     output = nodes[-1]

@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -66,6 +67,15 @@ def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _died(rank: int, exitcode: int, then: str) -> LaunchError:
+    """The error for a rank that exited without returning: by its exit code, or the signal that killed it."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        how = f"was killed by {name} (a native crash in torch or its backend)"
+        return LaunchError(f"rank {rank} {how} before returning; {then}", signal=-exitcode)
+    return LaunchError(f"rank {rank} died (exit code {exitcode}) before returning; {then}")
 
 
 def _died_silently(procs: list, done: dict, reporter: int, grace_s: float = 2.0) -> int | None:
@@ -119,10 +129,7 @@ def launch(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
-                    raise LaunchError(
-                        f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) before returning; "
-                        "the other ranks were stopped"
-                    ) from None
+                    raise _died(dead[0], procs[dead[0]].exitcode, "the other ranks were stopped") from None
                 if time.monotonic() > deadline:
                     raise LaunchError(
                         f"the job did not finish within {timeout_s:.0f} s; all ranks were stopped"
@@ -131,10 +138,8 @@ def launch(
             if not ok:
                 dead = _died_silently(procs, out, rank)
                 if dead is not None:  # the others' errors are only the echo of a lost peer
-                    raise LaunchError(
-                        f"rank {dead} died (exit code {procs[dead].exitcode}) before returning; "
-                        f"rank {rank} then failed and the other ranks were stopped"
-                    )
+                    then = f"rank {rank} then failed and the other ranks were stopped"
+                    raise _died(dead, procs[dead].exitcode, then)
                 raise LaunchError(f"rank {rank} failed: {value}")
             out[rank] = pickle.loads(value)
     finally:

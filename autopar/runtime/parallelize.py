@@ -212,26 +212,8 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
 
 
 def device_mesh(cluster: Cluster, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """The plan's mesh over the job's ranks; on gloo, each axis's group runs its work on one thread.
-
-    Gloo runs a group's async work on a pool of threads (two by default), and
-    with several collectives in flight on one group it corrupts the heap now
-    and then (``scripts/gloo_inflight_repro.py``); the local graph therefore
-    keeps one in flight per group (:func:`autopar.passes.shard.schedule_collectives`).
-    With two threads, one collective's clean-up can still overlap the next one
-    on the group's gloo context; one thread costs nothing under that rule and
-    leaves no two of a group's works running at once.  Options for every axis
-    also give the axis that spans the whole job a group of its own rather than
-    the default one.
-    """
-    device = cluster_device_type(cluster)
-    override = None
-    if device == "cpu":
-        options = dist.ProcessGroupGloo._Options()
-        options._threads = 1
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
-        override = {i: ("gloo", options) for i in range(len(shape))}
-    return init_device_mesh(device, shape, mesh_dim_names=names, backend_override=override)
+    """The plan's mesh over the job's ranks, on the cluster's device type (gloo on CPU, NCCL on GPUs)."""
+    return init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=names)
 
 
 def cluster_device_type(cluster: Cluster) -> str:
