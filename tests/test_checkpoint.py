@@ -15,7 +15,7 @@ Chains: GPT-2 through Megatron dp × tp → ZeRO-3 (tied weights, HF modules)
 copy each) → pipeline pp2 × dp2 with ZeRO-1 (each stage's chunks),
 and an MLP whose sizes do not divide by the data-parallel size through data
 parallel → ZeRO-2 (chunks padded, rows cut mid-way) → Megatron dp × tp with
-ZeRO-1 (chunks of tensor-parallel shards).  About 70 s, most of it starting
+ZeRO-1 (chunks of tensor-parallel shards).  About 45 s, most of it starting
 4 processes and generating the GPT-2 graphs; the fast tests below cover the
 boxes of a ZeRO chunk, a one-device round trip and the error messages.
 """
