@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.capture import capture
 from autopar.cluster import Cluster, MeshShape
@@ -179,7 +179,7 @@ def parallelize(
     if plan.mesh.get("pp", 1) > 1:
         return _pipeline_module(model, captured, chosen, plan, cluster)
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
-    mesh = device_mesh(cluster, shape, AXES)
+    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
     return ParallelModule(model, captured, local, mesh, plan)
@@ -194,7 +194,7 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
     from autopar.runtime.pipeline_module import PipelineParallelModule
 
     pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
-    mesh = device_mesh(cluster, (pp, dp, tp), ("pp", *AXES))
+    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
     firsts = [s["first"] for s in plan.stages]
     schedule_name(plan.schedule or "1F1B")
     stage_of = stage_of_nodes(captured, firsts)
@@ -209,11 +209,6 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
     tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
     log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
     return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied)
-
-
-def device_mesh(cluster: Cluster, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """The plan's mesh over the job's ranks, on the cluster's device type (gloo on CPU, NCCL on GPUs)."""
-    return init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=names)
 
 
 def cluster_device_type(cluster: Cluster) -> str:

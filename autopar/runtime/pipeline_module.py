@@ -208,7 +208,7 @@ class PipelineParallelModule(RankModule):
     def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return full_tensor(local, self.stage_mesh, spec, shape)
 
-    def _gather_over_pipeline(self, mine: dict[str, Any]) -> dict[str, Any]:
+    def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:
         every: list[dict | None] = [None] * self.pp_size
         dist.all_gather_object(every, mine, group=self.mesh.get_group(0))
         out: dict[str, torch.Tensor | None] = {}
@@ -226,7 +226,7 @@ class PipelineParallelModule(RankModule):
         for k, i in enumerate(self._state):
             local = getattr(self, f"state_{k}")
             mine[self._infos[i].name] = self._full(local, self._specs[i], self._infos[i].shape)
-        canonical = self._gather_over_pipeline(mine)
+        canonical = self._gather_stages(mine)
         return {alias: canonical[name] for alias, name in self._aliases.items() if name in canonical}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
@@ -238,7 +238,7 @@ class PipelineParallelModule(RankModule):
             mine[self._infos[i].name] = (
                 None if g is None else self._full(g, self._specs[i], self._infos[i].shape)
             )
-        return self._gather_over_pipeline(mine)
+        return self._gather_stages(mine)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names."""
@@ -250,11 +250,11 @@ class PipelineParallelModule(RankModule):
         from autopar.runtime.checkpoint import sharded_layout
 
         held = [(self._infos[i], self.shards[k], self._specs[i], k) for k, i in enumerate(self._params)]
-        held += [(self._infos[i], getattr(self, f"state_{k}"), self._specs[i], None) for k, i in enumerate(self._state)]
+        held += [
+            (self._infos[i], getattr(self, f"state_{k}"), self._specs[i], None)
+            for k, i in enumerate(self._state)
+        ]
         return sharded_layout(self.stage_mesh, held, self._zero, self._infos)
-
-    def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:
-        return self._gather_over_pipeline(mine)
 
     def extra_repr(self) -> str:
         return (
