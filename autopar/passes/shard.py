@@ -25,7 +25,7 @@ import contextlib
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autopar import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.capture import CapturedGraph
 from autopar.cost_models.compute import is_view
-from autopar.passes import strategy_rules
+from autopar.passes import random_ops, strategy_rules
 from autopar.passes.strategies import _placement_obj, placement_str
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,24 @@ def _from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) 
     return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def _local_box(
+    shape: Sequence[int], spec: Sequence[Placement], coord: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
+
+    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh
+    dims 0 and 1 is cut in ``n0`` chunks, each cut in ``n1``).  Shards divide
+    evenly (the strategy pass offers no other).  Plain integers: DTensor's own
+    helper computes the offset with tensors, which a trace cannot read back.
+    """
+    local, offset = [int(s) for s in shape], [0] * len(shape)
+    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+            offset[p.dim] += c * local[p.dim]
+    return local, offset
+
+
 def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:
     """Dense strides for ``shape`` that order the dims the way ``like``'s strides do."""
     order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
@@ -226,6 +245,7 @@ class _ShardInterpreter(fx.Interpreter):
         self.mesh = mesh
         self.local_only: Counter = Counter()
         self.on_value = on_value or {}  # called with a node's value as soon as it is computed
+        self.random_ids = random_ops.op_numbers(gm.graph)
 
     def run_node(self, n: fx.Node) -> Any:
         # traced nodes record ``n`` as their source ("from_node") when node meta is preserved
@@ -249,9 +269,25 @@ class _ShardInterpreter(fx.Interpreter):
             if entry["inputs"]:
                 out = _redistribute(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
             return self._declare(out, entry, n)
+        if n.target in random_ops.RANDOM_OPS:
+            args, kwargs = self._bring(n, args, kwargs, entry)
+            return self._declare(self._random(n, args, kwargs, entry), entry, n)
         if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
             # a factory (arange, full, ...) or an op on constants: whole on every rank
             return self._whole(n.target(*args, **kwargs), entry)
+        args, kwargs = self._bring(n, args, kwargs, entry)
+        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
+            return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
+        if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
+            return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        try:
+            out = n.target(*args, **kwargs)
+        except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
+            out = self._local(n, args, kwargs, entry)
+        return self._declare(out, entry, n)
+
+    def _bring(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> tuple[Any, Any]:
+        """The arguments as DTensors, each redistributed to the placement the plan reads it in."""
         args, kwargs = pytree.tree_map_only(torch.Tensor, self._replicated, (args, kwargs))
         wanted = iter(entry["inputs"])
 
@@ -263,16 +299,47 @@ class _ShardInterpreter(fx.Interpreter):
         node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
         val_leaves = pytree.tree_leaves((args, kwargs))
         val_leaves = [bring(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)]
-        args, kwargs = pytree.tree_unflatten(val_leaves, spec)
-        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
-            return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
-        if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
-            return self._declare(self._local(n, args, kwargs, entry), entry, n)
-        try:
-            out = n.target(*args, **kwargs)
-        except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
-            out = self._local(n, args, kwargs, entry)
-        return self._declare(out, entry, n)
+        return pytree.tree_unflatten(val_leaves, spec)
+
+    def _random(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """A random op on this rank's part of its output, from numbers keyed to that part (:mod:`autopar.rng`).
+
+        The output's placement decides the key: this rank's offset into the
+        whole tensor (``"exact"`` mode) and its coordinate on each mesh axis
+        that shards the output (``"fast"`` mode), so ranks holding copies draw
+        the same numbers and ranks holding different shards draw their own.
+        """
+        spec = placements(entry["outputs"][0])
+        vals = n.meta["val"]
+        whole = vals[0] if isinstance(vals, (tuple, list)) else vals
+        coord = self.mesh.get_coordinate()
+        shape, offset = _local_box(whole.shape, spec, coord, self.mesh.shape)
+        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
+        device = torch.device(self.mesh.device_type)
+
+        def draw(normal: bool, dtype: torch.dtype) -> torch.Tensor:
+            return torch.ops.autopar.random(
+                list(shape), dtype, device, self.random_ids[n.name], list(whole.shape), list(offset), stream, normal
+            )
+
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        out = random_ops.run_local(n.target, local_args, local_kwargs, draw, whole)
+        return self._wrap(out, vals, entry)
+
+    def _wrap(self, out: Any, vals: Any, entry: dict) -> Any:
+        """Local outputs as DTensors in the placements ``entry`` declares, with the captured shapes."""
+        flat_out, spec = pytree.tree_flatten(out)
+        flat_val = pytree.tree_leaves(vals)
+        outs = iter(entry["outputs"])
+        wrapped = []
+        for o, v in zip(flat_out, flat_val, strict=True):
+            p = next(outs, None)
+            if isinstance(o, torch.Tensor) and p is not None:
+                o = DTensor.from_local(
+                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
+                )
+            wrapped.append(o)
+        return pytree.tree_unflatten(wrapped, spec)
 
     def _replicated(self, t: torch.Tensor) -> DTensor:
         if isinstance(t, DTensor):
@@ -325,20 +392,7 @@ class _ShardInterpreter(fx.Interpreter):
         """Run ``n`` on local shards; its outputs are what the plan says they are."""
         self.local_only[str(n.target)] += 1
         local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
-        out = n.target(*local_args, **local_kwargs)
-        vals = n.meta["val"]
-        flat_out, spec = pytree.tree_flatten(out)
-        flat_val = pytree.tree_leaves(vals)
-        outs = iter(entry["outputs"])
-        wrapped = []
-        for o, v in zip(flat_out, flat_val, strict=True):
-            p = next(outs, None)
-            if isinstance(o, torch.Tensor) and p is not None:
-                o = DTensor.from_local(
-                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
-                )
-            wrapped.append(o)
-        return pytree.tree_unflatten(wrapped, spec)
+        return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
 
     def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:
         """Bring each output to the placement the plan chose for it, in the memory layout of the capture."""

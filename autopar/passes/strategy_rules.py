@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from autopar.passes import random_ops
+
 aten = torch.ops.aten
 
 Row = list[str | None]
@@ -71,3 +73,5 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
 }
+# random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
+RULES.update({op: random_ops.rule_rows for op in random_ops.RANDOM_OPS})

@@ -11,6 +11,7 @@ rank's flat chunks of them instead, and ``make_optimizer`` wires that up.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar import rng as rng_state
 from autopar.capture import CapturedGraph, input_tensors
 from autopar.errors import RuntimeMismatchError
 from autopar.passes.shard import LocalGraph, placements
@@ -121,6 +123,33 @@ class RankModule(nn.Module):
 
     shards: nn.ParameterList
     _zero: ZeroChunks | None
+    microbatches: int
+    dp_size: int
+
+    def _init_rng(self, mode: str, seed: int, rows: int) -> None:
+        """Random ops draw under ``mode`` ("fast" or "exact", :mod:`autopar.rng`) from ``seed``.
+
+        ``rows``: the batch of one micro-batch, the generated graph's batch.
+        """
+        self.rng = rng_state.check_mode(mode)
+        self.seed = int(seed)
+        self.steps = 0  # training steps run: part of every draw's key
+        self._rows = rows
+
+    def _draws(self, microbatch: int, local_batch: bool) -> contextlib.AbstractContextManager:
+        """The random-number state for one call of a generated graph: this step, this micro-batch."""
+        return rng_state.using(
+            rng_state.RngState(
+                mode=self.rng,
+                seed=self.seed,
+                step=self.steps,
+                microbatch=microbatch,
+                microbatches=self.microbatches,
+                batch=self._rows,
+                dp_size=self.dp_size,
+                local_batch=local_batch,
+            )
+        )
 
     def forward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """The loss on one batch, without touching gradients (evaluation)."""
@@ -184,7 +213,14 @@ class ParallelModule(RankModule):
     """The model on this rank: parameter shards, the local joint graph, and the plan it came from."""
 
     def __init__(
-        self, model: nn.Module, captured: CapturedGraph, local: LocalGraph, mesh: DeviceMesh, plan: Plan
+        self,
+        model: nn.Module,
+        captured: CapturedGraph,
+        local: LocalGraph,
+        mesh: DeviceMesh,
+        plan: Plan,
+        rng: str = "fast",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -211,6 +247,7 @@ class ParallelModule(RankModule):
         self.dp_size = mesh.size(0)
         self.dp_rank = mesh.get_coordinate()[0]
         self.microbatches = max(int(plan.microbatches), 1)
+        self._init_rng(rng, seed, captured.batch_size)
         self._labels = label_chain(captured) if self.microbatches > 1 else None
         self._dp_partial = [spec[0] == "P" for spec in local.grad_placements]
         self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
@@ -255,12 +292,14 @@ class ParallelModule(RankModule):
         sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial)
         with torch.no_grad():
             for k in range(self.microbatches):
-                loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                with self._draws(k, local_batch):
+                    loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
                 share = weights[k]
                 total = loss * share if total is None else total + loss * share
                 sink.add(dict(enumerate(grads)), share if self.microbatches > 1 else None)
                 del grads
             sink.finish()
+        self.steps += 1
         return total
 
     def measure_step_memory(

@@ -30,7 +30,9 @@ from autopar.passes.recompute import apply_recompute
 from autopar.passes.search import AXES, solve_mesh
 from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
+from autopar.passes.transfer import transfer_name, transfer_placements
 from autopar.plan import Plan
+from autopar.rng import check_mode
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.zero import zero_stages
 
@@ -134,15 +136,26 @@ def parallelize(
     plan: Plan | None = None,
     loss_fn: Callable[..., Any] | None = None,
     example_targets: Any = None,
+    rng: str = "fast",
+    seed: int | None = None,
     **plan_options: Any,
 ) -> ParallelModule:
     """This rank's ParallelModule for ``model`` under ``plan`` (planned on rank 0 when None).
 
     Call on every rank of the job, with the same model (weights are taken from
     rank 0) and example inputs of the plan's global batch.
+
+    ``rng``: how random ops (dropout, ``bernoulli``, ``rand*``) draw (:mod:`autopar.rng`).
+    ``"fast"`` (the default) is Megatron-LM's semantics: each data-parallel rank
+    draws its own numbers, tensor-parallel ranks the same numbers for a
+    replicated tensor and their own for the shards of a sharded one.
+    ``"exact"`` keys every element by its index in the global batch, so any
+    plan draws what one device draws under ``"exact"``.  ``seed``: the base of
+    every draw's key; None takes rank 0's ``torch.initial_seed()``.
     """
     from autopar.api import plan as make_plan
 
+    check_mode(rng)
     _process_group(cluster)
     if dist.get_world_size() != cluster.world_size:
         raise RuntimeMismatchError(
@@ -162,6 +175,7 @@ def parallelize(
         )
     _check(plan, model, cluster)  # before any collective: a mismatched job must not hang
     _broadcast_weights(model)
+    seed = _agree_on_seed(seed)
     micro = plan.global_batch_size // max(plan.microbatches, 1)
     captured = capture(
         model,
@@ -169,7 +183,13 @@ def parallelize(
         loss_fn=loss_fn,
         example_targets=resize_batch(example_targets, micro),
     )
-    chosen = plan.placements or _data_parallel_placements(captured, plan, cluster)
+    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+    firsts = [s["first"] for s in plan.stages]
+    if plan.placements:  # made on the graph at the global batch: carried onto this micro-batch's graph
+        chosen, names = transfer_placements(plan.placements, captured, shape)
+        firsts = [transfer_name(f, plan.placements, names) for f in firsts]
+    else:
+        chosen = _data_parallel_placements(captured, plan, cluster)
     missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
     if missing:
         raise RuntimeMismatchError(
@@ -177,15 +197,30 @@ def parallelize(
         )
     captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
     if plan.mesh.get("pp", 1) > 1:
-        return _pipeline_module(model, captured, chosen, plan, cluster)
-    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+        return _pipeline_module(model, captured, chosen, plan, cluster, firsts, rng, seed)
     mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
-    return ParallelModule(model, captured, local, mesh, plan)
+    return ParallelModule(model, captured, local, mesh, plan, rng, seed)
 
 
-def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, cluster: Cluster):
+def _agree_on_seed(seed: int | None) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()``: every rank must key its draws alike."""
+    box = [seed if seed is not None else torch.initial_seed()]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def _pipeline_module(
+    model: nn.Module,
+    captured,
+    chosen: dict,
+    plan: Plan,
+    cluster: Cluster,
+    firsts: list[str],
+    rng: str,
+    seed: int,
+):
     """This rank's stages of a pipeline plan: the whole local graph on its stage's sub-mesh, cut to its stages."""
     from autopar.capture import node_phase
     from autopar.cost_models.pipeline import schedule_name
@@ -195,7 +230,6 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
 
     pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
     mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
-    firsts = [s["first"] for s in plan.stages]
     schedule_name(plan.schedule or "1F1B")
     stage_of = stage_of_nodes(captured, firsts)
     captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)
@@ -208,7 +242,7 @@ def _pipeline_module(model: nn.Module, captured, chosen: dict, plan: Plan, clust
     index = {p.placeholder: i for i, p in enumerate(captured.params)}
     tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
     log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
-    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied)
+    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied, rng, seed)
 
 
 def cluster_device_type(cluster: Cluster) -> str:

@@ -20,6 +20,7 @@ its own send.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,8 +143,12 @@ def run_schedule(
     runners: dict[int, StageRunner],
     stages: int,
     peer: Callable[[int], int],
+    draws: Callable[[int], contextlib.AbstractContextManager] = lambda mb: contextlib.nullcontext(),
 ) -> None:
-    """Run this rank's ``actions``; ``peer(stage)`` is the global rank holding ``stage`` at this coordinate."""
+    """Run this rank's ``actions``; ``peer(stage)`` is the global rank holding ``stage`` at this coordinate.
+
+    Each forward and backward runs inside ``draws(micro-batch)``: the state its random ops draw under.
+    """
     pending_recv: dict[tuple[str, int, int], list] = {}
     sends: list = []
 
@@ -187,7 +192,8 @@ def run_schedule(
                 received = runner.received.pop(mb)
             else:
                 received = wait(("f", s, mb)) if g.recv_forward else []
-            out = g.forward(*runner.args(g.forward_args, mb), *received)
+            with draws(mb):
+                out = g.forward(*runner.args(g.forward_args, mb), *received)
             n_send, n_saved = len(g.send_forward), len(g.saved)
             sent = list(out[:n_send])
             runner.saved[mb] = list(out[n_send : n_send + n_saved])
@@ -202,7 +208,8 @@ def run_schedule(
                 grads_in = runner.received_back.pop(mb) if mb in runner.received_back else wait(("b", s, mb))
             else:
                 grads_in = []
-            out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
+            with draws(mb):
+                out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
             n_back = len(g.send_backward)
             back = list(out[:n_back])
             runner.on_grads(mb, g.grads, list(out[n_back:]))

@@ -16,6 +16,7 @@ rank, so ``train_step`` returns the same loss everywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,8 @@ class PipelineParallelModule(RankModule):
         plan: Plan,
         programs: list[StageGraphs],
         ties: list[list[tuple[int, int]]],
+        rng: str = "fast",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -69,6 +72,7 @@ class PipelineParallelModule(RankModule):
         self.pp_rank, self.dp_rank, self.tp_rank = mesh.get_coordinate()
         self.dp_size = mesh.size(1)
         self.microbatches = max(int(plan.microbatches), 1)
+        self._init_rng(rng, seed, captured.batch_size)
         self._labels = label_chain(captured) if self.microbatches > 1 else None
         self.stages = sum(1 for _ in plan.stages) or self.pp_size
         self.schedule = plan.schedule or "1F1B"
@@ -176,13 +180,15 @@ class PipelineParallelModule(RankModule):
 
         runners = {g.stage: StageRunner(g, args, on_grads) for g in self.programs}
         with torch.no_grad():
-            run_schedule(self._actions, runners, self.stages, self._rank_of_stage)
+            draws = functools.partial(self._draws, local_batch=local_batch)
+            run_schedule(self._actions, runners, self.stages, self._rank_of_stage, draws)
             sink.finish()
             self._sum_tied_grads()
             losses = [x * weights[mb] for r in runners.values() for mb, x in sorted(r.losses.items())]
             loss = torch.stack(losses).sum() if losses else torch.zeros(())
             last = self._rank_of_stage(self.stages - 1)
             dist.broadcast(loss, src=last, group=self.mesh.get_group(0))
+        self.steps += 1
         return loss
 
     def _grad_holder(self, k: int) -> nn.Parameter:
