@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from autopar import dropout_attention
 from autopar.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -375,10 +376,7 @@ def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tenso
     the backward is the same ``nll_loss_backward``.  Returns None for forms left
     as they are (label smoothing, class probabilities, inputs other than 2-D).
     """
-    schema = target._schema.arguments
-    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-    bound.update(zip((a.name for a in schema), args, strict=False))
-    bound.update(kwargs)
+    bound = _bind(target, args, kwargs)
     x, labels = bound["self"], bound["target"]
     if bound["reduction"] != REDUCTION_MEAN or bound.get("label_smoothing", 0.0) != 0.0:
         return None
@@ -390,15 +388,50 @@ def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tenso
     return total / weight
 
 
+def _fused_dropout_attention(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """``scaled_dot_product_attention`` with dropout as the fused op GPUs run (:mod:`autopar.dropout_attention`).
+
+    None (left to the math path) without dropout, or with a mask that needs a gradient.
+    """
+    bound = _bind(aten.scaled_dot_product_attention.default, args, kwargs)
+    mask = bound["attn_mask"]
+    if not bound["dropout_p"] or (isinstance(mask, torch.Tensor) and mask.requires_grad):
+        return None
+    return dropout_attention.attention(
+        bound["query"],
+        bound["key"],
+        bound["value"],
+        mask,
+        bound["dropout_p"],
+        bound["is_causal"],
+        bound["scale"],
+        bound["enable_gqa"],
+    )
+
+
+def _bind(target: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    """An op's arguments by schema name, defaults filled in."""
+    schema = target._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
 class _Replay(fx.Interpreter):
     """Replays the exported graph with dropout as ``native_dropout`` (functional: CPU dropout expands to
-    in-place bernoulli_/div_; what CUDA runs, and the op cost models know), and mean class losses as
-    a sum over a total weight (see ``_mean_as_sum_over_weight``)."""
+    in-place bernoulli_/div_; what CUDA runs, and the op cost models know), attention with dropout as
+    one fused op (``_fused_dropout_attention``), and mean class losses as a sum over a total weight
+    (see ``_mean_as_sum_over_weight``)."""
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is aten.dropout.default:
             x, p, train = args
             return aten.native_dropout.default(x, p, train)[0] if train and p > 0 else x
+        if target is aten.scaled_dot_product_attention.default:
+            fused = _fused_dropout_attention(args, kwargs)
+            if fused is not None:
+                return fused
         if target in _CLASS_LOSSES:
             loss = _mean_as_sum_over_weight(target, args, kwargs)
             if loss is not None:
@@ -474,15 +507,9 @@ def _is_mutating(node: fx.Node) -> bool:
 def _needs_functionalization(ep: torch.export.ExportedProgram) -> bool:
     """Whether the joint trace will hold in-place ops (functionalizing costs ~50% more trace time).
 
-    In-place ops in the exported graph do; so does attention dropout, which CPU attention expands to bernoulli_.
+    In-place ops in the exported graph do (attention with dropout is written as one functional op).
     """
-    for n in ep.graph.nodes:
-        if n.target is aten.scaled_dot_product_attention.default:
-            if (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) > 0:
-                return True
-        elif _is_mutating(n):
-            return True
-    return False
+    return any(_is_mutating(n) for n in ep.graph.nodes)
 
 
 def _clean(gm: fx.GraphModule) -> None:

@@ -23,21 +23,25 @@ def gpt(
     seq: int = 2048,
     batch: int = 1,
     device: str = "meta",
+    dropout: float | None = None,
 ):
-    """A GPT-2-style decoder (HuggingFace GPT2LMHeadModel) of the given shape."""
+    """A GPT-2-style decoder (HuggingFace GPT2LMHeadModel) of the given shape.
+
+    ``dropout`` None keeps HuggingFace's defaults (0.1 on embeddings, attention
+    scores and residuals, as GPT-2 and Megatron-LM's GPT train); a number sets all three.
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    drop = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
     cfg = GPT2Config(
         n_layer=layers,
         n_embd=hidden,
         n_head=heads,
         vocab_size=vocab,
         n_positions=seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
         bos_token_id=vocab - 1,
         eos_token_id=vocab - 1,
+        **drop,
     )
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
@@ -87,20 +91,26 @@ def llama_7b():
     return llama(32, 4096, 32, 11008)
 
 
+# The tiny GPT-2s below train in tests against eager PyTorch on one device, whose dropout draws
+# other masks than any parallel run: they are built without dropout.  gpt2_tiny4_dropout keeps
+# GPT-2's default dropout; tests/test_rng.py trains it under rng="exact" against one process.
+
+
 def gpt2_tiny():
-    """A GPT-2 small enough to train on CPU processes in tests and the demo."""
-    return gpt(2, 64, 4, vocab=128, seq=16, batch=8, device="cpu")
+    """A GPT-2 small enough to train on CPU processes in tests and the demo (no dropout: see above)."""
+    return gpt(2, 64, 4, vocab=128, seq=16, batch=8, device="cpu", dropout=0.0)
 
 
 def gpt2_mini():
-    """A 4-layer GPT-2 (hidden 128, vocab 512, sequence 64, batch 8) the demo trains on local processes."""
+    """A 4-layer GPT-2 (hidden 128, vocab 512, sequence 64, batch 8) the demo trains on local processes,
+    with GPT-2's default dropout (the demo checks it under rng="exact")."""
     return gpt(4, 128, 4, vocab=512, seq=64, batch=8, device="cpu")
 
 
 def gpt2_tiny_long():
     """GPT-2 tiny's 2 layers at hidden 128 (vocab 512) on sequences of 64, batch 8: activations of the
     order of the model states, so that both the ZeRO stage and recompute move the peak memory."""
-    return gpt(2, 128, 4, vocab=512, seq=64, batch=8, device="cpu")
+    return gpt(2, 128, 4, vocab=512, seq=64, batch=8, device="cpu", dropout=0.0)
 
 
 def llama_tiny():
@@ -108,7 +118,12 @@ def llama_tiny():
 
 
 def gpt2_tiny4():
-    """gpt2_tiny with 4 layers: enough to cut into pipeline stages of whole layers."""
+    """gpt2_tiny with 4 layers: enough to cut into pipeline stages of whole layers (no dropout)."""
+    return gpt(4, 64, 4, vocab=128, seq=16, batch=8, device="cpu", dropout=0.0)
+
+
+def gpt2_tiny4_dropout():
+    """gpt2_tiny4 with GPT-2's default dropout (0.1 on embeddings, attention scores and residuals)."""
     return gpt(4, 64, 4, vocab=128, seq=16, batch=8, device="cpu")
 
 

@@ -25,6 +25,7 @@ import torch.fx as fx
 import autopar
 from autopar.capture import capture, input_tensors, node_phase
 from autopar.errors import PlanError
+from autopar.passes.random_ops import op_numbers
 from autopar.passes.recompute import (
     apply_recompute,
     can_recompute,
@@ -121,13 +122,12 @@ def test_saved_activations_are_forward_values_the_backward_reads():
         assert any(node_phase(u) == "backward" and u.op != "output" for u in nodes[name].users)
 
 
-def test_only_deterministic_ops_are_replayed():
+def test_only_ops_that_give_the_same_value_again_are_replayed():
     g = fx.Graph()
     x = g.placeholder("x")
     ops = {
-        "dropout": g.call_function(aten.native_dropout.default, (x, 0.5, True)),
-        "rand": g.call_function(aten.rand_like.default, (x,)),
-        "bernoulli": g.call_function(aten.bernoulli.default, (x,)),
+        "poisson": g.call_function(aten.poisson.default, (x,)),
+        "multinomial": g.call_function(aten.multinomial.default, (x, 2)),
         "inplace": g.call_function(aten.add_.Tensor, (x, x)),
         "collective": g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0")),
         "attention_with_dropout": g.call_function(
@@ -137,9 +137,15 @@ def test_only_deterministic_ops_are_replayed():
     for name, node in ops.items():
         assert not can_recompute(node), name
     assert not can_recompute(x)
-    mask = g.call_function(operator.getitem, (ops["dropout"], 1))
-    assert not can_recompute(mask)  # a getitem is replayed with the op it unpacks
+    lse = g.call_function(operator.getitem, (ops["attention_with_dropout"], 1))
+    assert not can_recompute(lse)  # a getitem is replayed with the op it unpacks
+    dropout = g.call_function(aten.native_dropout.default, (x, 0.5, True))
     for node in [
+        # random ops autopar draws from a key (random_ops): a replay draws the same numbers
+        dropout,
+        g.call_function(operator.getitem, (dropout, 1)),
+        g.call_function(aten.rand_like.default, (x,)),
+        g.call_function(aten.bernoulli.default, (x,)),
         g.call_function(aten.gelu.default, (x,)),
         g.call_function(aten.view.default, (x, [-1])),
         g.call_function(aten.native_layer_norm.default, (x, [4], None, None, 1e-5)),
@@ -246,13 +252,19 @@ def _apply_checked(c, placements):
     return c2, pl2
 
 
+class _PoissonNoise(torch.nn.Module):
+    """Multiplies by Poisson noise: a random op autopar does not draw itself (random_ops), so no replay."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.poisson(torch.ones_like(x))
+
+
 def test_marks_that_cannot_be_honoured_are_refused_in_one_line():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _PoissonNoise(), torch.nn.Linear(8, 1))
     c = capture(model, torch.randn(4, 8), loss_fn=lambda out: out.sum())
     nodes = {n.name: n for n in c.gm.graph.nodes}
-    dropout = next(n for n in nodes.values() if n.target is aten.native_dropout.default)
-    mask = next(u for u in dropout.users if u.args[1] == 1)
+    noise = next(n for n in nodes.values() if n.target is aten.poisson.default)
     backward = next(n for n in nodes.values() if n.meta["autopar_phase"] == "backward" and n.op != "output")
     # nn.Sequential numbers its children: each of them is a layer; the loss is outside them
     forward = next(
@@ -261,8 +273,7 @@ def test_marks_that_cannot_be_honoured_are_refused_in_one_line():
     assert set(recompute_layers(c)) == {"0", "1", "2"}
     base = _blank(c)
     cases = [
-        (dropout.name, "selective", "draws random numbers"),
-        (mask.name, "selective", f"unpacks {dropout.name}"),
+        (noise.name, "selective", "draws random numbers"),
         (c.params[0].placeholder, "selective", "not a forward node .phase 'input'"),
         (backward.name, "selective", "not a forward node .phase 'backward'"),
         (forward.name, "full", "in no numbered layer"),
@@ -276,6 +287,21 @@ def test_marks_that_cannot_be_honoured_are_refused_in_one_line():
         assert name in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(PlanError, match="not a node of the graph"):
         apply_recompute(c, {"nowhere": {"recompute": "selective"}})
+
+
+def test_dropout_is_replayed_with_its_mask_and_keyed_to_the_forward_draw():
+    """autopar draws dropout's numbers from a key (autopar.rng), so a replay draws the forward's mask."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    c = capture(model, torch.randn(4, 8), loss_fn=lambda out: out.sum())
+    dropout = next(n for n in c.gm.graph.nodes if n.target is aten.native_dropout.default)
+    assert can_recompute(dropout)
+    placements = {**_blank(c), dropout.name: {**_blank(c)[dropout.name], "recompute": "selective"}}
+    c2, _ = _apply_checked(c, placements)
+    clones = [n for n in c2.gm.graph.nodes if n.meta.get("autopar_recompute_of") == dropout.name]
+    assert [n.target for n in clones] == [aten.native_dropout.default]
+    numbers = op_numbers(c2.gm.graph)
+    assert numbers[clones[0].name] == numbers[dropout.name]
 
 
 # ---------------------------------------------------------------- several processes

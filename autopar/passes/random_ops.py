@@ -21,6 +21,7 @@ generator.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
 from autopar.passes.node_keys import tensor_inputs
 
 aten = torch.ops.aten
@@ -139,9 +141,32 @@ RANDOM_OPS: dict[Any, RandomOp] = {
 }
 
 
+# Kernels that draw with a key of their own, passed as their last four arguments (dropout_attention.KEY_ARGS):
+# where their query is among their arguments, and which of them is the forward.
+KEYED_KERNELS: dict[Any, int] = {
+    torch.ops.autopar.dropout_attention.default: 0,
+    torch.ops.autopar.dropout_attention_backward.default: 1,
+}
+_FORWARD_KERNEL = torch.ops.autopar.dropout_attention.default
+
+
 def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` is a random op autopar draws itself."""
-    return node.op == "call_function" and node.target in RANDOM_OPS
+    """Whether ``node`` is a random op autopar draws itself (element-wise, or a keyed kernel)."""
+    return node.op == "call_function" and (node.target in RANDOM_OPS or node.target in KEYED_KERNELS)
+
+
+def _forward_of(node: fx.Node) -> fx.Node | None:
+    """The forward kernel whose outputs a keyed backward reads (its output, its log-sum-exp).
+
+    Autograd hands the backward its saved tensors through ``detach`` nodes.
+    """
+    for a in node.all_input_nodes:
+        while a.target is aten.detach.default and isinstance(a.args[0], fx.Node):
+            a = a.args[0]
+        src = a.args[0] if a.target is operator.getitem else a
+        if isinstance(src, fx.Node) and src.target is _FORWARD_KERNEL:
+            return src
+    return None
 
 
 def bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -181,16 +206,23 @@ def op_numbers(graph: fx.Graph) -> dict[str, int]:
     """A number per random op of the captured graph, the same on every rank and for every batch size.
 
     Random ops are numbered in graph order.  A node replayed in the backward
-    (:mod:`autopar.passes.recompute`) takes its original's number, so the
-    replay draws what the forward drew.
+    (:mod:`autopar.passes.recompute`) takes its original's number, and so does
+    a keyed backward kernel its forward's, so both draw what the forward drew.
     """
     numbers: dict[str, int] = {}
-    for n in graph.nodes:
-        if is_random(n) and "autopar_recompute_of" not in n.meta:
+    draws = [n for n in graph.nodes if is_random(n)]
+    for n in draws:  # the forward draws, in graph order
+        if "autopar_recompute_of" not in n.meta and (n.target in RANDOM_OPS or n.target is _FORWARD_KERNEL):
             numbers[n.name] = len(numbers)
-    for n in graph.nodes:
-        if is_random(n) and "autopar_recompute_of" in n.meta:
+    for n in draws:
+        if "autopar_recompute_of" in n.meta:
             numbers[n.name] = numbers[n.meta["autopar_recompute_of"]]
+    for n in draws:  # a keyed backward draws its forward's numbers again
+        if n.name not in numbers:
+            fwd = _forward_of(n)
+            if fwd is None or fwd.name not in numbers:
+                raise ValueError(f"{n.name} reads no output of a forward kernel: its draws have no key")
+            numbers[n.name] = numbers[fwd.name]
     return numbers
 
 

@@ -32,8 +32,9 @@ final norm, the loss) belong to no layer.
 An op and the ``getitem`` nodes that unpack its tuple are one unit: marking
 either marks both (a ``getitem`` replayed from the kept tuple would keep
 every element of the tuple alive, saving nothing).  Only deterministic ops
-are replayed (:func:`can_recompute`): a replayed dropout would draw another
-mask and the backward would differentiate another function.
+are replayed (:func:`can_recompute`): a random op is, when autopar draws its
+numbers from a key (:mod:`autopar.rng`), and otherwise a replay would draw
+another mask and the backward would differentiate another function.
 
 :func:`apply_recompute` is a graph-to-graph pass: it returns a new
 :class:`~autopar.capture.CapturedGraph` (same placeholders, parameters,
@@ -59,6 +60,7 @@ import torch.fx as fx
 
 from autopar.capture import CapturedGraph, node_module, node_phase
 from autopar.errors import PlanError
+from autopar.passes.random_ops import RANDOM_OPS
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +200,7 @@ def why_not_recompute(node: fx.Node) -> str | None:
         return f"{target} is a collective"
     if target._schema.is_mutable:
         return f"{target} mutates its input"
-    if torch.Tag.nondeterministic_seeded in target.tags:
+    if torch.Tag.nondeterministic_seeded in target.tags and target not in RANDOM_OPS:
         p = _dropout_p(node)
         if p is None or p > 0:  # attention kernels are tagged for their dropout; without it they are exact
             return f"{target} draws random numbers (a replay would draw others)"
@@ -209,10 +211,13 @@ def can_recompute(node: fx.Node) -> bool:
     """Whether ``node`` can be replayed in the backward and give exactly the value it gave in the forward.
 
     Yes for deterministic ATen ops, views and ``getitem`` (when the op it
-    unpacks is replayable: they are replayed together).  No for placeholders
-    and constants (nothing to replay), ops that draw random numbers
-    (``native_dropout``, ``rand*``, ``bernoulli``, attention with dropout),
-    ops that mutate their inputs, and collectives.
+    unpacks is replayable: they are replayed together), and for the random
+    ops autopar draws itself (``native_dropout``, ``bernoulli``, ``rand*``:
+    :mod:`autopar.passes.random_ops`), whose numbers are keyed by the op, the
+    step and the micro-batch, so a replay draws them again, as Megatron-LM
+    restores the RNG state for its recompute.  No for placeholders and
+    constants (nothing to replay), other random ops (attention kernels with
+    dropout, ``multinomial``), ops that mutate their inputs, and collectives.
     """
     return why_not_recompute(node) is None
 

@@ -272,6 +272,9 @@ class _ShardInterpreter(fx.Interpreter):
         if n.target in random_ops.RANDOM_OPS:
             args, kwargs = self._bring(n, args, kwargs, entry)
             return self._declare(self._random(n, args, kwargs, entry), entry, n)
+        if n.target in random_ops.KEYED_KERNELS:
+            args, kwargs = self._bring(n, args, kwargs, entry)
+            return self._declare(self._keyed_kernel(n, args, kwargs, entry), entry, n)
         if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
             # a factory (arange, full, ...) or an op on constants: whole on every rank
             return self._whole(n.target(*args, **kwargs), entry)
@@ -325,6 +328,24 @@ class _ShardInterpreter(fx.Interpreter):
         local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
         out = random_ops.run_local(n.target, local_args, local_kwargs, draw, whole)
         return self._wrap(out, vals, entry)
+
+    def _keyed_kernel(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """A kernel that draws with a key of its own (attention with dropout) on this rank's shards.
+
+        Its draws cover the score tensor (the query's leading dims, then the
+        key's sequence), split as the query is: the key is this rank's box of
+        it, as for any random op (:meth:`_random`).
+        """
+        q_at = random_ops.KEYED_KERNELS[n.target]
+        q, k = n.args[q_at].meta["val"], n.args[q_at + 1].meta["val"]
+        scores = [*q.shape[:-1], k.shape[-2]]
+        spec = placements(entry["inputs"][q_at])
+        coord = self.mesh.get_coordinate()
+        _, offset = _local_box(scores, spec, coord, self.mesh.shape)
+        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
+        local = list(pytree.tree_map_only(DTensor, lambda d: d.to_local(), args))
+        local[-4:] = [self.random_ids[n.name], scores, offset, stream]
+        return self._wrap(n.target(*local), n.meta["val"], entry)
 
     def _wrap(self, out: Any, vals: Any, entry: dict) -> Any:
         """Local outputs as DTensors in the placements ``entry`` declares, with the captured shapes."""

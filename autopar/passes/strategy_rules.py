@@ -69,7 +69,38 @@ def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
     return rows
 
 
+def _positional_mask(node: fx.Node, index: int) -> list[object]:
+    m = node.args[index] if len(node.args) > index else None
+    return [m] if isinstance(m, fx.Node) else []
+
+
+def dropout_attention(node: fx.Node) -> list[Row]:
+    """``autopar::dropout_attention(q, k, v, mask, ...) -> (out, logsumexp)``: as flash attention.
+
+    Independent per batch element and per head, and its dropout mask is
+    drawn per element of the score tensor by the shard that computes it.
+    """
+    masks = _positional_mask(node, 3)
+    rows: list[Row] = [["R"] * (5 + len(masks))]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s] * 5 + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+def dropout_attention_backward(node: fx.Node) -> list[Row]:
+    """``autopar::dropout_attention_backward(grad_out, q, k, v, out, logsumexp, mask, ...) -> (dq, dk, dv)``."""
+    masks = _positional_mask(node, 6)
+    rows: list[Row] = [["R"] * (9 + len(masks))]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
+    torch.ops.autopar.dropout_attention.default: dropout_attention,
+    torch.ops.autopar.dropout_attention_backward.default: dropout_attention_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
 }

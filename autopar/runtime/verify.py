@@ -224,7 +224,7 @@ def _dp_share(inputs: Any, rank: int, size: int) -> Any:
     )
 
 
-def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn) -> tuple:
+def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast") -> tuple:
     import torch.distributed as dist
 
     from autopar.runtime.parallelize import parallelize
@@ -232,7 +232,7 @@ def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn
     torch.manual_seed(seed)
     model, inputs = factory()
     plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
-    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn)
+    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn, rng=rng, seed=seed)
     opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
     feed = _dp_share(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
 
@@ -246,12 +246,26 @@ def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn
     return losses, first, final, pm.collectives()
 
 
-def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn) -> list[tuple]:
+def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast") -> list[tuple]:
     """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
     return [
-        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn)
+        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng)
         for factory, plan, *local in cases
     ]
+
+
+def exact_rng_runs(factories: list[Callable], steps: int, lr: float, seed: int, loss_fn=None) -> list[tuple]:
+    """The reference for models that draw random numbers: each trained by autopar on one process, ``rng="exact"``.
+
+    An eager run draws its own masks; under ``rng="exact"`` every plan draws
+    the masks one device draws under it, so a parallel run under it must
+    match this one.  (Models without random ops are checked against eager
+    PyTorch itself, which also checks that one-process run.)
+    """
+    one = Cluster.local(1)
+    cases = [(factory, None, False) for factory in factories]
+    runs = launch(_rank_run_all, one, cases, one, steps, lr, seed, loss_fn, "exact")[0]
+    return [(losses, first, final) for losses, first, final, _ in runs]
 
 
 def check_plans(
@@ -264,8 +278,14 @@ def check_plans(
     loss_fn: Callable | None = None,
     local_batch: bool | list[bool] = False,
     crash_retries: int = 1,
+    rng: str | None = None,
 ) -> list[Check]:
     """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes.
+
+    ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")`` and
+    the reference is each model trained by autopar on one process under it
+    (:func:`exact_rng_runs`), so models with dropout on are checked exactly;
+    otherwise the reference is eager PyTorch on one device.
 
     ``local_batch`` (for all cases, or per case): each rank passes only its
     data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
@@ -276,14 +296,19 @@ def check_plans(
     rank that raises, and every mismatch, fails at once.
     """
     local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
-    refs = [single_device_run(factory, steps, lr, seed, loss_fn) for factory, _ in cases]
+    factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
+    if rng == "exact":
+        runs = exact_rng_runs(factories, steps, lr, seed, loss_fn)
+    else:
+        runs = [single_device_run(factory, steps, lr, seed, loss_fn) for factory in factories]
+    refs = [runs[factories.index(factory)] for factory, _ in cases]
     wire = [
         (factory, plan.to_dict() if plan is not None else None, flag)
         for (factory, plan), flag in zip(cases, local, strict=True)
     ]
     for attempt in range(crash_retries + 1):
         try:
-            per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn)
+            per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast")
             break
         except LaunchError as exc:
             if exc.signal is None or attempt == crash_retries:
@@ -301,13 +326,14 @@ def check_plan(
     lr: float = 1e-3,
     seed: int = 0,
     loss_fn: Callable | None = None,
+    rng: str | None = None,
 ) -> Check:
     """Train ``factory()``'s model under ``plan`` on ``cluster``'s local processes and on one device; compare.
 
     ``factory`` returns ``(model, inputs)`` with real weights; it must be
     picklable (a module-level function) and seeded calls must agree.
     """
-    return check_plans([(factory, plan)], cluster, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn)[0]
+    return check_plans([(factory, plan)], cluster, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn, rng=rng)[0]
 
 
 def _compare(per_rank: list[tuple], ref: tuple) -> Check:
