@@ -214,6 +214,26 @@ def test_a_plan_made_at_the_global_batch_runs_on_one_row_microbatches(fake_world
 # ------------------------------------------------------------- four processes
 
 
+class NoisyMLP(torch.nn.Module):
+    """Random ops as models write them by hand: a ``torch.rand`` factory, ``randn_like``, in-place ``bernoulli_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        keep = (torch.rand(h.shape[0], 1) < 0.75).to(h.dtype)  # stochastic depth: one draw per row
+        h = h * keep / 0.75 + 0.1 * torch.randn_like(h)
+        h = torch.nn.functional.gelu(h) * torch.empty_like(h).bernoulli_(0.9)
+        return torch.nn.functional.mse_loss(self.down(h), y)
+
+
+def noisy_mlp():
+    return NoisyMLP(), (torch.randn(8, 16), torch.randn(8, 16))
+
+
 @functools.cache
 def _plans() -> dict[str, autopar.Plan]:
     torch.manual_seed(0)
@@ -234,9 +254,15 @@ def _plans() -> dict[str, autopar.Plan]:
 def test_plans_under_exact_rng_train_like_one_process():
     """Data parallel (with ZeRO-3), Megatron tp, a pipeline, and the searched plan (today pp = 4 with
     one-row micro-batches, whose graph the plan's placements are carried onto: transfer.py)."""
-    plans = _plans()
-    checks = check_plans([(gpt2_tiny4_dropout, p) for p in plans.values()], autopar.Cluster.local(4), rng="exact")
-    for (name, plan), check in zip(plans.items(), checks, strict=True):
+    four = autopar.Cluster.local(4)
+    cases = [(gpt2_tiny4_dropout, p) for p in _plans().values()]
+    torch.manual_seed(0)
+    model, inputs = noisy_mlp()
+    base = autopar.plan(model, inputs, four, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1})
+    cases += [(noisy_mlp, plan_with_layout(base, model, inputs, four, "random", seed=s)) for s in range(2)]
+    checks = check_plans(cases, four, rng="exact")
+    names = [*_plans(), "noisy MLP, random layout 0", "noisy MLP, random layout 1"]
+    for name, (_, plan), check in zip(names, cases, checks, strict=True):
         assert check.ok(1e-5), f"{name} ({plan.mesh}): {check}"
 
 
