@@ -376,7 +376,7 @@ def _mean_as_sum_over_weight(target: Any, args: Any, kwargs: Any) -> torch.Tenso
     the backward is the same ``nll_loss_backward``.  Returns None for forms left
     as they are (label smoothing, class probabilities, inputs other than 2-D).
     """
-    bound = _bind(target, args, kwargs)
+    bound = bind_args(target, args, kwargs)
     x, labels = bound["self"], bound["target"]
     if bound["reduction"] != REDUCTION_MEAN or bound.get("label_smoothing", 0.0) != 0.0:
         return None
@@ -393,7 +393,7 @@ def _fused_dropout_attention(args: Any, kwargs: Any) -> torch.Tensor | None:
 
     None (left to the math path) without dropout, or with a mask that needs a gradient.
     """
-    bound = _bind(aten.scaled_dot_product_attention.default, args, kwargs)
+    bound = bind_args(aten.scaled_dot_product_attention.default, args, kwargs)
     mask = bound["attn_mask"]
     if not bound["dropout_p"] or (isinstance(mask, torch.Tensor) and mask.requires_grad):
         return None
@@ -409,7 +409,7 @@ def _fused_dropout_attention(args: Any, kwargs: Any) -> torch.Tensor | None:
     )
 
 
-def _bind(target: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+def bind_args(target: Any, args: Any, kwargs: Any) -> dict[str, Any]:
     """An op's arguments by schema name, defaults filled in."""
     schema = target._schema.arguments
     bound = {a.name: a.default_value for a in schema if a.has_default_value()}

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
+from autopar.capture import bind_args
 from autopar.passes.node_keys import tensor_inputs
 
 aten = torch.ops.aten
@@ -169,15 +170,6 @@ def _forward_of(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in."""
-    schema = target._schema.arguments
-    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-    bound.update(zip((a.name for a in schema), args, strict=False))
-    bound.update(kwargs)
-    return bound
-
-
 def _out_val(node: fx.Node) -> torch.Tensor:
     val = node.meta["val"]
     return val[0] if isinstance(val, (tuple, list)) else val
@@ -228,5 +220,5 @@ def op_numbers(graph: fx.Graph) -> dict[str, int]:
 
 def run_local(target: Any, args: tuple, kwargs: dict, draw: Draw, out: torch.Tensor) -> Any:
     """The op's (local) outputs from local arguments and this rank's random numbers."""
-    return RANDOM_OPS[target].compute(bind(target, args, kwargs), draw, out)
+    return RANDOM_OPS[target].compute(bind_args(target, args, kwargs), draw, out)
 

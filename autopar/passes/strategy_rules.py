@@ -74,28 +74,27 @@ def _positional_mask(node: fx.Node, index: int) -> list[object]:
     return [m] if isinstance(m, fx.Node) else []
 
 
+def _batch_or_heads(node: fx.Node, tensors: int, mask_at: int) -> list[Row]:
+    """All "R", or ``tensors`` outputs and inputs sharded on batch (dim 0) or heads (dim 1), then the mask."""
+    masks = _positional_mask(node, mask_at)
+    rows: list[Row] = [["R"] * (tensors + len(masks))]
+    for d in (0, 1):
+        rows.append([f"S({d})"] * tensors + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
 def dropout_attention(node: fx.Node) -> list[Row]:
     """``autopar::dropout_attention(q, k, v, mask, ...) -> (out, logsumexp)``: as flash attention.
 
     Independent per batch element and per head, and its dropout mask is
     drawn per element of the score tensor by the shard that computes it.
     """
-    masks = _positional_mask(node, 3)
-    rows: list[Row] = [["R"] * (5 + len(masks))]
-    for d in (0, 1):
-        s = f"S({d})"
-        rows.append([s] * 5 + [_mask_placement(m, d) for m in masks])
-    return rows
+    return _batch_or_heads(node, 5, 3)
 
 
 def dropout_attention_backward(node: fx.Node) -> list[Row]:
     """``autopar::dropout_attention_backward(grad_out, q, k, v, out, logsumexp, mask, ...) -> (dq, dk, dv)``."""
-    masks = _positional_mask(node, 6)
-    rows: list[Row] = [["R"] * (9 + len(masks))]
-    for d in (0, 1):
-        s = f"S({d})"
-        rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
-    return rows
+    return _batch_or_heads(node, 9, 6)
 
 
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
