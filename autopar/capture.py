@@ -29,7 +29,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,8 +79,12 @@ class TensorInfo:
 class CapturedGraph:
     """The joint graph and the names needed to read it.
 
-    ``gm(*params, *buffers, *inputs)`` returns ``(loss, *grads)`` with one grad
-    slot per entry of ``params`` (``None`` where a parameter gets no gradient).
+    ``gm(*params, *buffers, *inputs)`` returns ``(loss, *grads, *updates)``:
+    one grad slot per entry of ``params`` (``None`` where a parameter gets no
+    gradient), then the new value of every buffer the forward mutates in place
+    (BatchNorm's running statistics and counter), ``updated[k]`` naming the
+    index in ``buffers`` of the k-th.  Whoever runs the graph stores those
+    values into the buffers after the call, as the eager forward would have.
     Parameters with ``requires_grad=False`` are listed under ``buffers``: the
     graph treats them as fixed state.
     """
@@ -93,6 +97,14 @@ class CapturedGraph:
     grads: dict[str, str]
     batch_size: int
     model_name: str
+    updated: list[int] = field(default_factory=list)
+
+
+def graph_results(gm: fx.GraphModule | fx.Graph, params: int) -> tuple[Any, list[Any], list[Any]]:
+    """The joint graph's loss node, gradient nodes (one per parameter) and buffer-update nodes."""
+    g = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    out = next(n for n in reversed(g.nodes) if n.op == "output").args[0]
+    return out[0], list(out[1 : 1 + params]), list(out[1 + params :])
 
 
 def node_module(node: fx.Node) -> str:
@@ -468,11 +480,18 @@ def _trace_joint(
     n_params: int,
     fake_args: list[torch.Tensor],
     functional: bool,
+    state: range,
+    updated: list[int],
 ) -> fx.GraphModule:
-    """make_fx of: run the exported graph, then autograd.grad(loss, params).
+    """make_fx of: run the exported graph, then autograd.grad(loss, params); then the mutated state.
 
     ``sources[i]`` says where the i-th exported placeholder comes from: an int
-    (index into the joint's flat arguments) or a constant value.
+    (index into the joint's flat arguments) or a constant value.  Functionalized,
+    an in-place update of a buffer (BatchNorm's running statistics, a counter)
+    becomes a functional op whose result is the buffer's new value; those values
+    are appended to the results, and ``updated`` gets the position within
+    ``state`` (the joint's arguments that are fixed state) of each.  Any other
+    argument mutated in place is refused.
     """
     loss_idx = next(
         i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
@@ -493,8 +512,21 @@ def _trace_joint(
         # The dispatch-level functionalization AOTAutograd uses: it sits below autograd, so
         # requires_grad survives the wrapping (torch.func.functionalize's wrappers lose it).
         with FunctionalTensorMode():
-            outs = joint(*[FunctionalTensor.to_functional(t) for t in flat])
-            return tuple(o.from_functional() if isinstance(o, FunctionalTensor) else o for o in outs)
+            wrapped = [FunctionalTensor.to_functional(t) for t in flat]
+            outs = joint(*wrapped)
+            outs = [o.from_functional() if isinstance(o, FunctionalTensor) else o for o in outs]
+            for i, w in enumerate(wrapped):
+                torch._sync(w)
+                if not torch._functionalize_has_data_mutation(w.elem):
+                    continue
+                if i not in state:
+                    raise CaptureError(
+                        f"the forward writes in place into {'a parameter' if i < n_params else 'an input'} "
+                        f"(argument {i}); only buffers may be updated in place: return a new tensor instead"
+                    )
+                updated.append(i - state.start)
+                outs.append(w.from_functional())
+            return tuple(outs)
 
     with fx_traceback.preserve_node_meta():
         return make_fx(functional_joint if functional else joint)(*fake_args)
@@ -526,12 +558,16 @@ def _clean(gm: fx.GraphModule) -> None:
     g.eliminate_dead_code()
 
 
-def _annotate(gm: fx.GraphModule, owner_of_placeholder: dict[str, str]) -> fx.Node:
-    """Fill ``autopar_module`` and ``autopar_phase`` on every node; return the loss node."""
+def _annotate(gm: fx.GraphModule, owner_of_placeholder: dict[str, str], params: int) -> fx.Node:
+    """Fill ``autopar_module`` and ``autopar_phase`` on every node; return the loss node.
+
+    The forward is what the loss and the buffer updates are computed from.
+    """
     g = gm.graph
-    out = next(n for n in reversed(g.nodes) if n.op == "output")
-    loss = out.args[0][0]
+    loss, _, updates = graph_results(gm, params)
     forward = ancestors(loss)
+    for u in updates:
+        forward |= ancestors(u)
     # Every output of a forward op is forward, even one only the backward reads (saved mean/rstd).
     forward |= {u for n in forward for u in n.users if u.target is operator.getitem}
 
@@ -654,12 +690,9 @@ def capture(
             raise CaptureError(
                 f"cannot capture {cls}: unsupported exported input {spec.kind.name} {spec.target}"
             )
-    if any(s.kind == OutputKind.BUFFER_MUTATION for s in ep.graph_signature.output_specs):
-        log.warning(
-            "%s mutates buffers in forward (e.g. BatchNorm running stats); the joint graph drops "
-            "those updates",
-            cls,
-        )
+    if any(spec.kind != OutputKind.USER_OUTPUT for spec in ep.graph_signature.output_specs):
+        kinds = sorted({spec.kind.name for spec in ep.graph_signature.output_specs} - {"USER_OUTPUT"})
+        raise CaptureError(f"cannot capture {cls}: its export has {', '.join(kinds)} outputs")
 
     fake_args = (
         [fake(p).requires_grad_(True) for _, p in trainable]
@@ -669,11 +702,14 @@ def capture(
     try:
         with fake_mode, _quiet(), _lean_tracing():
             functional = _needs_functionalization(ep)
-            gm = _trace_joint(ep, sources, len(trainable), fake_args, functional)
+            state_args = range(len(trainable), len(state))
+            updated: list[int] = []
+            gm = _trace_joint(ep, sources, len(trainable), fake_args, functional, state_args, updated)
             mutating = sorted({str(n.target) for n in gm.graph.nodes if _is_mutating(n)})
             if mutating and not functional:
                 log.info("joint graph of %s has in-place ops (%s); re-tracing functionalized", cls, mutating)
-                gm = _trace_joint(ep, sources, len(trainable), fake_args, functional=True)
+                updated.clear()
+                gm = _trace_joint(ep, sources, len(trainable), fake_args, True, state_args, updated)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -696,11 +732,11 @@ def capture(
         if prefix:
             owners[node.name] = name.rpartition(".")[0]
     gm.recompile()
-    loss = _annotate(gm, owners)
+    loss = _annotate(gm, owners, len(trainable))
     _check_dtypes(gm, model)
 
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    grads = {name: g.name for (name, _), g in zip(trainable, out.args[0][1:], strict=True) if g is not None}
+    _, grad_nodes, _ = graph_results(gm, len(trainable))
+    grads = {name: g.name for (name, _), g in zip(trainable, grad_nodes, strict=True) if g is not None}
     batch = int(user_tensors[0].shape[0]) if user_tensors and user_tensors[0].dim() > 0 else 1
     log.info(
         "captured %s: %d nodes, %d params, export %.1fs, joint %.1fs",
@@ -711,4 +747,4 @@ def capture(
         time.perf_counter() - t1,
     )
     n_p, n_s = len(trainable), len(state)
-    return CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls)
+    return CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls, updated)

@@ -539,7 +539,11 @@ def _flops(f: float) -> str:
 
 
 def _reason(r: str) -> str:
-    return {"data": "an input needs another placement", "grad-sync": "gradient synchronisation"}.get(r, r)
+    return {
+        "data": "an input needs another placement",
+        "grad-sync": "gradient synchronisation",
+        "buffer-update": "a buffer's new value back to its placement",
+    }.get(r, r)
 
 
 def _zero_words(stage: int) -> str:

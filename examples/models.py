@@ -161,3 +161,14 @@ class MLP(torch.nn.Module):
 def mlp_tiny():
     """An MLP small enough for tests: batch 8, width 32, hidden 128."""
     return MLP(), (torch.randn(8, 32), torch.randn(8, 32))
+
+
+def resnet_tiny():
+    """A HuggingFace ResNet (BatchNorm after every convolution) small enough for tests: two stages of one
+    basic block, 8 images of 3 x 16 x 16, 4 classes. Its forward updates every BatchNorm's running
+    statistics and batch counter in place."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=4)
+    model = ResNetForImageClassification(cfg)
+    return model, {"pixel_values": torch.randn(8, 3, 16, 16), "labels": torch.randint(0, 4, (8,))}

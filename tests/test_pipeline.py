@@ -185,7 +185,7 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
     phase_of = {n.name: node_phase(n) for n in untied.gm.graph.nodes}
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     local = shard_graph(untied, placements, mesh, {}, keep_sources=True)
-    graphs = split_stages(local.gm, stage_of, phase_of, 3, [0, 1, 2])
+    graphs = split_stages(local.gm, stage_of, phase_of, 3, [0, 1, 2], len(untied.params))
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     args = [named[p.name].detach() for p in untied.params] + [named[b.name] for b in untied.buffers]
     args += [inputs[i.name] for i in untied.inputs]

@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import rng  # noqa: F401  (registers torch.ops.autopar.random)
-from autopar.capture import CapturedGraph
+from autopar.capture import CapturedGraph, graph_results
 from autopar.cost_models.compute import is_view
 from autopar.passes import random_ops, strategy_rules
 from autopar.passes.strategies import _placement_obj, placement_str
@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+# Ops DTensor runs through a custom handler instead of its strategies: convolutions (halo exchange for
+# spatially split images) read a tensor dim split by one mesh dim only, and fail on a batch split over
+# dp and tp. The strategies the strategy pass offers for them (batch splits, copies) are exact on local
+# shards, so they run there.
+_LOCAL_KERNELS = (aten.convolution.default, aten.convolution_backward.default)
 
 
 def placement(s: str) -> Placement:
@@ -67,9 +72,10 @@ class LocalGraph:
 
     ``gm(*args)`` takes, in the captured graph's placeholder order, the local
     shard of every tensor whose placement is ``arg_placements[i]``, and returns
-    ``(loss, *grads)`` with grads in ``grad_placements`` (None for a parameter
-    without gradient).  ``zero_stages[i]`` is parameter ``i``'s ZeRO stage
-    (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
+    ``(loss, *grads, *updates)`` with grads in ``grad_placements`` (None for a
+    parameter without gradient) and the new value of each buffer the forward
+    updates (``CapturedGraph.updated``) as the local shard of its own placement.
+    ``zero_stages[i]`` is parameter ``i``'s ZeRO stage (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
     partial sum (``"P"`` on the dp axis) or, when the plan already reduced it,
     replicated (``"R"``); under ZeRO-2 the graph returns only this rank's flat
     chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
@@ -80,6 +86,7 @@ class LocalGraph:
     arg_placements: list[tuple[str, ...]]
     grad_placements: list[tuple[str, ...] | None]
     zero_stages: list[int] = field(default_factory=list)
+    updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
 
     def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = ("dp", "tp")) -> list[dict]:
         """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
@@ -281,7 +288,7 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
-        if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
+        if n.target in strategy_rules.RULES or n.target in _LOCAL_KERNELS:  # exact on local shards
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
         try:
             out = n.target(*args, **kwargs)
@@ -614,7 +621,7 @@ def shard_graph(
     # A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
     # reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
     early: dict[int, torch.Tensor] = {}
-    grad_nodes = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0][1:]
+    _, grad_nodes, _ = graph_results(gm, len(param_ph))
     on_value = {}
     for i, node in enumerate(grad_nodes):
         if stages[i] and isinstance(node, fx.Node) and node not in on_value:
@@ -637,7 +644,8 @@ def shard_graph(
             )
             for t, pl, ph in zip(local, arg_pl, phs, strict=True)
         ]
-        loss, *grads = interp.run(*dt)
+        loss, *results = interp.run(*dt)
+        grads, updates = results[: len(param_ph)], results[len(param_ph) :]
         out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
         for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
             if g is None:
@@ -648,6 +656,8 @@ def shard_graph(
                 out.append(early[i])
             else:
                 out.append(_to(g, placements(pl)).to_local())
+        for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
+            out.append(_to(u, placements(arg_pl[len(param_ph) + b])).to_local())
         return tuple(out)
 
     fake_local = []
@@ -677,4 +687,4 @@ def shard_graph(
     local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))
-    return LocalGraph(local_gm, arg_pl, grad_pl, stages)
+    return LocalGraph(local_gm, arg_pl, grad_pl, stages, list(captured.updated))

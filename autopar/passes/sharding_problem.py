@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.capture import CapturedGraph
+from autopar.capture import CapturedGraph, graph_results
 from autopar.cluster import Link
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view, node_flops, roofline_time
@@ -532,6 +532,12 @@ def build_problem(
         if g in index and p.placeholder in index:
             grad_edges.append(len(edges))
             add_edge(g, p.placeholder, 0, -1, "grad-sync")
+    # a buffer the forward updates in place gets its new value back in its own placement
+    _, _, updates = graph_results(gm, len(captured.params))
+    for b, node in zip(captured.updated, updates, strict=True):
+        ph = captured.buffers[b].placeholder
+        if node.name in index and ph in index and node.name != ph:
+            add_edge(node.name, ph, 0, -1, "buffer-update")
 
     problem = StrategyProblem(
         node_costs=costs,

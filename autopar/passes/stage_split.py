@@ -6,7 +6,7 @@ data × tensor-parallel sub-mesh, each node tagged with the captured node it
 came from; :func:`autopar.passes.stages.stage_of_nodes` says which stage runs
 each captured node.  This pass cuts the local graph into, per stage ``s``,
 
-    F_s(params, state, inputs, received)      -> (sent forward, saved, [loss])
+    F_s(params, state, inputs, received)      -> (sent forward, saved, updates, [loss])
     B_s(params, state, inputs, saved, grads)  -> (sent backward, parameter gradients)
 
 that a pipeline schedule runs once per micro-batch each, in any interleaving.
@@ -31,6 +31,16 @@ they are free.  A node the shard pass traced outside any captured node (the
 gradient reductions and conversions at the end of the trace, the loss made
 whole) belongs to the stage and phase of what it reads.
 
+Buffers the forward updates in place (``CapturedGraph.updated``): the new value
+of each is a result of the forward of the stage that computes it (of the first
+stage that reads the buffer, when it is computed from placeholders alone), for
+the runtime to store after each micro-batch's forward, so the next micro-batch
+reads it as one device would.  A backward that reads such a buffer gets the
+value its own micro-batch's forward read, handed over with the saved values,
+since later forwards may have updated the buffer by the time it runs.  A buffer
+updated by one stage and read by the forward of another is refused: the order
+in which the two stages see the micro-batches depends on the schedule.
+
 Each graph's collectives are then scheduled on their own
 (:func:`autopar.passes.shard.schedule_collectives`): a collective and its wait
 always land in the same graph, since the trace puts every collective right
@@ -45,6 +55,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar.capture import graph_results
+from autopar.errors import PlanError
 from autopar.passes.shard import schedule_collectives, source_of
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -76,6 +88,7 @@ class StageGraphs:
     send_backward: list[ValueSpec]  # backward's first results
     grads: list[int] = field(default_factory=list)  # parameter index of each of backward's other results
     has_loss: bool = False  # forward's last result is the loss
+    updates: list[int] = field(default_factory=list)  # argument slot of the buffer each update is for
 
 
 def _spec(node: fx.Node) -> ValueSpec:
@@ -128,6 +141,8 @@ class _Flow:
     loss_stage: int
     grads: list  # the local graph's gradient results, by parameter
     grad_stage: dict[int, int]  # parameter index -> stage whose backward makes its gradient
+    updates: dict[int, list[tuple[int, fx.Node]]]  # stage -> (buffer's argument slot, new value) its forward makes
+    mutated: dict[fx.Node, list[tuple[str, int]]]  # placeholder of each updated buffer -> who reads it
 
 
 def split_stages(
@@ -136,12 +151,19 @@ def split_stages(
     phase_of: dict[str, str],
     stages: int,
     mine: list[int],
+    params: int,
+    updated: list[int] = (),
 ) -> list[StageGraphs]:
-    """The forward and backward graphs of stages ``mine`` (see the module docstring)."""
+    """The forward and backward graphs of stages ``mine`` (see the module docstring).
+
+    ``params``: the local graph's parameter count (its first results after the loss are
+    their gradients); ``updated``: ``CapturedGraph.updated``, the buffer of each update after them.
+    """
     where = place_nodes(gm, stage_of, phase_of)
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
-    loss, *grads = output.args[0]
+    loss, grads, new_values = graph_results(gm, params)
+    phs = [n for n in nodes if n.op == "placeholder"]
 
     def reading(n: fx.Node) -> list[tuple[str, int]]:
         """(phase, stage) of every node that reads ``n``, through placeholder-only nodes."""
@@ -154,6 +176,21 @@ def split_stages(
         return out
 
     readers = {n: reading(n) for n in nodes if where.get(n) is not None}
+    mutated = {phs[params + b]: reading(phs[params + b]) for b in updated}
+    updates: dict[int, list[tuple[int, fx.Node]]] = {}
+    for b, value in zip(updated, new_values, strict=True):
+        ph = phs[params + b]
+        if value is ph:
+            continue
+        forward_stages = sorted({st for p, st in mutated[ph] if p == FORWARD})
+        made = where.get(value)
+        stage = made[1] if made is not None else (forward_stages[0] if forward_stages else 0)
+        if any(st != stage for st in forward_stages):
+            raise PlanError(
+                f"buffer {ph.name} is updated by pipeline stage {stage} and read by the forward of stage "
+                f"{next(st for st in forward_stages if st != stage)}: cut the pipeline elsewhere"
+            )
+        updates.setdefault(stage, []).append((params + b, value))
     forward_channel: list[list[fx.Node]] = [[] for _ in range(stages)]
     backward_channel: list[list[fx.Node]] = [[] for _ in range(stages)]
     for n, rs in readers.items():
@@ -177,6 +214,8 @@ def split_stages(
         grad_stage={
             i: where[g][1] for i, g in enumerate(grads) if isinstance(g, fx.Node) and where.get(g) is not None
         },
+        updates=updates,
+        mutated=mutated,
     )
     return [_build(flow, s, stages) for s in mine]
 
@@ -195,10 +234,14 @@ def _build(flow: _Flow, s: int, stages: int) -> StageGraphs:
         if any(r == (BACKWARD, s) for r in flow.readers.get(n, ()))
         or (n in f_nodes and any(p == BACKWARD and r < s for p, r in flow.readers.get(n, ())))
     ]
+    # an updated buffer the backward reads: the value this micro-batch's forward read, saved with the rest
+    saved += [ph for ph, rs in flow.mutated.items() if (BACKWARD, s) in rs]
     last = s == flow.loss_stage
     if last and flow.loss not in have_f:
         raise ValueError(f"the loss {flow.loss.name} is not computed by the last stage's forward")
-    forward, f_args = _subgraph(flow, f_nodes, received, [*sent, *saved, *([flow.loss] if last else [])])
+    updates = flow.updates.get(s, [])
+    results = [*sent, *saved, *(v for _, v in updates), *([flow.loss] if last else [])]
+    forward, f_args = _subgraph(flow, f_nodes, received, results)
     mine = sorted(i for i, st in flow.grad_stage.items() if st == s)
     backward, b_args = _subgraph(
         flow, b_nodes, saved + list(received_back), [*sent_back, *(flow.grads[i] for i in mine)]
@@ -219,6 +262,7 @@ def _build(flow: _Flow, s: int, stages: int) -> StageGraphs:
         send_backward=[_spec(n) for n in sent_back],
         grads=mine,
         has_loss=last,
+        updates=[slot for slot, _ in updates],
     )
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.capture import CapturedGraph, TensorInfo, node_module, node_phase
+from autopar.capture import CapturedGraph, TensorInfo, graph_results, node_module, node_phase
 from autopar.errors import PlanError
 from autopar.passes.recompute import _copy_graph_module, layer_of
 
@@ -174,8 +174,7 @@ def untie_across_stages(
     is left alone (its gradient then travels between stages like any value).
     """
     gm = captured.gm
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    grads = list(out_node.args[0][1:])
+    _, grads, _ = graph_results(gm, len(captured.params))
     plan: list[tuple[int, TensorInfo, dict[int, list[fx.Node]], dict[int, list[fx.Node]]]] = []
     phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for i, info in enumerate(captured.params):
@@ -203,7 +202,7 @@ def untie_across_stages(
     g = new_gm.graph
     nodes = {n.name: n for n in g.nodes}
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
-    loss, *grads = out_node.args[0]
+    loss, grads, updates = graph_results(g, len(captured.params))
     placements = dict(placements)
     stage_of = dict(stage_of)
     params = list(captured.params)
@@ -237,7 +236,7 @@ def untie_across_stages(
             tie.append((twin.name, s))
             params.append(TensorInfo(info.name, twin.name, info.shape, info.dtype))
             grads.append(total)
-    out_node.args = ((loss, *grads),)
+    out_node.args = ((loss, *grads, *updates),)
     g.eliminate_dead_code()
     # placeholders: parameters (originals, then copies), buffers, inputs — the order CapturedGraph promises
     order = [p.placeholder for p in params] + [b.placeholder for b in captured.buffers]

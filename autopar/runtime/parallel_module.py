@@ -250,6 +250,7 @@ class ParallelModule(RankModule):
         self._init_rng(rng, seed, captured.batch_size)
         self._labels = label_chain(captured) if self.microbatches > 1 else None
         self._dp_partial = [spec[0] == "P" for spec in local.grad_placements]
+        self._updated = list(local.updated)  # buffers the forward updates in place (BatchNorm's statistics)
         self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
         self._zero = (
             ZeroChunks(self.shards, self.zero_stages, mesh.get_group(0), self.dp_rank, self.dp_size)
@@ -293,12 +294,17 @@ class ParallelModule(RankModule):
         with torch.no_grad():
             for k in range(self.microbatches):
                 with self._draws(k, local_batch):
-                    loss, *grads = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                    loss, *results = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                grads = results[: len(self.shards)]
+                for b, value in zip(self._updated, results[len(self.shards) :], strict=True):
+                    state[b] = value  # the buffer as the forward left it: the next micro-batch reads it
                 share = weights[k]
                 total = loss * share if total is None else total + loss * share
                 sink.add(dict(enumerate(grads)), share if self.microbatches > 1 else None)
-                del grads
+                del grads, results
             sink.finish()
+        for b in self._updated:
+            getattr(self, f"state_{b}").copy_(state[b])
         self.steps += 1
         return total
 

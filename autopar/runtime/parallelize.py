@@ -238,7 +238,7 @@ def _pipeline_module(
     local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True)
     me = mesh.get_coordinate()[0]
     mine = [s for s in range(len(firsts)) if s % pp == me]
-    programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine)
+    programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine, len(captured.params), captured.updated)
     index = {p.placeholder: i for i, p in enumerate(captured.params)}
     tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
     log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))

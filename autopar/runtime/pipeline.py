@@ -125,6 +125,7 @@ class StageRunner:
     graphs: StageGraphs
     args: Callable[[list[int], int], list[torch.Tensor]]  # (argument slots, micro-batch) -> tensors
     on_grads: Callable[[int, list[int], list[torch.Tensor | None]], None]  # micro-batch, parameter indices, gradients
+    on_updates: Callable[[list[int], list[torch.Tensor]], None] = lambda slots, values: None  # new buffer values
     saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     received_back: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -197,6 +198,8 @@ def run_schedule(
             n_send, n_saved = len(g.send_forward), len(g.saved)
             sent = list(out[:n_send])
             runner.saved[mb] = list(out[n_send : n_send + n_saved])
+            if g.updates:
+                runner.on_updates(g.updates, list(out[n_send + n_saved : n_send + n_saved + len(g.updates)]))
             if g.has_loss:
                 runner.losses[mb] = out[-1]
             if s + 1 < stages and s + 1 in runners:  # the next stage is on this rank: hand over directly

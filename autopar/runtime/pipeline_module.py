@@ -178,7 +178,12 @@ class PipelineParallelModule(RankModule):
             by_slot = {self._slot[i]: g for i, g in zip(indices, grads, strict=True)}
             sink.add(by_slot, weights[mb] if m > 1 else None)
 
-        runners = {g.stage: StageRunner(g, args, on_grads) for g in self.programs}
+        def on_updates(slots: list[int], values: list[torch.Tensor]) -> None:
+            # a new tensor, not written in place: a backward still to run may hold the old one (stage_split)
+            for a, value in zip(slots, values, strict=True):
+                setattr(self, f"state_{self._state_slot[a]}", value)
+
+        runners = {g.stage: StageRunner(g, args, on_grads, on_updates) for g in self.programs}
         with torch.no_grad():
             draws = functools.partial(self._draws, local_batch=local_batch)
             run_schedule(self._actions, runners, self.stages, self._rank_of_stage, draws)

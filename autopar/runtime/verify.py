@@ -89,21 +89,44 @@ def _train(model, inputs, step: Callable[[], torch.Tensor], opt, steps: int, gra
     return losses, first
 
 
-def single_device_run(factory: Callable, steps: int, lr: float, seed: int, loss_fn=None) -> tuple:
+def single_device_run(
+    factory: Callable, steps: int, lr: float, seed: int, loss_fn=None, microbatches: int = 1
+) -> tuple:
+    """``steps`` AdamW steps of ``factory()``'s model on one device: losses, first gradients, final state.
+
+    ``microbatches`` > 1: each step accumulates the gradients of that many equal
+    slices of the batch, each loss weighted 1/m (gradient accumulation).  A model
+    whose forward couples the samples of a batch (BatchNorm in training) computes
+    another function per micro-batch, so a plan with micro-batches is compared
+    with this; for any other model, and losses that are means over equal
+    micro-batches, it is the global batch's step.
+    """
     torch.manual_seed(seed)
     model, inputs = factory()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def step() -> torch.Tensor:
-        loss = model_loss(model, inputs, loss_fn)
-        loss.backward()
-        return loss.detach()
+        total = torch.zeros(())
+        for k in range(microbatches):
+            part = _slice(inputs, k, microbatches)
+            loss = model_loss(model, part, loss_fn) / microbatches
+            loss.backward()
+            total += loss.detach()
+        return total
 
     def grads() -> dict:
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     losses, first = _train(model, inputs, step, opt, steps, grads)
     return losses, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _slice(inputs: Any, k: int, parts: int) -> Any:
+    """Slice ``k`` of ``parts`` of every batched tensor of ``inputs`` (dim 0): a micro-batch, or a
+    data-parallel rank's part of the batch."""
+    if parts == 1:
+        return inputs
+    return pytree.tree_map(lambda t: t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
 
 
 def random_placements(captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int) -> dict[str, dict]:
@@ -217,13 +240,6 @@ def plan_with_pipeline(
     return dataclasses.replace(laid, stages=stages, solver={**laid.solver, "status": f"{schedule} pipeline (hand cut)"})
 
 
-def _dp_share(inputs: Any, rank: int, size: int) -> Any:
-    """Data-parallel rank ``rank``'s part of a batch: the ``rank``-th of ``size`` chunks of every tensor."""
-    return pytree.tree_map(
-        lambda t: t.chunk(size, 0)[rank] if isinstance(t, torch.Tensor) and t.dim() else t, inputs
-    )
-
-
 def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast") -> tuple:
     import torch.distributed as dist
 
@@ -234,7 +250,7 @@ def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn
     plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
     pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn, rng=rng, seed=seed)
     opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
-    feed = _dp_share(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
+    feed = _slice(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
 
     def step() -> torch.Tensor:
         return pm.train_step(feed, local_batch=local_batch)
@@ -279,8 +295,13 @@ def check_plans(
     local_batch: bool | list[bool] = False,
     crash_retries: int = 1,
     rng: str | None = None,
+    accumulate: bool = False,
 ) -> list[Check]:
     """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes.
+
+    ``accumulate``: each plan's reference runs its micro-batches one after another on
+    one device (gradient accumulation), for models whose forward couples the samples
+    of a batch (:func:`single_device_run`).
 
     ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")`` and
     the reference is each model trained by autopar on one process under it
@@ -299,9 +320,18 @@ def check_plans(
     factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
     if rng == "exact":
         runs = exact_rng_runs(factories, steps, lr, seed, loss_fn)
+        refs = [runs[factories.index(factory)] for factory, _ in cases]
     else:
-        runs = [single_device_run(factory, steps, lr, seed, loss_fn) for factory in factories]
-    refs = [runs[factories.index(factory)] for factory, _ in cases]
+        accumulated = {  # (model, micro-batches) -> its one-device run
+            key: single_device_run(key[0], steps, lr, seed, loss_fn, key[1])
+            for key in dict.fromkeys(
+                (factory, plan.microbatches if accumulate and plan is not None else 1) for factory, plan in cases
+            )
+        }
+        refs = [
+            accumulated[(factory, plan.microbatches if accumulate and plan is not None else 1)]
+            for factory, plan in cases
+        ]
     wire = [
         (factory, plan.to_dict() if plan is not None else None, flag)
         for (factory, plan), flag in zip(cases, local, strict=True)

@@ -1,0 +1,100 @@
+"""Buffers the forward updates in place (BatchNorm's running statistics and counter) end every step as
+one device leaves them, under every kind of plan.
+
+Capture makes each in-place update of a buffer a result of the joint graph
+(the buffer's new value); the runtime stores it after every micro-batch
+(:mod:`autopar.runtime.parallel_module`) or after every stage's forward of a
+micro-batch (:mod:`autopar.runtime.pipeline_module`).  The oracle compares the
+model's whole state dict, buffers included, with one device's; a plan with
+micro-batches is compared with one device accumulating the same micro-batches,
+since BatchNorm normalizes each by its own statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.capture import capture, graph_results, model_loss
+from autopar.runtime.verify import check_plans, plan_with_layout, plan_with_pipeline
+from examples.models import resnet_tiny
+
+
+def test_capture_returns_every_buffer_the_forward_updates_as_one_device_updates_it():
+    torch.manual_seed(0)
+    model, batch = resnet_tiny()
+    captured = capture(model, batch)
+    names = [captured.buffers[b].name for b in captured.updated]
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert sorted(names) == sorted(
+        f"{n}.{k}" for n in norms for k in ("running_mean", "running_var", "num_batches_tracked")
+    )
+
+    state = dict(model.named_buffers())
+    args = [p.detach() for p in model.parameters()] + [state[b.name].clone() for b in captured.buffers]
+    args += [batch[i.name] for i in captured.inputs]
+    results = captured.gm(*args)
+    _, _, updates = graph_results(captured.gm, len(captured.params))
+    assert len(results) == 1 + len(captured.params) + len(updates)
+    new = dict(zip(names, results[1 + len(captured.params) :], strict=True))
+
+    model_loss(model, batch)  # eager: updates the buffers in place
+    for name in names:
+        assert torch.allclose(new[name], state[name], rtol=1e-5, atol=1e-6), name
+    assert int(state[norms[0] + ".num_batches_tracked"]) == 1
+
+
+class _WritesIntoItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.lin(x).sum()
+
+
+def test_a_forward_that_writes_into_its_input_is_refused_in_one_line():
+    with pytest.raises(autopar.CaptureError, match="writes in place into an input") as err:
+        capture(_WritesIntoItsInput(), torch.randn(2, 4))
+    assert "\n" not in str(err.value)
+
+
+def _pipeline_plan(model, batch, cluster, microbatches: int):
+    """pp2 x dp2, cut between the two ResNet stages (a BatchNorm on each side), 1F1B."""
+    base = autopar.plan(model, batch, cluster, fixed={"dp": 4}, precision="fp32")
+    plan = plan_with_pipeline(base, model, batch, cluster, 2, microbatches=microbatches)
+    stages = [
+        {"first": s.first, "segment": s.name}
+        for s in _segments(model, batch, plan)
+        if s.name in ("resnet.embedder.embedder.convolution", "resnet.encoder.stages.1")
+    ]
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _segments(model, batch, plan):
+    from autopar.graph_cache import resize_batch
+    from autopar.passes.stages import forward_segments
+
+    return forward_segments(capture(model, resize_batch(batch, plan.global_batch_size // plan.microbatches)))
+
+
+@pytest.mark.slow
+def test_buffers_end_each_step_as_one_device_leaves_them_on_4_processes():
+    torch.manual_seed(0)
+    model, batch = resnet_tiny()
+    cluster = autopar.Cluster.local(4)
+    base = autopar.plan(model, batch, cluster, fixed={"dp": 2, "tp": 2}, precision="fp32")
+    zero3 = autopar.plan(model, batch, cluster, fixed={"dp": 4, "zero": 3}, precision="fp32")
+    cases = [
+        ("random dp2 x tp2 layout", plan_with_layout(base, model, batch, cluster, "random", seed=1)),
+        ("ZeRO-3 over 4", plan_with_layout(zero3, model, batch, cluster, "zero3")),
+        ("pipeline pp2 x dp2, 2 micro-batches", _pipeline_plan(model, batch, cluster, 2)),
+    ]
+    checks = check_plans([(resnet_tiny, p) for _, p in cases], cluster, accumulate=True)
+    for (name, _), check in zip(cases, checks, strict=True):
+        assert check.ok(), f"{name}: {check}"
