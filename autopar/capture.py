@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from autopar import dropout_attention
+from autopar import batch_norm, dropout_attention
 from autopar.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -433,10 +433,19 @@ def bind_args(target: Any, args: Any, kwargs: Any) -> dict[str, Any]:
 class _Replay(fx.Interpreter):
     """Replays the exported graph with dropout as ``native_dropout`` (functional: CPU dropout expands to
     in-place bernoulli_/div_; what CUDA runs, and the op cost models know), attention with dropout as
-    one fused op (``_fused_dropout_attention``), and mean class losses as a sum over a total weight
+    one fused op (``_fused_dropout_attention``), a training BatchNorm as SyncBatchNorm's sums
+    (:mod:`autopar.batch_norm`), and mean class losses as a sum over a total weight
     (see ``_mean_as_sum_over_weight``)."""
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is aten.batch_norm.default:
+            bound = bind_args(target, args, kwargs)
+            if bound["training"] and bound["input"].dim() >= 2:
+                return batch_norm.batch_norm(
+                    *(bound[k] for k in ("input", "weight", "bias", "running_mean", "running_var")),
+                    bound["momentum"],
+                    bound["eps"],
+                )
         if target is aten.dropout.default:
             x, p, train = args
             return aten.native_dropout.default(x, p, train)[0] if train and p > 0 else x

@@ -20,7 +20,8 @@ from torch import nn
 
 import autopar
 from autopar.capture import capture, graph_results, model_loss
-from autopar.runtime.verify import check_plans, plan_with_layout, plan_with_pipeline
+from autopar.passes.strategies import enumerate_strategies
+from autopar.runtime.verify import check_plans, group_error, plan_with_layout, plan_with_pipeline
 from examples.models import resnet_tiny
 
 
@@ -42,10 +43,30 @@ def test_capture_returns_every_buffer_the_forward_updates_as_one_device_updates_
     assert len(results) == 1 + len(captured.params) + len(updates)
     new = dict(zip(names, results[1 + len(captured.params) :], strict=True))
 
-    model_loss(model, batch)  # eager: updates the buffers in place
+    loss = model_loss(model, batch)  # eager: updates the buffers in place
+    loss.backward()
     for name in names:
         assert torch.allclose(new[name], state[name], rtol=1e-5, atol=1e-6), name
     assert int(state[norms[0] + ".num_batches_tracked"]) == 1
+    # BatchNorm as SyncBatchNorm's sums (autopar.batch_norm) is the function eager BatchNorm computes
+    assert torch.allclose(results[0], loss, rtol=1e-6)
+    params = dict(model.named_parameters())
+    grads = {p.name: g for p, g in zip(captured.params, results[1:], strict=False)}
+    err, worst = group_error(grads, {n: p.grad for n, p in params.items()})
+    assert err < 1e-6, worst
+
+
+def test_a_training_batch_norm_splits_the_batch_with_partial_sums():
+    model, batch = resnet_tiny()
+    captured = capture(model, batch)
+    strategies = enumerate_strategies(captured.gm, (2, 2))
+    sums = captured.gm.graph.find_nodes(op="call_function", target=torch.ops.autopar.batch_norm_sums.default)
+    assert len(sums) == 6 and not captured.gm.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._native_batch_norm_legit_functional.default
+    )
+    rows = {(s.inputs[0], s.outputs[0]) for s in strategies[sums[0].name].strategies}
+    assert (("S(0)", "S(0)"), ("P", "P")) in rows  # the batch split over dp and tp: partial sums
+    assert (("S(1)", "R"), ("S(0)", "R")) in rows  # channels split over dp: the sums split alike
 
 
 class _WritesIntoItsInput(nn.Module):

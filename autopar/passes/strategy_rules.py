@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from autopar import batch_norm  # noqa: F401  (registers torch.ops.autopar.batch_norm_*)
 from autopar.passes import random_ops
 
 aten = torch.ops.aten
@@ -97,7 +98,72 @@ def dropout_attention_backward(node: fx.Node) -> list[Row]:
     return _batch_or_heads(node, 9, 6)
 
 
+def batch_norm_sums(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_sums(x) -> (Σx, Σx²)`` per channel (dim 1 of x).
+
+    A split of any other dim of x (batch, space) makes partial sums, which the
+    statistics all-reduce: SyncBatchNorm's 2·C numbers.  A channel split keeps
+    the sums split.
+    """
+    dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
+    return [["R", "R", "R"], ["S(0)", "S(0)", "S(1)"]] + [["P", "P", f"S({d})"] for d in dims]
+
+
+def _tensors_at(node: fx.Node, *indices: int) -> int:
+    """How many of the optional arguments at ``indices`` are tensors (weight, bias)."""
+    return sum(isinstance(node.args[i], fx.Node) for i in indices)
+
+
+def batch_norm_apply(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_apply(x, mean, invstd, weight?, bias?, n) -> y``: element-wise, per channel.
+
+    A split of a non-channel dim of x with the per-channel vectors whole, or a
+    channel split with the vectors split alike.
+    """
+    dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
+    vectors = 2 + _tensors_at(node, 3, 4)
+    rows: list[Row] = [["R", "R"] + ["R"] * vectors, ["S(1)", "S(1)"] + ["S(0)"] * vectors]
+    return rows + [[f"S({d})", f"S({d})"] + ["R"] * vectors for d in dims]
+
+
+def batch_norm_backward_reduce(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_backward_reduce(grad, x, mean) -> (Σgrad, Σgrad·(x − mean))`` per channel.
+
+    Partial sums under a split of a non-channel dim of grad and x, split sums under a channel split.
+    """
+    dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
+    rows: list[Row] = [["R"] * 5, ["S(0)", "S(0)", "S(1)", "S(1)", "S(0)"]]
+    return rows + [["P", "P", f"S({d})", f"S({d})", "R"] for d in dims]
+
+
+def batch_norm_backward_elemt(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_backward_elemt(grad, x, mean, invstd, weight?, Σgrad, Σgrad·(x − mean), n) -> dx``.
+
+    Element-wise in grad and x given the whole batch's sums: as :func:`batch_norm_apply`.
+    """
+    dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
+    vectors = 4 + _tensors_at(node, 4)
+    rows: list[Row] = [["R"] * (3 + vectors), ["S(1)", "S(1)", "S(1)"] + ["S(0)"] * vectors]
+    return rows + [[f"S({d})"] * 3 + ["R"] * vectors for d in dims]
+
+
+def copy(node: fx.Node) -> list[Row]:
+    """``aten.copy(self, src) -> out``: ``src``'s values in ``self``'s shape, what an in-place ``copy_``
+    into a buffer becomes once functionalized.  Element-wise when the shapes agree; else whole.
+    """
+    out, src = node.meta["val"], node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+    rows: list[Row] = [["R", "R", "R"]]
+    if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(out.shape):
+        rows += [[f"S({d})"] * 3 for d in range(out.dim())]
+    return rows
+
+
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
+    aten.copy.default: copy,
+    torch.ops.autopar.batch_norm_sums.default: batch_norm_sums,
+    torch.ops.autopar.batch_norm_apply.default: batch_norm_apply,
+    torch.ops.autopar.batch_norm_backward_reduce.default: batch_norm_backward_reduce,
+    torch.ops.autopar.batch_norm_backward_elemt.default: batch_norm_backward_elemt,
     torch.ops.autopar.dropout_attention.default: dropout_attention,
     torch.ops.autopar.dropout_attention_backward.default: dropout_attention_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
