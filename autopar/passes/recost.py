@@ -22,7 +22,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.memory import precision_spec
 from autopar.errors import PlanError
 from autopar.graph_cache import captured_with_stats
-from autopar.passes.recompute import apply_recompute, recomputed
+from autopar.passes.recompute import apply_recompute
 from autopar.passes.search import AXES, evaluate, mesh_links
 from autopar.passes.sharding_problem import ShardingProblem, build_problem, with_microbatches
 from autopar.passes.solve import Solution
@@ -96,7 +96,5 @@ def estimate_plan(
     est = evaluate(
         sp, solution, shape, cluster, plan.global_batch_size, limit, links, precision.compute_dtype
     )
-    clones = set(recomputed(captured))
-    est.recompute_s = sum(costs[i][choice[i]] for i, name in enumerate(sp.nodes) if name in clones)
     log.info("plan re-costed: step %.4g s, peak %.4g bytes", est.step_time_s, est.memory.peak)
     return est

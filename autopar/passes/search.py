@@ -445,7 +445,10 @@ def evaluate(
     node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
     param_idx = set(sp.param_nodes)
     compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
-    recompute_s = sum(t / 2 for i, t in enumerate(node_time) if sp.strategies[i][choice[i]].recompute)
+    # forward ops run again in the backward: op-level variants (charged twice) and replaying nodes
+    recomputed = [i for i, c in enumerate(choice) if sp.strategies[i][c].recompute]
+    replayed = set(sp.replayed)
+    recompute_s = sum(node_time[i] / 2 for i in recomputed) + sum(node_time[i] for i in replayed)
     zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
     optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
     backward = sum(node_time[i] for i in sp.backward_nodes)
@@ -470,12 +473,14 @@ def evaluate(
     devices = 1
     for n in mesh_shape:
         devices *= n
-    flops = sum(sp.flops)
-    peak_flops = cluster.device_spec.peak_flops[compute_dtype]
+    flops = sum(f for i, f in enumerate(sp.flops) if i not in replayed)  # the model's: recompute not counted
+    hardware = sum(sp.flops) + sum(sp.flops[i] for i in recomputed)
+    rate = step * devices * cluster.device_spec.peak_flops[compute_dtype]
     return Estimate(
         step_time_s=step,
         samples_per_s=batch / step if step > 0 else 0.0,
-        mfu=flops / (step * devices * peak_flops) if step > 0 else 0.0,
+        mfu=flops / rate if step > 0 else 0.0,
+        hfu=hardware / rate if step > 0 else 0.0,
         memory=memory,
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
@@ -485,6 +490,7 @@ def evaluate(
         optimizer_s=optimizer_s,
         recompute_s=recompute_s,
         model_flops=flops,
+        hardware_flops=hardware,
         collectives=collectives,
     )
 
