@@ -1,10 +1,12 @@
 """``autopar.plan``: the order of the passes, from a model to a Plan.
 
-capture → graph statistics → candidate configurations → cost each → choose.
+capture → (a fixed recompute setting carried out) → per-op sharding MILP on every
+dp × tp mesh and pipeline search on pp × dp × tp meshes → choose.
 
-The search over op shardings (tensor / sequence parallel) and pipeline cuts
-plugs in at ``_candidates``; until then the space is the data-parallel one:
-ZeRO stage × micro-batch count on a dp-only mesh.
+What leaves no sharding to decide (one device, or a pinned data-parallel mesh
+with a fixed micro-batch count and no recompute setting) is costed by the
+analytic data-parallel model instead: ZeRO stage × micro-batch count,
+exhaustively (``_candidates``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from autopar.memory_summary import sharding_facts
 from autopar.passes.explain_records import explain_records
 from autopar.passes.pipeline_preview import Preview
 from autopar.passes.pipeline_search import PipelineResult, pipeline_meshes, search_pipelines
+from autopar.passes.recompute import recomputed
+from autopar.passes.recompute_settings import NONE, OP_LEVEL, SETTINGS, apply_setting, mark_placements
 from autopar.passes.search import flat_tp_sizes, search_meshes
 from autopar.passes.stages import forward_segments
 from autopar.plan import GB, Estimate, Plan
@@ -54,7 +58,11 @@ def plan(
     ``example_inputs`` is one batch (a tensor, a tuple of positional
     arguments or a dict of keyword arguments; dim 0 is the batch). The
     model may live on the meta device. ``fixed`` forces part of the answer
-    (``{"dp": 64, "zero": 3}``); what it leaves open is searched.
+    (``{"dp": 64, "zero": 3}``); what it leaves open is searched. Its keys are
+    ``dp``, ``tp``, ``pp``, ``zero`` (0-3), ``microbatches``, ``schedule`` and
+    ``recompute``: "none", "selective" (Megatron-LM's: the attention core of every
+    layer), "full" (every layer replayed from its input), or absent: the MILP
+    chooses op by op (:mod:`autopar.passes.recompute_settings`).
     """
     t0 = time.perf_counter()
     if not isinstance(cluster, Cluster):
@@ -82,7 +90,16 @@ def plan(
     t_capture = time.perf_counter() - t0
 
     if sharding:
+        # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
+        captured, marks = apply_setting(captured, fixed.get("recompute", NONE))
         sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
+        if fixed.get("recompute", NONE) != NONE and not marks:
+            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: " + (
+                "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
+            )
+            log.warning(msg)
+            sharded.warnings.append(msg)
         sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
         sharded.solver["capture_s"] = round(t_capture, 3)
         sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
@@ -188,20 +205,41 @@ def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
             fixed["schedule"] = schedule_name(fixed["schedule"])
         except ValueError as err:
             raise PlanError(str(err)) from None
-    if fixed.get("tp", 1) != 1 and "microbatches" in fixed and fixed.get("pp", 1) == 1:
-        raise PlanError("tp > 1 cannot be combined with fixed microbatches yet; fix tp, or microbatches")
-    if fixed.get("recompute", "selective") not in ("none", "selective"):
+    if "schedule" in fixed and fixed.get("pp") == 1:
         raise PlanError(
-            f"recompute={fixed['recompute']!r} is not a choice: the search picks what to recompute "
-            "(op by op); fix 'none' to keep every activation"
+            f"fixed['schedule'] = {fixed['schedule']!r} schedules pipeline stages, but pp is 1; "
+            "drop the schedule or fix pp >= 2"
+        )
+    if "recompute" in fixed and fixed["recompute"] not in SETTINGS:
+        raise PlanError(
+            f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer) or 'full' "
+            f"(every layer), not {fixed['recompute']!r}; leave it out to let the search choose op by op"
         )
     return dict(fixed)
 
 
 def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
-    """The MILP decides shardings, ZeRO stages and micro-batches unless the request pins the
-    micro-batch count without a pipeline, which only the analytic data-parallel model costs."""
-    return cluster.world_size > 1 and ("microbatches" not in fixed or fixed.get("pp", 1) > 1)
+    """Whether the sharding MILP plans (per-op placements), not the analytic data-parallel model.
+
+    The analytic model costs what leaves no sharding to decide and recomputes nothing: one
+    device, or a pinned data-parallel mesh (tp 1, or dp the whole cluster) with a fixed
+    micro-batch count and no pipeline.  Everything else, and any recompute setting other
+    than "none" (costed on the graph that runs it), is the MILP's, with the micro-batch
+    count fixed where ``fixed`` says.
+    """
+    if fixed.get("recompute", NONE) != NONE:
+        return True
+    if cluster.world_size == 1:
+        return False
+    pinned_dp = fixed.get("tp") == 1 or fixed.get("dp") == cluster.world_size
+    return not ("microbatches" in fixed and fixed.get("pp", 1) == 1 and pinned_dp)
+
+
+def _recompute_label(fixed: dict[str, Any], placements: dict[str, Any]) -> str:
+    """Plan.recompute: the fixed setting, or "op-level" when the MILP marked ops, or "none"."""
+    if fixed.get("recompute", NONE) != NONE:
+        return fixed["recompute"]
+    return OP_LEVEL if any("recompute" in e for e in placements.values()) else NONE
 
 
 @dataclass
@@ -282,7 +320,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         or not flat.args[1].fits
         or pipe.estimate.step_time_s < flat.args[1].step_time_s * (1 - TIE_TOLERANCE)
     ):
-        return _pipelined(captured, pipe, pipes, gbs, flat)
+        return _pipelined(captured, pipe, pipes, gbs, flat, fixed)
     if none_fits is not None:
         raise none_fits
     if flat is None:
@@ -301,7 +339,7 @@ def _pipelines(
         schedules=(fixed["schedule"],) if "schedule" in fixed else ("1F1B", "interleaved"),
         microbatches=fixed.get("microbatches"),
         zero=fixed.get("zero"),
-        recompute=fixed.get("recompute") != "none",
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
         preview=preview,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
@@ -313,7 +351,12 @@ def _pipelines(
 
 
 def _pipelined(
-    captured, pipe: PipelineResult, pipes: list[PipelineResult], gbs: int, flat: _Sharded | None
+    captured,
+    pipe: PipelineResult,
+    pipes: list[PipelineResult],
+    gbs: int,
+    flat: _Sharded | None,
+    fixed: dict[str, Any],
 ) -> _Sharded:
     """The plan pieces of a pipeline result."""
     res, est = pipe.sharding, pipe.estimate
@@ -324,7 +367,7 @@ def _pipelined(
         tp=mesh.tp,
         pp=mesh.pp,
         zero=zero_stage(captured, res.placements, mesh.dp),
-        recompute="selective" if any("recompute" in e for e in res.placements.values()) else "none",
+        recompute=_recompute_label(fixed, res.placements),
         microbatches=m,
         micro_batch_size=gbs // (mesh.dp * m),
     )
@@ -393,23 +436,27 @@ def _plan_flat(
         tp=fixed.get("tp"),
         dp=fixed.get("dp"),
         zero=fixed.get("zero"),
-        recompute=fixed.get("recompute") != "none",
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
         deadline=deadline,
         require_one=not optional,
         milp=not optional,
+        microbatches=fixed.get("microbatches"),
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
         return None
     if not results:
+        into = f" into {fixed['microbatches']} micro-batches per rank" if "microbatches" in fixed else ""
         raise PlanError(
-            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}; "
-            "use a global batch that the data-parallel size divides"
+            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}{into}; "
+            "use a global batch that the data-parallel size (times the micro-batches) divides"
         )
     warnings: list[str] = []
     if best is None:
         need = min(_least_peak(r) for r in results)
-        what = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero"))
+        what = ", ".join(
+            f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+        )
         if not what:
             raise PlanError(
                 f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
@@ -427,6 +474,8 @@ def _plan_flat(
             least.mesh.tp,
             least.mesh.dp,
             fixed.get("zero"),
+            recompute="recompute" not in fixed,
+            microbatches=fixed.get("microbatches"),
         )
         best.estimate.memory_limit, best.estimate.fits = limit, False
         msg = (
@@ -445,7 +494,7 @@ def _plan_flat(
         tp=best.mesh.tp,
         pp=1,
         zero=zero_stage(captured, best.placements, best.mesh.dp),
-        recompute="selective" if any("recompute" in e for e in best.placements.values()) else "none",
+        recompute=_recompute_label(fixed, best.placements),
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
@@ -455,7 +504,9 @@ def _plan_flat(
         "objective": sol.objective,
         "backend": sol.backend,
         "candidates": len(results),
-        "meshes_left_out": len(flat_tp_sizes(cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp")))
+        "meshes_left_out": len(
+            flat_tp_sizes(cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches"))
+        )
         - len(results),
         "meshes": [
             {
