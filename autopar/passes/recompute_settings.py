@@ -162,7 +162,7 @@ def setting_marks(captured: CapturedGraph, how: str) -> dict[str, str]:
         return {name: SELECTIVE for names in attention_core(captured).values() for name in names}
     if how == FULL:
         layers = recompute_layers(captured)
-        # a layer is marked on its nodes that full recompute replays (any one node would do)
+        # every forward node of a layer with something to replay carries the mark (the runtime reads the layer)
         return {name: FULL for layer in layers if full_recompute_nodes(captured, layer) for name in layers[layer]}
     return {}
 
