@@ -95,9 +95,8 @@ def plan(
         sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
         sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
         if fixed.get("recompute", NONE) != NONE and not marks:
-            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: " + (
-                "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
-            )
+            why = "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
+            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: {why}"
             log.warning(msg)
             sharded.warnings.append(msg)
         sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
@@ -505,7 +504,9 @@ def _plan_flat(
         "backend": sol.backend,
         "candidates": len(results),
         "meshes_left_out": len(
-            flat_tp_sizes(cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches"))
+            flat_tp_sizes(
+                cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches")
+            )
         )
         - len(results),
         "meshes": [

@@ -95,7 +95,8 @@ def test_each_setting_charges_the_forward_ops_it_replays(settings):
     none, selective, full = (flat[how].estimate for how in SETTINGS)
     # MFU counts the model's FLOPs whatever is recomputed: the same numerator for every setting
     assert none.model_flops == selective.model_flops == full.model_flops
-    assert none.model_flops == pytest.approx(72 * B * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H)), rel=0.01)
+    dense = 72 * B * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))  # REFERENCES.md, no recompute
+    assert none.model_flops == pytest.approx(dense, rel=0.01)
     assert none.hfu == none.mfu and none.hardware_flops == none.model_flops and none.recompute_s == 0
     for e in (selective, full):
         assert e.mfu * e.step_time_s == pytest.approx(none.mfu * none.step_time_s, rel=1e-9)
@@ -103,10 +104,11 @@ def test_each_setting_charges_the_forward_ops_it_replays(settings):
         assert e.recompute_s > 0 and e.step_time_s > none.step_time_s
     # selective replays the attention kernel's forward, 4·b·s²·h a layer
     assert selective.hardware_flops - selective.model_flops == pytest.approx(L * 4 * B * S**2 * H, rel=1e-6)
-    # full replays each layer's forward but its last GEMM, the MLP's down projection, whose output nothing in
-    # the backward reads: QKV 6·b·s·h², attention 4·b·s²·h, output projection 2·b·s·h², MLP up 8·b·s·h².
-    # Megatron's checkpoint runs that GEMM again too: 4/3 of the layers (REFERENCES.md's 96 / 72)
-    assert full.hardware_flops - full.model_flops == pytest.approx(L * B * (16 * S * H**2 + 4 * S**2 * H), rel=1e-6)
+    # full replays each layer's forward but its last GEMM, the MLP's down projection, whose output
+    # nothing in the backward reads: QKV 6·b·s·h², attention 4·b·s²·h, output projection 2·b·s·h², MLP
+    # up 8·b·s·h². Megatron's checkpoint runs that GEMM again too: 4/3 of the layers (96 / 72)
+    replayed = L * B * (16 * S * H**2 + 4 * S**2 * H)
+    assert full.hardware_flops - full.model_flops == pytest.approx(replayed, rel=1e-6)
     megatron = (1 + S / (6 * H) + V / (16 * L * H)) * 96 / (72 * (1 + S / (6 * H) + V / (12 * L * H)))
     assert 1.15 < full.hfu / full.mfu < megatron
     assert full.recompute_s > selective.recompute_s
@@ -155,7 +157,8 @@ def test_summary_report_and_diff_show_hfu_where_it_differs_from_mfu(settings):
     assert "HFU" in report_html(full) and "HFU" not in report_html(none)
     assert "HFU" in str(autopar.diff(none, full))
     again = Plan.from_dict(full.to_dict())
-    assert (again.estimate.hfu, again.estimate.hardware_flops) == (full.estimate.hfu, full.estimate.hardware_flops)
+    assert again.estimate.hfu == full.estimate.hfu
+    assert again.estimate.hardware_flops == full.estimate.hardware_flops
     older = full.to_dict()  # a plan saved before HFU was a figure of its own
     for key in ("hfu", "hardware_flops"):
         del older["estimate"][key]
@@ -176,9 +179,9 @@ def test_selective_on_an_unfused_attention_replays_its_core():
         assert ops.count(torch.ops.aten.bmm.default) == 2 and torch.ops.aten._softmax.default in ops
         assert not {torch.ops.aten.addmm.default, torch.ops.aten.mm.default} & set(ops)  # no projection
     cluster = autopar.Cluster.local(2)
-    plans = {how: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": how}) for how in ("none", "selective")}
+    plans = {h: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": h}) for h in ("none", "selective")}
     none, selective = plans["none"].estimate, plans["selective"].estimate
-    # the scores matmul is replayed (the context matmul's output is read by no backward op): 2·b·s²·h a layer
+    # the scores matmul is replayed (no backward op reads the context matmul's output): 2·b·s²·h a layer
     assert selective.hardware_flops - selective.model_flops == pytest.approx(2 * 2 * B * S**2 * H, rel=1e-6)
     # what it frees is quadratic in the sequence: the softmax's probabilities (2 bytes each, bf16), less the
     # boolean causal mask (1 byte an element of s x s per sequence) kept for the replay
@@ -190,7 +193,8 @@ def test_selective_on_an_unfused_attention_replays_its_core():
 def test_llama_settings_order_time_and_memory():
     model, batch = llama(2, 128, 4, 256, vocab=256, seq=S, batch=B)
     cluster = autopar.Cluster.local(2)
-    est = {how: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": how}).estimate for how in SETTINGS}
-    assert est["full"].memory.peak < est["selective"].memory.peak < est["none"].memory.peak
-    assert est["full"].step_time_s > est["selective"].step_time_s > est["none"].step_time_s
-    assert est["full"].hfu / est["full"].mfu > est["selective"].hfu / est["selective"].mfu > 1 == est["none"].hfu / est["none"].mfu
+    est = {h: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": h}).estimate for h in SETTINGS}
+    none, selective, full = (est[h] for h in SETTINGS)
+    assert full.memory.peak < selective.memory.peak < none.memory.peak
+    assert full.step_time_s > selective.step_time_s > none.step_time_s
+    assert full.hfu / full.mfu > selective.hfu / selective.mfu > 1 == none.hfu / none.mfu

@@ -96,8 +96,8 @@ def segment_figures(
     # memory per micro-batch: a value live across the forward/backward turn is kept for the backward.  The
     # turn follows the last forward op: autograd's saved-tensor handles are backward nodes traced inside
     # the forward (a detach where a value is saved), and the first of them is no turn
-    forward_ops = [p.node_intervals[i][0] for i in range(len(choice)) if i not in backward and i not in param_nodes]
-    turn = max(forward_ops, default=-1) + 1
+    not_forward = backward | param_nodes
+    turn = max((p.node_intervals[i][0] for i in range(len(choice)) if i not in not_forward), default=-1) + 1
     n_nodes = len(p.node_costs)
     skip = {n_nodes + k for k in getattr(sp, "grad_items", ())}  # gradients: counted with the states
     item_node, intervals, item_memory = p.items()

@@ -163,7 +163,8 @@ def setting_marks(captured: CapturedGraph, how: str) -> dict[str, str]:
     if how == FULL:
         layers = recompute_layers(captured)
         # every forward node of a layer with something to replay carries the mark (the runtime reads the layer)
-        return {name: FULL for layer in layers if full_recompute_nodes(captured, layer) for name in layers[layer]}
+        replaying = [layer for layer in layers if full_recompute_nodes(captured, layer)]
+        return {name: FULL for layer in replaying for name in layers[layer]}
     return {}
 
 
@@ -176,7 +177,9 @@ def apply_setting(captured: CapturedGraph, how: str) -> tuple[CapturedGraph, dic
     return rewritten, marks
 
 
-def mark_placements(placements: dict[str, dict], marks: dict[str, str], clones: Iterable[str]) -> dict[str, dict]:
+def mark_placements(
+    placements: dict[str, dict], marks: dict[str, str], clones: Iterable[str]
+) -> dict[str, dict]:
     """Placements solved on the graph :func:`apply_setting` made, as a plan holds them.
 
     The clones' entries are dropped (the runtime makes the clones again, each

@@ -30,6 +30,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
+from autopar.errors import PlanError
 from autopar.heap import long_lived_heap
 from autopar.passes.coarsen import repeated_groups
 from autopar.passes.pipeline_segments import microbatch_divides, microbatch_filter
@@ -159,7 +160,8 @@ def solve_prepared(
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
     Gradient accumulation only to fit: the fewest micro-batches that fit the memory
-    limit, or ``microbatches`` when given (it must divide the local batch). ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
+    limit, or ``microbatches`` when given (it must divide the local batch).
+    ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
     ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
     ``least_peak=False``: an answer that does not fit is of no use to the caller (a seed
     layout), so no solve is spent on the smallest memory that would fit, and none at all
@@ -171,6 +173,10 @@ def solve_prepared(
     deadline = time.perf_counter() + time_limit_s
     solve_s = 0.0
     counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
+    if not counts:
+        raise PlanError(
+            f"the local batch {local} on mesh {mp.mesh} does not split into {microbatches} micro-batches"
+        )
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
     proven = set(unfit)  # counts that cannot fit
