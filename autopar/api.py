@@ -20,24 +20,21 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
-from autopar.cost_models.pipeline import schedule_name
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
+from autopar.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.graph_cache import captured_with_stats, example_batch
 from autopar.memory_summary import sharding_facts
 from autopar.passes.explain_records import explain_records
 from autopar.passes.pipeline_preview import Preview
 from autopar.passes.pipeline_search import PipelineResult, pipeline_meshes, search_pipelines
 from autopar.passes.recompute import recomputed
-from autopar.passes.recompute_settings import NONE, OP_LEVEL, SETTINGS, apply_setting, mark_placements
+from autopar.passes.recompute_settings import NONE, apply_setting, mark_placements
 from autopar.passes.search import flat_tp_sizes, search_meshes
 from autopar.passes.stages import forward_segments
 from autopar.plan import GB, Estimate, Plan
 
 log = logging.getLogger(__name__)
-
-FIXED_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatches", "schedule")
-
 
 def plan(
     model,
@@ -71,7 +68,7 @@ def plan(
         )
     prec = precision_spec(precision)
     optimizer_states(optimizer)
-    fixed = _check_fixed(fixed)
+    fixed = check_fixed(fixed)
     cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))  # before any capture
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
@@ -83,7 +80,7 @@ def plan(
     if not isinstance(gbs, int) or gbs < 1:
         raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
     # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
-    sharding = _searches_sharding(cluster, fixed)
+    sharding = searches_sharding(cluster, fixed)
     captured, stats = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
@@ -182,63 +179,6 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
         }
         for _, (cfg, est) in sorted(best.items())
     ]
-
-
-def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
-    if fixed is None:
-        return {}
-    if not isinstance(fixed, dict):
-        raise PlanError(f"fixed must be a dict such as {{'dp': 8, 'zero': 1}}, not {type(fixed).__name__}")
-    unknown = sorted(set(fixed) - set(FIXED_KEYS))
-    if unknown:
-        raise PlanError(
-            f"unknown key(s) in fixed: {', '.join(unknown)}; known keys are {', '.join(FIXED_KEYS)}"
-        )
-    for key in ("dp", "tp", "pp", "microbatches"):
-        if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
-            raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")
-    if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
-        raise PlanError(f"fixed['zero'] must be 0, 1, 2 or 3, not {fixed['zero']!r}")
-    if "schedule" in fixed:
-        try:
-            fixed["schedule"] = schedule_name(fixed["schedule"])
-        except ValueError as err:
-            raise PlanError(str(err)) from None
-    if "schedule" in fixed and fixed.get("pp") == 1:
-        raise PlanError(
-            f"fixed['schedule'] = {fixed['schedule']!r} schedules pipeline stages, but pp is 1; "
-            "drop the schedule or fix pp >= 2"
-        )
-    if "recompute" in fixed and fixed["recompute"] not in SETTINGS:
-        raise PlanError(
-            f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer) or 'full' "
-            f"(every layer), not {fixed['recompute']!r}; leave it out to let the search choose op by op"
-        )
-    return dict(fixed)
-
-
-def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
-    """Whether the sharding MILP plans (per-op placements), not the analytic data-parallel model.
-
-    The analytic model costs what leaves no sharding to decide and recomputes nothing: one
-    device, or a pinned data-parallel mesh (tp 1, or dp the whole cluster) with a fixed
-    micro-batch count and no pipeline.  Everything else, and any recompute setting other
-    than "none" (costed on the graph that runs it), is the MILP's, with the micro-batch
-    count fixed where ``fixed`` says.
-    """
-    if fixed.get("recompute", NONE) != NONE:
-        return True
-    if cluster.world_size == 1:
-        return False
-    pinned_dp = fixed.get("tp") == 1 or fixed.get("dp") == cluster.world_size
-    return not ("microbatches" in fixed and fixed.get("pp", 1) == 1 and pinned_dp)
-
-
-def _recompute_label(fixed: dict[str, Any], placements: dict[str, Any]) -> str:
-    """Plan.recompute: the fixed setting, or "op-level" when the MILP marked ops, or "none"."""
-    if fixed.get("recompute", NONE) != NONE:
-        return fixed["recompute"]
-    return OP_LEVEL if any("recompute" in e for e in placements.values()) else NONE
 
 
 @dataclass
@@ -366,7 +306,7 @@ def _pipelined(
         tp=mesh.tp,
         pp=mesh.pp,
         zero=zero_stage(captured, res.placements, mesh.dp),
-        recompute=_recompute_label(fixed, res.placements),
+        recompute=recompute_label(fixed, res.placements),
         microbatches=m,
         micro_batch_size=gbs // (mesh.dp * m),
     )
@@ -493,7 +433,7 @@ def _plan_flat(
         tp=best.mesh.tp,
         pp=1,
         zero=zero_stage(captured, best.placements, best.mesh.dp),
-        recompute=_recompute_label(fixed, best.placements),
+        recompute=recompute_label(fixed, best.placements),
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
