@@ -6,7 +6,7 @@ the guard against marks that cannot be honoured, and the transformed joint
 graph run on real tensors giving bit-identical loss and gradients.
 
 Several processes (slow): GPT-2 and LLaMA tiny under data-parallel (with
-ZeRO-1/2) and Megatron dp x tp plans with selective and full recompute train
+ZeRO-2) and Megatron dp x tp plans with selective and full recompute train
 like one device (3 AdamW steps, relative L2 error 1e-5), one launch of 2 processes
 and one of 4; the launches also train the planner's own plans of
 ``fixed={"recompute": "selective" | "full"}`` (tp = 2 with 2 micro-batches, a
@@ -418,7 +418,6 @@ def _run(cases, memory_plans, n: int):
 def two_processes():
     cases = [
         (gpt2_tiny, _zero(_recompute(_layout(gpt2_tiny, 2, 2, 1, "dp"), gpt2_tiny, "selective"), 2)),
-        (llama_tiny, _zero(_recompute(_layout(llama_tiny, 2, 2, 1, "dp"), llama_tiny, "full"), 1)),
         # Megatron-LM's settings as autopar.plan plans them: tensor parallel with micro-batches, a pipeline
         (gpt2_tiny, _fixed(gpt2_tiny, 2, tp=2, microbatches=2, recompute="selective")),
         (llama_tiny, _fixed(llama_tiny, 2, tp=2, microbatches=2, recompute="full")),
@@ -435,7 +434,7 @@ def two_processes():
 def test_recompute_on_2_processes_trains_like_one_device(two_processes):
     cases, checks, _ = two_processes
     _assert_all_match(cases, checks)
-    for k in (2, 3):  # tensor parallel: its reductions ran, in the replay too
+    for k in (1, 2):  # tensor parallel: its reductions ran, in the replay too
         assert checks[k].collectives.get("all_reduce", 0) >= 2, (k, checks[k].collectives)
 
 
@@ -452,7 +451,8 @@ def test_peak_step_memory_falls_with_recompute(two_processes):
 @pytest.mark.slow
 def test_recompute_on_4_processes_trains_like_one_device():
     """A dp x tp = 2 x 2 Megatron layout with full recompute of layer 0 and selective elsewhere; the planner's
-    pp 2 x dp 2 pipeline with ZeRO-3 and full recompute (a configuration DeepSpeed refuses)."""
+    pp 2 x dp 2 pipeline with ZeRO-3 and full recompute (a configuration DeepSpeed refuses): ZeRO's
+    gradient chunks beside the replayed nodes."""
     cases = [
         (gpt2_tiny, _recompute(_layout(gpt2_tiny, 4, 2, 2, "megatron"), gpt2_tiny, "mixed")),
         (gpt2_tiny4, _fixed(gpt2_tiny4, 4, pp=2, dp=2, zero=3, microbatches=2, recompute="full")),
