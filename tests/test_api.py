@@ -109,10 +109,9 @@ def test_bad_input_errors_are_one_line():
 CONFIGURATIONS = [
     # Megatron-LM: tp x pp x dp, micro-batches, 1F1B, distributed optimizer, selective recompute
     (8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4, "schedule": "1F1B", "zero": 1, "recompute": "selective"}),
-    # ZeRO-3 beside tensor parallel, with gradient accumulation and no pipeline
-    (4, {"dp": 2, "tp": 2, "zero": 3, "microbatches": 2}),
-    # DeepSpeed: ZeRO-2 with accumulation and activation checkpointing. tp with micro-batches alone and
-    # ZeRO-3 in a pipeline (which DeepSpeed refuses) are planned, and trained, in tests/test_recompute.py
+    # DeepSpeed: ZeRO-2 with accumulation and activation checkpointing. tp with micro-batches and no
+    # pipeline, and ZeRO-3 in a pipeline (which DeepSpeed refuses), are planned and trained in
+    # tests/test_recompute.py
     (4, {"dp": 4, "microbatches": 2, "zero": 2, "recompute": "full"}),
 ]
 

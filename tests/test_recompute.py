@@ -375,6 +375,8 @@ def _fixed(factory, n: int, **fixed) -> Plan:
     assert plan.mesh["tp"] == fixed.get("tp", plan.mesh["tp"]) and plan.mesh["pp"] == fixed.get("pp", 1)
     marks = {e["recompute"] for e in plan.placements.values() if "recompute" in e}
     assert marks == {fixed["recompute"]}, marks
+    # the replays are charged: HFU counts them, MFU does not
+    assert plan.estimate.hfu > plan.estimate.mfu and plan.estimate.recompute_s > 0
     return dataclasses.replace(plan, solver={**plan.solver, "status": f"fixed {fixed}"})
 
 
