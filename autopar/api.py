@@ -1,10 +1,12 @@
 """``autopar.plan``: the order of the passes, from a model to a Plan.
 
-capture → graph statistics → candidate configurations → cost each → choose.
+capture → (a fixed recompute setting carried out) → per-op sharding MILP on every
+dp × tp mesh and pipeline search on pp × dp × tp meshes → choose.
 
-The search over op shardings (tensor / sequence parallel) and pipeline cuts
-plugs in at ``_candidates``; until then the space is the data-parallel one:
-ZeRO stage × micro-batch count on a dp-only mesh.
+What leaves no sharding to decide (one device, or a pinned data-parallel mesh
+with a fixed micro-batch count and no recompute setting) is costed by the
+analytic data-parallel model instead: ZeRO stage × micro-batch count,
+exhaustively (``_candidates``).
 """
 
 from __future__ import annotations
@@ -18,22 +20,21 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
-from autopar.cost_models.pipeline import schedule_name
 from autopar.cost_models.step import Config, GraphStats, estimate_config
 from autopar.errors import PlanError
+from autopar.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.graph_cache import captured_with_stats, example_batch
 from autopar.memory_summary import sharding_facts
 from autopar.passes.explain_records import explain_records
 from autopar.passes.pipeline_preview import Preview
 from autopar.passes.pipeline_search import PipelineResult, pipeline_meshes, search_pipelines
+from autopar.passes.recompute import recomputed
+from autopar.passes.recompute_settings import NONE, apply_setting, mark_placements
 from autopar.passes.search import flat_tp_sizes, search_meshes
 from autopar.passes.stages import forward_segments
 from autopar.plan import GB, Estimate, Plan
 
 log = logging.getLogger(__name__)
-
-FIXED_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatches", "schedule")
-
 
 def plan(
     model,
@@ -54,7 +55,11 @@ def plan(
     ``example_inputs`` is one batch (a tensor, a tuple of positional
     arguments or a dict of keyword arguments; dim 0 is the batch). The
     model may live on the meta device. ``fixed`` forces part of the answer
-    (``{"dp": 64, "zero": 3}``); what it leaves open is searched.
+    (``{"dp": 64, "zero": 3}``); what it leaves open is searched. Its keys are
+    ``dp``, ``tp``, ``pp``, ``zero`` (0-3), ``microbatches``, ``schedule`` and
+    ``recompute``: "none", "selective" (Megatron-LM's: the attention core of every
+    layer), "full" (every layer replayed from its input), or absent: the MILP
+    chooses op by op (:mod:`autopar.passes.recompute_settings`).
     """
     t0 = time.perf_counter()
     if not isinstance(cluster, Cluster):
@@ -63,7 +68,7 @@ def plan(
         )
     prec = precision_spec(precision)
     optimizer_states(optimizer)
-    fixed = _check_fixed(fixed)
+    fixed = check_fixed(fixed)
     cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))  # before any capture
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
@@ -75,14 +80,22 @@ def plan(
     if not isinstance(gbs, int) or gbs < 1:
         raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
     # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
-    sharding = _searches_sharding(cluster, fixed)
+    sharding = searches_sharding(cluster, fixed)
     captured, stats = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
     t_capture = time.perf_counter() - t0
 
     if sharding:
+        # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
+        captured, marks = apply_setting(captured, fixed.get("recompute", NONE))
         sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
+        if fixed.get("recompute", NONE) != NONE and not marks:
+            why = "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
+            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: {why}"
+            log.warning(msg)
+            sharded.warnings.append(msg)
         sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
         sharded.solver["capture_s"] = round(t_capture, 3)
         sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
@@ -168,42 +181,6 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
     ]
 
 
-def _check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
-    if fixed is None:
-        return {}
-    if not isinstance(fixed, dict):
-        raise PlanError(f"fixed must be a dict such as {{'dp': 8, 'zero': 1}}, not {type(fixed).__name__}")
-    unknown = sorted(set(fixed) - set(FIXED_KEYS))
-    if unknown:
-        raise PlanError(
-            f"unknown key(s) in fixed: {', '.join(unknown)}; known keys are {', '.join(FIXED_KEYS)}"
-        )
-    for key in ("dp", "tp", "pp", "microbatches"):
-        if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
-            raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")
-    if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
-        raise PlanError(f"fixed['zero'] must be 0, 1, 2 or 3, not {fixed['zero']!r}")
-    if "schedule" in fixed:
-        try:
-            fixed["schedule"] = schedule_name(fixed["schedule"])
-        except ValueError as err:
-            raise PlanError(str(err)) from None
-    if fixed.get("tp", 1) != 1 and "microbatches" in fixed and fixed.get("pp", 1) == 1:
-        raise PlanError("tp > 1 cannot be combined with fixed microbatches yet; fix tp, or microbatches")
-    if fixed.get("recompute", "selective") not in ("none", "selective"):
-        raise PlanError(
-            f"recompute={fixed['recompute']!r} is not a choice: the search picks what to recompute "
-            "(op by op); fix 'none' to keep every activation"
-        )
-    return dict(fixed)
-
-
-def _searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
-    """The MILP decides shardings, ZeRO stages and micro-batches unless the request pins the
-    micro-batch count without a pipeline, which only the analytic data-parallel model costs."""
-    return cluster.world_size > 1 and ("microbatches" not in fixed or fixed.get("pp", 1) > 1)
-
-
 @dataclass
 class _Sharded:
     args: tuple  # (Config, Estimate) for _make_plan
@@ -282,7 +259,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         or not flat.args[1].fits
         or pipe.estimate.step_time_s < flat.args[1].step_time_s * (1 - TIE_TOLERANCE)
     ):
-        return _pipelined(captured, pipe, pipes, gbs, flat)
+        return _pipelined(captured, pipe, pipes, gbs, flat, fixed)
     if none_fits is not None:
         raise none_fits
     if flat is None:
@@ -301,7 +278,7 @@ def _pipelines(
         schedules=(fixed["schedule"],) if "schedule" in fixed else ("1F1B", "interleaved"),
         microbatches=fixed.get("microbatches"),
         zero=fixed.get("zero"),
-        recompute=fixed.get("recompute") != "none",
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
         preview=preview,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
@@ -313,7 +290,12 @@ def _pipelines(
 
 
 def _pipelined(
-    captured, pipe: PipelineResult, pipes: list[PipelineResult], gbs: int, flat: _Sharded | None
+    captured,
+    pipe: PipelineResult,
+    pipes: list[PipelineResult],
+    gbs: int,
+    flat: _Sharded | None,
+    fixed: dict[str, Any],
 ) -> _Sharded:
     """The plan pieces of a pipeline result."""
     res, est = pipe.sharding, pipe.estimate
@@ -324,7 +306,7 @@ def _pipelined(
         tp=mesh.tp,
         pp=mesh.pp,
         zero=zero_stage(captured, res.placements, mesh.dp),
-        recompute="selective" if any("recompute" in e for e in res.placements.values()) else "none",
+        recompute=recompute_label(fixed, res.placements),
         microbatches=m,
         micro_batch_size=gbs // (mesh.dp * m),
     )
@@ -393,23 +375,27 @@ def _plan_flat(
         tp=fixed.get("tp"),
         dp=fixed.get("dp"),
         zero=fixed.get("zero"),
-        recompute=fixed.get("recompute") != "none",
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
         deadline=deadline,
         require_one=not optional,
         milp=not optional,
+        microbatches=fixed.get("microbatches"),
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
         return None
     if not results:
+        into = f" into {fixed['microbatches']} micro-batches per rank" if "microbatches" in fixed else ""
         raise PlanError(
-            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}; "
-            "use a global batch that the data-parallel size divides"
+            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}{into}; "
+            "use a global batch that the data-parallel size (times the micro-batches) divides"
         )
     warnings: list[str] = []
     if best is None:
         need = min(_least_peak(r) for r in results)
-        what = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero"))
+        what = ", ".join(
+            f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+        )
         if not what:
             raise PlanError(
                 f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
@@ -427,6 +413,8 @@ def _plan_flat(
             least.mesh.tp,
             least.mesh.dp,
             fixed.get("zero"),
+            recompute="recompute" not in fixed,
+            microbatches=fixed.get("microbatches"),
         )
         best.estimate.memory_limit, best.estimate.fits = limit, False
         msg = (
@@ -445,7 +433,7 @@ def _plan_flat(
         tp=best.mesh.tp,
         pp=1,
         zero=zero_stage(captured, best.placements, best.mesh.dp),
-        recompute="selective" if any("recompute" in e for e in best.placements.values()) else "none",
+        recompute=recompute_label(fixed, best.placements),
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
@@ -455,7 +443,11 @@ def _plan_flat(
         "objective": sol.objective,
         "backend": sol.backend,
         "candidates": len(results),
-        "meshes_left_out": len(flat_tp_sizes(cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp")))
+        "meshes_left_out": len(
+            flat_tp_sizes(
+                cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches")
+            )
+        )
         - len(results),
         "meshes": [
             {

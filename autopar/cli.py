@@ -129,7 +129,7 @@ def _cmd_plan(args) -> int:
     cluster = _cluster(args)  # cheap checks first, before the model is built
     fixed = {
         k: getattr(args, k)
-        for k in ("dp", "tp", "pp", "zero", "microbatches", "schedule")
+        for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "schedule")
         if getattr(args, k) is not None
     }
     with _progress("building the model", args.verbose) as phase:
@@ -275,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     fix.add_argument("--schedule", help="pipeline schedule: 1F1B, GPipe or interleaved")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     fix.add_argument("--microbatches", type=int, help="gradient-accumulation steps per optimizer step")
+    fix.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        help="none, selective (Megatron's: every layer's attention core) or full (every layer); default: op by op",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="save the plan as JSON (for show, diff, export-onnx)")
     out.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")

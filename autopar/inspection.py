@@ -397,6 +397,7 @@ def diff(a: Plan, b: Plan, a_name: str = "a", b_name: str = "b") -> PlanDiff:
     for what, x, y in (
         ("step time", ea.step_time_s, eb.step_time_s),
         ("compute", ea.compute_s, eb.compute_s),
+        ("recompute", ea.recompute_s, eb.recompute_s),
         ("exposed communication", ea.exposed_comm_s, eb.exposed_comm_s),
         ("communication (all)", ea.comm_s, eb.comm_s),
         ("optimizer", ea.optimizer_s, eb.optimizer_s),
@@ -415,6 +416,9 @@ def diff(a: Plan, b: Plan, a_name: str = "a", b_name: str = "b") -> PlanDiff:
         )
     if _differs(ea.mfu, eb.mfu):
         d.rows.append((est, "MFU", f"{ea.mfu * 100:.1f}%", f"{eb.mfu * 100:.1f}%"))
+    # HFU counts the recomputed forward ops too: a row of its own where either plan recomputes
+    if (ea.hfu_differs or eb.hfu_differs) and _differs(ea.hfu, eb.hfu):
+        d.rows.append((est, "HFU (recompute counted)", f"{ea.hfu * 100:.1f}%", f"{eb.hfu * 100:.1f}%"))
     mem = "memory per device (GB)"
     for cat in ("params", "grads", "optimizer", "activations", "buffers", "peak"):
         x, y = getattr(ea.memory, cat), getattr(eb.memory, cat)

@@ -69,6 +69,14 @@ def recompute_facts(placements: dict[str, dict[str, Any]]) -> dict:
     }
 
 
+# Plan.recompute in words
+_RECOMPUTE = {
+    "selective": "selective (Megatron's: the attention core of every layer)",
+    "full": "full (Megatron's: every layer from its input)",
+    "op-level": "op by op (the MILP's choice)",
+}
+
+
 def _share(part: float, total: float) -> str:
     if not total:
         return "-"
@@ -105,10 +113,10 @@ def summary_rows(plan) -> list[tuple[str, str]]:
     rec = recompute_facts(plan.placements)
     if rec["ops"]:
         kinds = ", ".join(f"{k} {v}" for k, v in rec["kinds"].items())
-        how = "full layers" if rec["full"] else "selective"
+        how = _RECOMPUTE.get(plan.recompute, "full layers" if rec["full"] else plan.recompute)
         rec_text = (
-            f"{how}: {rec['ops']} forward ops in {rec['layers']} of {rec['of_layers']} layers replayed in the "
-            f"backward (+{_secs(plan.estimate.recompute_s)} per step); most: {kinds}"
+            f"{how}: {rec['ops']} forward ops in {rec['layers']} of {rec['of_layers']} layers marked, replayed in "
+            f"the backward (+{_secs(plan.estimate.recompute_s)} per step); most: {kinds}"
         )
     else:
         rec_text = "none: every activation the backward reads is kept from the forward"

@@ -191,6 +191,8 @@ def time_figure(plan: Plan) -> Figure:
     title = (
         f"Step time {step / scale:.3g} {unit}: {est.samples_per_s:,.1f} samples/s, MFU {est.mfu * 100:.1f}%"
     )
+    if est.hfu_differs:
+        title += f", HFU {est.hfu * 100:.1f}%"
     if step and abs(other - step) > 0.02 * step:
         title += f" (parts sum to {other / scale:.3g} {unit})"
     fig.suptitle(title, fontsize=11, x=0.01, ha="left")

@@ -50,7 +50,8 @@ class Estimate:
 
     step_time_s: float = 0.0
     samples_per_s: float = 0.0
-    mfu: float = 0.0
+    mfu: float = 0.0  # model FLOPs utilization: model_flops / (step time x devices x peak FLOP/s)
+    hfu: float = 0.0  # hardware FLOPs utilization: the same with hardware_flops (recompute included)
     memory: MemoryEstimate = field(default_factory=MemoryEstimate)
     memory_limit: float = 0.0
     fits: bool = True
@@ -61,9 +62,15 @@ class Estimate:
     recompute_s: float = 0.0  # the forward ops run again in the backward (part of compute_s)
     bubble_s: float = 0.0
     model_flops: float = 0.0  # per step, whole cluster, without recompute
+    hardware_flops: float = 0.0  # per step, whole cluster, the forward ops recomputed included
     collectives: list[dict[str, Any]] = field(
         default_factory=list
     )  # {"kind", "axis", "bytes", "count", "time_s"}
+
+    @property
+    def hfu_differs(self) -> bool:
+        """Whether HFU says more than MFU: the plan runs forward ops again, which MFU does not count."""
+        return self.hfu > self.mfu * (1 + 1e-6)
 
 
 @dataclass
@@ -114,6 +121,9 @@ class Plan:
             body = dict(data)
             est = dict(body.pop("estimate", {}) or {})
             mem = MemoryEstimate(**(est.pop("memory", {}) or {}))
+            # plans written before HFU was a figure of its own: read as counting no recompute
+            est.setdefault("hfu", est.get("mfu", 0.0))
+            est.setdefault("hardware_flops", est.get("model_flops", 0.0))
             body["estimate"] = Estimate(memory=mem, **est)
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(body) - known)
@@ -177,7 +187,8 @@ class Plan:
         console.print(cfg)
 
         time_t = Table(title="time per step")
-        for col in ("step", "compute (recompute)", "comm (exposed / total)", "optimizer", "samples/s", "MFU"):
+        hfu = ("HFU",) if est.hfu_differs else ()  # hardware FLOPs: recompute counted
+        for col in ("step", "compute (recompute)", "comm (exposed / total)", "optimizer", "samples/s", "MFU", *hfu):
             time_t.add_column(col, justify="right")
         time_t.add_row(
             _secs(est.step_time_s),
@@ -186,6 +197,7 @@ class Plan:
             _secs(est.optimizer_s),
             f"{est.samples_per_s:,.1f}",
             f"{est.mfu * 100:.1f}%",
+            *(f"{est.hfu * 100:.1f}%" for _ in hfu),
         )
         console.print(time_t)
 

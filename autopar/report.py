@@ -118,13 +118,16 @@ def report_html(plan: Plan) -> str:
 
     parts.append("<h2>Time per step</h2>")
     parts.append(_img(pngs["time"], "step time by part: compute, exposed communication, optimizer, bubble"))
+    hfu = ["HFU"] if est.hfu_differs else []  # hardware FLOPs, recompute counted: shown where it differs
     parts.append(
         _table(
-            ["step", "compute", "exposed comm", "all comm", "optimizer", "bubble", "samples/s", "MFU"],
+            ["step", "compute", "recompute", "exposed comm", "all comm", "optimizer", "bubble", "samples/s", "MFU"]
+            + hfu,
             [
                 [
                     _secs(est.step_time_s),
                     _secs(est.compute_s),
+                    _secs(est.recompute_s),
                     _secs(est.exposed_comm_s),
                     _secs(est.comm_s),
                     _secs(est.optimizer_s),
@@ -132,8 +135,9 @@ def report_html(plan: Plan) -> str:
                     f"{est.samples_per_s:,.1f}",
                     f"{est.mfu * 100:.1f}%",
                 ]
+                + [f"{est.hfu * 100:.1f}%" for _ in hfu]
             ],
-            numeric=range(8),
+            numeric=range(9 + len(hfu)),
         )
     )
     if est.collectives:
@@ -175,6 +179,7 @@ def _cards(plan: Plan) -> str:
         ("step time", _secs(est.step_time_s), ""),
         ("samples / s", f"{est.samples_per_s:,.1f}", ""),
         ("MFU", f"{est.mfu * 100:.1f}%", ""),
+        *([("HFU (recompute counted)", f"{est.hfu * 100:.1f}%", "")] if est.hfu_differs else []),
         ("peak memory / device", _bytes(est.memory.peak), fit_cls),
         ("memory limit", _bytes(est.memory_limit), ""),
         ("mesh", plan.mesh_str(), ""),

@@ -7,10 +7,10 @@ fp32 AdamW, data parallel over 2 CPU processes.  For each ZeRO stage (0-3) and
 recompute setting:
 
 * ``none`` — the search's plan with ``fixed={"zero": z, "recompute": "none"}``; its own estimate;
-* ``selective`` — the search's plan with 85% of that memory: the MILP recomputes
+* ``op-level`` — the search's plan with 85% of that memory: the MILP recomputes
   forward ops of its choice to fit; its own estimate;
-* ``full`` — the ``none`` plan with every layer marked ``"full"``, costed as it
-  stands by :func:`autopar.passes.recost.estimate_plan`.
+* ``full`` — the search's plan with ``fixed={"zero": z, "recompute": "full"}``
+  (every layer replayed from its input); its own estimate.
 
 Every plan then runs on 2 processes in one launch; each rank measures the peak
 bytes of live tensors over a step (``pm.measure_step_memory``: train_step,

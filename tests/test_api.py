@@ -6,7 +6,7 @@ from torch import nn
 
 import autopar
 from autopar import CaptureError, Cluster, ClusterError, PlanError
-from examples.models import gpt
+from examples.models import gpt, gpt2_tiny4
 
 GB = 1e9
 
@@ -83,6 +83,13 @@ def test_bad_input_errors_are_one_line():
         (lambda: autopar.plan(model, inputs, cluster, fixed={"dp": 3}), ClusterError, "does not match"),
         (lambda: autopar.plan(model, inputs, cluster, fixed={"dpp": 3}), PlanError, "unknown key"),
         (lambda: autopar.plan(model, inputs, cluster, precision="fp8"), PlanError, "unknown precision"),
+        (lambda: autopar.plan(model, inputs, cluster, fixed={"recompute": "some"}), PlanError, "'selective'"),
+        (lambda: autopar.plan(model, inputs, cluster, fixed={"pp": 1, "schedule": "1F1B"}), PlanError, "drop the"),
+        (
+            lambda: autopar.plan(model, inputs, cluster, fixed={"tp": 2, "microbatches": 3}),
+            PlanError,
+            "into 3 micro-batches",
+        ),
         (
             lambda: autopar.plan(model, inputs, cluster, global_batch_size=12, fixed={"dp": 8}),
             PlanError,
@@ -96,6 +103,27 @@ def test_bad_input_errors_are_one_line():
             call()
         assert needle in str(err.value), str(err.value)
         assert "\n" not in str(err.value)
+
+
+# Configurations a Megatron-LM or DeepSpeed run names, as `fixed` says them (processes, fixed)
+CONFIGURATIONS = [
+    # Megatron-LM: tp x pp x dp, micro-batches, 1F1B, distributed optimizer, selective recompute
+    (8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4, "schedule": "1F1B", "zero": 1, "recompute": "selective"}),
+    # DeepSpeed: ZeRO-2 with accumulation and activation checkpointing. tp with micro-batches and no
+    # pipeline, and ZeRO-3 in a pipeline (which DeepSpeed refuses), are planned and trained in
+    # tests/test_recompute.py
+    (4, {"dp": 4, "microbatches": 2, "zero": 2, "recompute": "full"}),
+]
+
+
+def test_megatron_and_deepspeed_configurations_are_planned_as_fixed():
+    model, inputs = gpt2_tiny4()
+    for n, fixed in CONFIGURATIONS:
+        plan = autopar.plan(model, inputs, Cluster.local(n), fixed=dict(fixed), precision="fp32", time_limit_s=5)
+        got = {**plan.mesh, "zero": plan.zero, "microbatches": plan.microbatches, "schedule": plan.schedule}
+        got["recompute"] = plan.recompute
+        assert {k: got[k] for k in fixed} == fixed, (fixed, got)
+        assert plan.estimate.fits and not plan.warnings and plan.placements
 
 
 class _Branchy(nn.Module):

@@ -3,7 +3,7 @@
 Slow: one launch of 2 gloo processes runs a data-parallel GPT-2
 (``gpt2_tiny_long``: 2 layers of hidden 128, sequence 64, global batch 8 in 2
 micro-batches, fp32 AdamW) under ZeRO 0, 1, 2 and 3, each with recompute none,
-selective (the MILP's own marks under a memory limit) and full (every layer);
+op-level (the MILP's own marks under a memory limit) and full (every layer);
 every rank's measured peak of a step (``pm.measure_step_memory``) must be
 within 15% of the plan's estimate, and must fall as the stage rises and when
 recompute is on.
@@ -70,7 +70,7 @@ def test_measured_peak_falls_as_the_stage_rises_and_with_recompute(measured):
                 stages = [values[(z, how)] for z in range(4)]
                 assert all(a > b for a, b in zip(stages, stages[1:], strict=False)), (how, report)
             for z in range(4):
-                assert values[(z, "selective")] < values[(z, "none")], (z, report)
+                assert values[(z, "op-level")] < values[(z, "none")], (z, report)
                 assert values[(z, "full")] < values[(z, "none")], (z, report)
 
 

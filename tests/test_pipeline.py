@@ -154,6 +154,11 @@ def test_searched_cuts_and_microbatches_equal_the_brute_force_optimum():
                 best = (t, m, list(cuts))
     assert res.estimate.step_time_s == pytest.approx(best[0], rel=1e-9)
     assert (res.microbatches, res.cuts) == (best[1], best[2])
+    # every layer keeps its activations per micro-batch in flight: the forward/backward turn is after the
+    # last forward op, not at autograd's first saved-tensor handle (a detach traced inside layer 0)
+    layers = [s for s in res.segments if s.name.startswith("transformer.h.")]
+    assert len(layers) == 4 and len({s.saved_bytes for s in layers}) == 1
+    assert layers[0].saved_bytes > layers[0].transient_bytes > 0
 
 
 # ---------------------------------------------------------------- the split, in one process

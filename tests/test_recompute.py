@@ -6,10 +6,12 @@ the guard against marks that cannot be honoured, and the transformed joint
 graph run on real tensors giving bit-identical loss and gradients.
 
 Several processes (slow): GPT-2 and LLaMA tiny under data-parallel (with
-ZeRO-1/2) and Megatron dp x tp plans with selective and full recompute train
+ZeRO-2) and Megatron dp x tp plans with selective and full recompute train
 like one device (3 AdamW steps, relative L2 error 1e-5), one launch of 2 processes
-and one of 4; the 2-process launch also measures a step's peak memory with
-recompute off and full.
+and one of 4; the launches also train the planner's own plans of
+``fixed={"recompute": "selective" | "full"}`` (tp = 2 with 2 micro-batches, a
+2-stage pipeline, a pipeline with ZeRO-3 over dp = 2), and the 2-process launch
+measures a step's peak memory with recompute off and full.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from autopar.passes.recompute import (
 from autopar.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.verify import _compare, _rank_run_all, plan_with_layout, single_device_run
-from examples.models import gpt, gpt2_tiny, llama_tiny
+from examples.models import gpt, gpt2_tiny, gpt2_tiny4, llama_tiny
 
 TOL = 1e-5
 aten = torch.ops.aten
@@ -359,8 +361,23 @@ def _searched(factory, fraction: float) -> Plan:
     roomy = autopar.plan(model, inputs, two, fixed=fixed, precision="fp32")
     limit = fraction * roomy.estimate.memory.peak
     plan = autopar.plan(model, inputs, two, fixed=fixed, precision="fp32", memory_limit=limit)
-    assert plan.recompute == "selective" and plan.microbatches == 1
+    assert plan.recompute == "op-level" and plan.microbatches == 1
     return dataclasses.replace(plan, solver={**plan.solver, "status": "searched recompute"})
+
+
+def _fixed(factory, n: int, **fixed) -> Plan:
+    """The planner's plan with ``fixed`` on ``n`` processes: the settings a Megatron-LM run names."""
+    torch.manual_seed(0)
+    model, inputs = factory()
+    cluster = autopar.Cluster.local(n)
+    plan = autopar.plan(model, inputs, cluster, fixed=fixed, precision="fp32", time_limit_s=10)
+    assert plan.recompute == fixed["recompute"] and plan.microbatches == fixed["microbatches"]
+    assert plan.mesh["tp"] == fixed.get("tp", plan.mesh["tp"]) and plan.mesh["pp"] == fixed.get("pp", 1)
+    marks = {e["recompute"] for e in plan.placements.values() if "recompute" in e}
+    assert marks == {fixed["recompute"]}, marks
+    # the replays are charged: HFU counts them, MFU does not
+    assert plan.estimate.hfu > plan.estimate.mfu and plan.estimate.recompute_s > 0
+    return dataclasses.replace(plan, solver={**plan.solver, "status": f"fixed {fixed}"})
 
 
 def _assert_all_match(cases, checks) -> None:
@@ -403,9 +420,10 @@ def _run(cases, memory_plans, n: int):
 def two_processes():
     cases = [
         (gpt2_tiny, _zero(_recompute(_layout(gpt2_tiny, 2, 2, 1, "dp"), gpt2_tiny, "selective"), 2)),
-        (gpt2_tiny, _recompute(_layout(gpt2_tiny, 2, 1, 2, "megatron"), gpt2_tiny, "full")),
-        (llama_tiny, _zero(_recompute(_layout(llama_tiny, 2, 2, 1, "dp"), llama_tiny, "full"), 1)),
-        (llama_tiny, _recompute(_layout(llama_tiny, 2, 1, 2, "megatron"), llama_tiny, "selective")),
+        # Megatron-LM's settings as autopar.plan plans them: tensor parallel with micro-batches, a pipeline
+        (gpt2_tiny, _fixed(gpt2_tiny, 2, tp=2, microbatches=2, recompute="selective")),
+        (llama_tiny, _fixed(llama_tiny, 2, tp=2, microbatches=2, recompute="full")),
+        (gpt2_tiny4, _fixed(gpt2_tiny4, 2, pp=2, microbatches=2, schedule="1F1B", recompute="full")),
     ]
     searched = _searched(gpt2_wide, 0.8)
     cases.append((gpt2_wide, searched))
@@ -418,7 +436,8 @@ def two_processes():
 def test_recompute_on_2_processes_trains_like_one_device(two_processes):
     cases, checks, _ = two_processes
     _assert_all_match(cases, checks)
-    assert checks[1].collectives.get("all_reduce", 0) >= 2  # Megatron's reductions ran, in the replay too
+    for k in (1, 2):  # tensor parallel: its reductions ran, in the replay too
+        assert checks[k].collectives.get("all_reduce", 0) >= 2, (k, checks[k].collectives)
 
 
 @pytest.mark.slow
@@ -433,10 +452,13 @@ def test_peak_step_memory_falls_with_recompute(two_processes):
 
 @pytest.mark.slow
 def test_recompute_on_4_processes_trains_like_one_device():
-    """dp x tp = 2 x 2 Megatron layouts, full recompute of layer 0 and selective elsewhere."""
+    """A dp x tp = 2 x 2 Megatron layout with full recompute of layer 0 and selective elsewhere; the planner's
+    pp 2 x dp 2 pipeline with ZeRO-3 and full recompute (a configuration DeepSpeed refuses): ZeRO's
+    gradient chunks beside the replayed nodes."""
     cases = [
         (gpt2_tiny, _recompute(_layout(gpt2_tiny, 4, 2, 2, "megatron"), gpt2_tiny, "mixed")),
-        (llama_tiny, _recompute(_layout(llama_tiny, 4, 2, 2, "megatron"), llama_tiny, "mixed")),
+        (gpt2_tiny4, _fixed(gpt2_tiny4, 4, pp=2, dp=2, zero=3, microbatches=2, recompute="full")),
     ]
+    assert cases[1][1].zero == 3
     checks, _ = _run(cases, [], 4)
     _assert_all_match(cases, checks)

@@ -1,13 +1,23 @@
-"""Recompute chosen by the sharding MILP: op by op, only where memory asks for it."""
+"""Recompute chosen by the planner: op by op by the sharding MILP, only where memory asks for it; or
+fixed to one of Megatron-LM's settings ("none", "selective", "full"), costed on the graph that runs it.
+
+One process: what each setting charges in FLOPs (against the dense-transformer formula) and keeps in
+memory on the MILP and pipeline paths, MFU against HFU, and the settings' plans re-costed as they stand.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.capture import capture, node_phase
-from autopar.passes.recompute import apply_recompute, can_recompute
-from examples.models import gpt2_tiny
+from autopar.passes.recompute import apply_recompute, can_recompute, layer_of, recompute_layers
+from autopar.passes.recompute_settings import SETTINGS, attention_core
+from autopar.passes.recost import estimate_plan
+from autopar.plan import Plan
+from autopar.report import report_html
+from examples.models import gpt, gpt2_tiny
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +44,7 @@ def test_tight_memory_recomputes_forward_ops_and_pays_for_them_in_time(tiny):
     plan = autopar.plan(model, batch, cluster, precision="fp32", fixed=fixed, memory_limit=limit)
     assert plan.estimate.fits and plan.estimate.memory.peak <= limit * (1 + 1e-6)
     assert plan.microbatches == 1  # recompute, not gradient accumulation, made it fit
-    assert plan.recompute == "selective" and _marked(plan)
+    assert plan.recompute == "op-level" and _marked(plan)
     assert plan.estimate.memory.activations < roomy.estimate.memory.activations
     assert plan.estimate.memory.model_states == pytest.approx(roomy.estimate.memory.model_states)
     assert 0 < plan.estimate.recompute_s < plan.estimate.compute_s
@@ -56,5 +66,125 @@ def test_fixed_none_keeps_every_activation(tiny):
     )
     assert not _marked(plan) and plan.recompute == "none"
     assert plan.microbatches > 1 or not plan.estimate.fits  # accumulation, or over the limit with a warning
-    with pytest.raises(autopar.PlanError, match="fix 'none'"):
-        autopar.plan(model, batch, cluster, fixed={"recompute": "full"})
+    with pytest.raises(autopar.PlanError, match="'none', 'selective' .* or 'full'") as err:
+        autopar.plan(model, batch, cluster, fixed={"recompute": "sometimes"})
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- fixed settings, Megatron-LM's names
+
+B, S, L, H, V = 4, 32, 4, 256, 512  # GPT-2 shape: batch, sequence, layers, hidden, vocab
+
+
+@pytest.fixture(scope="module")
+def settings():
+    """A GPT-2 shape (meta device) planned data parallel on 2 processes under each setting, and on pp = 2."""
+    model, batch = gpt(L, H, 4, vocab=V, seq=S, batch=B, dropout=0.0)
+    cluster = autopar.Cluster.local(2)
+    fixed = {"dp": 2, "tp": 1, "zero": 3}
+    flat = {how: autopar.plan(model, batch, cluster, fixed={**fixed, "recompute": how}) for how in SETTINGS}
+    piped = {
+        how: autopar.plan(model, batch, cluster, fixed={"pp": 2, "microbatches": 2, "recompute": how})
+        for how in ("none", "full")
+    }
+    return model, batch, flat, piped
+
+
+def test_each_setting_charges_the_forward_ops_it_replays(settings):
+    *_, flat, piped = settings
+    none, selective, full = (flat[how].estimate for how in SETTINGS)
+    # MFU counts the model's FLOPs whatever is recomputed: the same numerator for every setting
+    assert none.model_flops == selective.model_flops == full.model_flops
+    dense = 72 * B * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))  # REFERENCES.md, no recompute
+    assert none.model_flops == pytest.approx(dense, rel=0.01)
+    assert none.hfu == none.mfu and none.hardware_flops == none.model_flops and none.recompute_s == 0
+    for e in (selective, full):
+        assert e.mfu * e.step_time_s == pytest.approx(none.mfu * none.step_time_s, rel=1e-9)
+        assert e.hfu > e.mfu and e.hfu / e.mfu == pytest.approx(e.hardware_flops / e.model_flops, rel=1e-9)
+        assert e.recompute_s > 0 and e.step_time_s > none.step_time_s
+    # selective replays the attention kernel's forward, 4·b·s²·h a layer
+    assert selective.hardware_flops - selective.model_flops == pytest.approx(L * 4 * B * S**2 * H, rel=1e-6)
+    # full replays each layer's forward but its last GEMM, the MLP's down projection, whose output
+    # nothing in the backward reads: QKV 6·b·s·h², attention 4·b·s²·h, output projection 2·b·s·h², MLP
+    # up 8·b·s·h². Megatron's checkpoint runs that GEMM again too: 4/3 of the layers (96 / 72)
+    replayed = L * B * (16 * S * H**2 + 4 * S**2 * H)
+    assert full.hardware_flops - full.model_flops == pytest.approx(replayed, rel=1e-6)
+    megatron = (1 + S / (6 * H) + V / (16 * L * H)) * 96 / (72 * (1 + S / (6 * H) + V / (12 * L * H)))
+    assert 1.15 < full.hfu / full.mfu < megatron
+    assert full.recompute_s > selective.recompute_s
+    # a pipeline charges the same replays (its stages' MILP runs on the same graph)
+    for how in ("none", "full"):
+        assert piped[how].estimate.model_flops == none.model_flops
+        assert piped[how].estimate.hardware_flops == flat[how].estimate.hardware_flops
+    assert piped["full"].estimate.hfu > piped["full"].estimate.mfu
+
+
+def test_each_setting_keeps_less_activation_memory_than_the_one_before(settings):
+    *_, flat, piped = settings
+    none, selective, full = (flat[how].estimate.memory for how in SETTINGS)
+    assert full.activations < selective.activations < none.activations
+    assert full.peak < selective.peak < none.peak
+    assert none.model_states == selective.model_states == full.model_states
+    # full keeps the layers' inputs only: less than half of what the layers keep without recompute
+    assert full.activations < 0.5 * none.activations
+    assert piped["full"].estimate.memory.activations < 0.5 * piped["none"].estimate.memory.activations
+    for how in SETTINGS:
+        plan = flat[how]
+        assert plan.recompute == how and plan.estimate.fits
+        marks = {n: e["recompute"] for n, e in plan.placements.items() if "recompute" in e}
+        assert set(marks.values()) == ({how} if how != "none" else set())
+        assert not any(n.endswith("_recompute") for n in plan.placements)  # the runtime makes the clones
+    layers = {layer_of(flat["full"].placements[n]["module"]) for n in _marked(flat["full"])}
+    assert layers == {f"transformer.h.{i}" for i in range(L)}
+    ops = {flat["selective"].placements[n]["op"] for n in _marked(flat["selective"])}
+    assert ops == {"aten._scaled_dot_product_flash_attention_for_cpu.default", "<built-in function getitem>"}
+
+
+def test_a_setting_plan_recosted_as_it_stands_gets_its_estimate_back(settings):
+    model, batch, flat, _ = settings
+    for how in ("selective", "full"):
+        again, own = estimate_plan(flat[how], model, batch), flat[how].estimate
+        for field in ("step_time_s", "recompute_s", "mfu", "hfu", "model_flops", "hardware_flops"):
+            assert getattr(again, field) == pytest.approx(getattr(own, field), rel=1e-9), field
+        assert again.memory.peak == pytest.approx(own.memory.peak, rel=1e-9)
+
+
+def test_summary_report_and_diff_show_hfu_where_it_differs_from_mfu(settings):
+    *_, flat, _ = settings
+    none, full = flat["none"], flat["full"]
+    assert "HFU" in full.summary(width=200) and "HFU" not in none.summary(width=200)
+    assert "full (Megatron's: every layer from its input)" in full.summary(width=200)
+    assert "HFU" in report_html(full) and "HFU" not in report_html(none)
+    assert "HFU" in str(autopar.diff(none, full))
+    again = Plan.from_dict(full.to_dict())
+    assert again.estimate.hfu == full.estimate.hfu
+    assert again.estimate.hardware_flops == full.estimate.hardware_flops
+    older = full.to_dict()  # a plan saved before HFU was a figure of its own
+    for key in ("hfu", "hardware_flops"):
+        del older["estimate"][key]
+    est = Plan.from_dict(older).estimate
+    assert est.hfu == est.mfu and est.hardware_flops == est.model_flops
+
+
+def test_selective_on_an_unfused_attention_replays_its_core():
+    """Eager attention: scores matmul, scale, mask, softmax, dropout and probabilities x values, per layer."""
+    model, batch = gpt(2, H, 4, vocab=V, seq=S, batch=B, dropout=0.0)
+    model.config._attn_implementation = "eager"
+    captured = capture(model, batch)
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    core = attention_core(captured)
+    assert list(core) == list(recompute_layers(captured))
+    for names in core.values():
+        ops = [nodes[n].target for n in names]
+        assert ops.count(torch.ops.aten.bmm.default) == 2 and torch.ops.aten._softmax.default in ops
+        assert not {torch.ops.aten.addmm.default, torch.ops.aten.mm.default} & set(ops)  # no projection
+    cluster = autopar.Cluster.local(2)
+    plans = {h: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": h}) for h in ("none", "selective")}
+    none, selective = plans["none"].estimate, plans["selective"].estimate
+    # the scores matmul is replayed (no backward op reads the context matmul's output): 2·b·s²·h a layer
+    assert selective.hardware_flops - selective.model_flops == pytest.approx(2 * 2 * B * S**2 * H, rel=1e-6)
+    # what it frees is quadratic in the sequence: the softmax's probabilities (2 bytes each, bf16), less the
+    # boolean causal mask (1 byte an element of s x s per sequence) kept for the replay
+    probabilities = 2 * (B // 2) * 4 * S * S * 2  # two layers, a local batch of B / 2, 4 heads
+    mask = 2 * (B // 2) * S * S
+    assert none.memory.activations - selective.memory.activations == probabilities - mask

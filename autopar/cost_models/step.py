@@ -190,10 +190,12 @@ def estimate_config(
     gbs = cfg.global_batch_size
     model_flops = stats.compute.total_flops / stats.batch_size * gbs
     peak_flops = device.peak_flops[precision.compute_dtype]
+    mfu = model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0
     return Estimate(
         step_time_s=step,
         samples_per_s=gbs / step if step > 0 else 0.0,
-        mfu=model_flops / (step * cluster.world_size * peak_flops) if step > 0 else 0.0,
+        mfu=mfu,
+        hfu=mfu,  # this model recomputes nothing: the hardware runs the model's FLOPs
         memory=mem,
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
@@ -202,5 +204,6 @@ def estimate_config(
         exposed_comm_s=exposed,
         optimizer_s=t_opt,
         model_flops=model_flops,
+        hardware_flops=model_flops,
         collectives=collectives,
     )

@@ -432,10 +432,12 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
         },
         peak_at=f"pipeline stage {worst} with its micro-batches in flight ({schedule})",
     )
+    rate = t.step_s * devices * peak_flops
     return Estimate(
         step_time_s=t.step_s,
         samples_per_s=captured.batch_size / t.step_s if t.step_s > 0 else 0.0,
-        mfu=flops / (t.step_s * devices * peak_flops) if t.step_s > 0 else 0.0,
+        mfu=flops / rate if t.step_s > 0 else 0.0,
+        hfu=inner.hardware_flops / rate if t.step_s > 0 else 0.0,
         memory=mem,
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
@@ -446,6 +448,7 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
         recompute_s=inner.recompute_s / max(res.mesh.pp, 1),
         bubble_s=t.bubble_s,
         model_flops=flops,
+        hardware_flops=inner.hardware_flops,
         collectives=collectives,
     )
 

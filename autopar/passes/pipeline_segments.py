@@ -93,8 +93,11 @@ def segment_figures(
             bwd[seg] += cost / m
         else:
             fwd[seg] += cost / m
-    # memory per micro-batch: a value live across the forward/backward turn is kept for the backward
-    turn = min((p.node_intervals[i][0] for i in backward), default=len(gm.graph.nodes))
+    # memory per micro-batch: a value live across the forward/backward turn is kept for the backward.  The
+    # turn follows the last forward op: autograd's saved-tensor handles are backward nodes traced inside
+    # the forward (a detach where a value is saved), and the first of them is no turn
+    not_forward = backward | param_nodes
+    turn = max((p.node_intervals[i][0] for i in range(len(choice)) if i not in not_forward), default=-1) + 1
     n_nodes = len(p.node_costs)
     skip = {n_nodes + k for k in getattr(sp, "grad_items", ())}  # gradients: counted with the states
     item_node, intervals, item_memory = p.items()

@@ -1,16 +1,16 @@
 """Cost a plan as it stands: the estimate of the placements it holds, none of them searched.
 
-A plan's own estimate is the search's, made on the captured graph with
-recompute costed op by op (:mod:`autopar.passes.sharding_problem`).  A plan
-edited by hand — recompute marks added (``"full"`` on whole layers through
-:func:`autopar.passes.recompute.with_recompute`), a layout swapped in — keeps
-an estimate that is no longer its own.  :func:`estimate_plan` costs it with
-the same cost model, on the graph the runtime runs: the captured graph with
-the plan's recompute marks carried out
+A plan's own estimate is the search's (:mod:`autopar.passes.sharding_problem`).
+A plan edited by hand — recompute marks added (``"full"`` on whole layers
+through :func:`autopar.passes.recompute.with_recompute`), a layout swapped in,
+another micro-batch count — keeps an estimate that is no longer its own.
+:func:`estimate_plan` costs it with the same cost model, on the graph the
+runtime runs: the captured graph with the plan's recompute marks carried out
 (:func:`autopar.passes.recompute.apply_recompute`: replayed ops are backward
 ops, their originals die after the forward), each node at the strategy its
-placement names.  That is how a full-recompute plan, which the search does
-not emit, gets an estimate to hold its measured memory against.
+placement names.  The search costs a fixed recompute setting on that graph
+too (:mod:`autopar.passes.recompute_settings`), so a plan re-costed as it
+stands gets its own estimate back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.memory import precision_spec
 from autopar.errors import PlanError
 from autopar.graph_cache import captured_with_stats
-from autopar.passes.recompute import apply_recompute, recomputed
+from autopar.passes.recompute import apply_recompute
 from autopar.passes.search import AXES, evaluate, mesh_links
 from autopar.passes.sharding_problem import ShardingProblem, build_problem, with_microbatches
 from autopar.passes.solve import Solution
@@ -96,7 +96,5 @@ def estimate_plan(
     est = evaluate(
         sp, solution, shape, cluster, plan.global_batch_size, limit, links, precision.compute_dtype
     )
-    clones = set(recomputed(captured))
-    est.recompute_s = sum(costs[i][choice[i]] for i, name in enumerate(sp.nodes) if name in clones)
     log.info("plan re-costed: step %.4g s, peak %.4g bytes", est.step_time_s, est.memory.peak)
     return est

@@ -14,6 +14,7 @@ comparison uses one model.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -29,9 +30,11 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
+from autopar.errors import PlanError
 from autopar.heap import long_lived_heap
 from autopar.passes.coarsen import repeated_groups
 from autopar.passes.pipeline_segments import microbatch_divides, microbatch_filter
+from autopar.passes.recompute import recomputed
 from autopar.passes.seeds import seed_filter, seeds_for
 from autopar.passes.sharding_problem import (
     ShardingProblem,
@@ -131,6 +134,12 @@ def prepare_mesh(
     index = {name: i for i, name in enumerate(sp.nodes)}
     options = {name: sp.strategies[i] for name, i in index.items()}
     groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
+    # a replayed op runs as its original is placed (the runtime copies the original's entry): one choice
+    groups += [
+        [clone, source]
+        for clone, source in recomputed(captured).items()
+        if clone in index and source in index and options[clone] == options[source]
+    ]
     sp.problem.groups = [[index[n] for n in g] for g in groups] or None
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
@@ -146,11 +155,13 @@ def solve_prepared(
     bound: bool = True,
     least_peak: bool = True,
     unfit: frozenset[int] = frozenset(),
+    microbatches: int | None = None,
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
     Gradient accumulation only to fit: the fewest micro-batches that fit the memory
-    limit. ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
+    limit, or ``microbatches`` when given (it must divide the local batch).
+    ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
     ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
     ``least_peak=False``: an answer that does not fit is of no use to the caller (a seed
     layout), so no solve is spent on the smallest memory that would fit, and none at all
@@ -161,7 +172,11 @@ def solve_prepared(
     local = captured.batch_size // mp.mesh.dp
     deadline = time.perf_counter() + time_limit_s
     solve_s = 0.0
-    counts = [k for k in range(1, local + 1) if local % k == 0]
+    counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
+    if not counts:
+        raise PlanError(
+            f"the local batch {local} on mesh {mp.mesh} does not split into {microbatches} micro-batches"
+        )
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
     proven = set(unfit)  # counts that cannot fit
@@ -445,7 +460,10 @@ def evaluate(
     node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
     param_idx = set(sp.param_nodes)
     compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
-    recompute_s = sum(t / 2 for i, t in enumerate(node_time) if sp.strategies[i][choice[i]].recompute)
+    # forward ops run again in the backward: op-level variants (charged twice) and replaying nodes
+    recomputed = [i for i, c in enumerate(choice) if sp.strategies[i][c].recompute]
+    replayed = set(sp.replayed)
+    recompute_s = sum(node_time[i] / 2 for i in recomputed) + sum(node_time[i] for i in replayed)
     zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
     optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
     backward = sum(node_time[i] for i in sp.backward_nodes)
@@ -470,12 +488,14 @@ def evaluate(
     devices = 1
     for n in mesh_shape:
         devices *= n
-    flops = sum(sp.flops)
-    peak_flops = cluster.device_spec.peak_flops[compute_dtype]
+    flops = sum(f for i, f in enumerate(sp.flops) if i not in replayed)  # the model's: recompute not counted
+    hardware = sum(sp.flops) + sum(sp.flops[i] for i in recomputed)
+    rate = step * devices * cluster.device_spec.peak_flops[compute_dtype]
     return Estimate(
         step_time_s=step,
         samples_per_s=batch / step if step > 0 else 0.0,
-        mfu=flops / (step * devices * peak_flops) if step > 0 else 0.0,
+        mfu=flops / rate if step > 0 else 0.0,
+        hfu=hardware / rate if step > 0 else 0.0,
         memory=memory,
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
@@ -485,6 +505,7 @@ def evaluate(
         optimizer_s=optimizer_s,
         recompute_s=recompute_s,
         model_flops=flops,
+        hardware_flops=hardware,
         collectives=collectives,
     )
 
@@ -548,12 +569,14 @@ def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, An
             entry["recompute"] = "selective"
 
 
-def flat_tp_sizes(cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None) -> list[int]:
+def flat_tp_sizes(
+    cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None, microbatches: int | None = None
+) -> list[int]:
     """The tensor-parallel sizes of the dp × tp meshes to search, in the order to search them.
 
     Those inside a node come first, largest first (a large model wants them, and a
     small one solves quickly anyway); those that cross nodes follow, smallest first.
-    dp must divide the batch.
+    dp must divide the batch, and ``microbatches`` (when given) the local batch.
     """
     world = cluster.world_size
     sizes = [t for t in range(1, world + 1) if world % t == 0]
@@ -562,6 +585,8 @@ def flat_tp_sizes(cluster: Cluster, batch: int, tp: int | None = None, dp: int |
     if dp is not None:
         sizes = [t for t in sizes if world // t == dp]
     sizes = [t for t in sizes if batch % (world // t) == 0]
+    if microbatches is not None:
+        sizes = [t for t in sizes if (batch // (world // t)) % microbatches == 0]
     inside = [t for t in sizes if cluster.gpus_per_node % t == 0]
     return sorted(inside, reverse=True) + [t for t in sizes if t not in inside]
 
@@ -581,6 +606,7 @@ def search_meshes(
     deadline: float | None = None,
     require_one: bool = True,
     milp: bool = True,
+    microbatches: int | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -594,10 +620,11 @@ def search_meshes(
     other strategies forbidden. Only the best result has its placements and charged
     collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
     every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
-    ``recompute=False`` keeps every activation for the backward.
+    ``recompute=False`` keeps every activation for the backward. ``microbatches`` fixes the
+    micro-batch count (meshes whose local batch it does not divide are left out).
     """
     world = cluster.world_size
-    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp)
+    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
     if not milp:  # the baselines keep tensor parallelism inside a node
         sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
     results = []
@@ -613,20 +640,18 @@ def search_meshes(
         mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         fixed = zero_filter(mp.sp, zero) if zero is not None else None
         # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
-        plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False) if milp else None
+        solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
+        plain = res = solve(per_mesh, allowed=fixed) if milp else None
         # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
         # the backward, which the MILP's linear objective does not see
         kinds = seeds_for(t, list(params.values()))
         if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
-            plain = res = solve_prepared(mp, per_mesh, allowed=fixed, describe=False, bound=False)
+            plain = res = solve(per_mesh, allowed=fixed)
         for kind in kinds:
             seed = seed_filter(kind, params, conv1d)
-            seeded = solve_prepared(
-                mp,
+            seeded = solve(
                 per_mesh / 2,
                 allowed=seed if fixed is None else both(mp.sp, seed, fixed),
-                describe=False,
-                bound=False,
                 least_peak=False,
                 unfit=plain.unfit if plain is not None else frozenset(),
             )

@@ -98,6 +98,9 @@ class ShardingProblem:
     grad_items: list[int] = field(default_factory=list)
     facts: Any = None
     microbatches: int = 1
+    # nodes that replay a forward op in the backward (made by autopar.passes.recompute): hardware FLOPs,
+    # not model FLOPs
+    replayed: list[int] = field(default_factory=list)
 
 
 def _tensor_bytes(val) -> float:
@@ -564,6 +567,7 @@ def build_problem(
         grad_items=grad_items,
         facts=facts,
         microbatches=microbatches,
+        replayed=[i for i, name in enumerate(names) if "autopar_recompute_of" in by_name[name].meta],
     )
 
 

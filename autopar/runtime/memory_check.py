@@ -12,12 +12,11 @@ Recompute settings:
 
 * ``"none"`` — the search's plan with ``fixed={"zero": z, "recompute": "none"}``,
   and its own estimate;
-* ``"selective"`` — the search's plan under a memory limit below that plan's
+* ``"op-level"`` — the search's plan under a memory limit below that plan's
   peak (``squeeze`` of it), for which the MILP recomputes forward ops of its
   choice, and its own estimate;
-* ``"full"`` — the ``"none"`` plan with every layer marked ``"full"`` (Megatron's
-  full activation checkpointing), which the search does not emit, costed as it
-  stands by :func:`autopar.passes.recost.estimate_plan`.
+* ``"full"`` — the search's plan with ``fixed={"zero": z, "recompute": "full"}``
+  (Megatron's full activation checkpointing of every layer), and its own estimate.
 """
 
 from __future__ import annotations
@@ -28,15 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.capture import capture
 from autopar.cluster import Cluster
-from autopar.passes.recompute import recompute_layers, with_recompute
 from autopar.passes.recost import estimate_plan
 from autopar.plan import Estimate, Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.memory_tracker import StepMemory
 
-SETTINGS = ("none", "selective", "full")
+SETTINGS = ("none", "op-level", "full")
 
 
 @dataclass
@@ -68,18 +65,14 @@ def setting_plans(
     cluster = Cluster.local(processes)
     torch.manual_seed(0)
     model, inputs = factory()
-    captured = capture(model, inputs)
-    layers = list(recompute_layers(captured))
     cases = []
     for z in zeros:
         fixed = {"dp": processes, "tp": 1, "zero": z}
         none = make_plan(model, inputs, cluster, fixed={**fixed, "recompute": "none"}, precision="fp32")
         limit = squeeze * none.estimate.memory.peak
-        selective = make_plan(model, inputs, cluster, fixed=fixed, precision="fp32", memory_limit=limit)
-        marked = with_recompute(none.placements, (), layers, captured)
-        full = dataclasses.replace(none, placements=marked, recompute="full")
-        full.estimate = estimate_plan(full, model, inputs)
-        for how, plan in (("none", none), ("selective", selective), ("full", full)):
+        op_level = make_plan(model, inputs, cluster, fixed=fixed, precision="fp32", memory_limit=limit)
+        full = make_plan(model, inputs, cluster, fixed={**fixed, "recompute": "full"}, precision="fp32")
+        for how, plan in (("none", none), ("op-level", op_level), ("full", full)):
             if microbatches > 1:
                 plan = dataclasses.replace(
                     plan,
