@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.batch_norm import coupling_modules
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats, estimate_config
@@ -85,6 +86,7 @@ def plan(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
     t_capture = time.perf_counter() - t0
+    fixed, coupling_note = _keep_batches_whole(captured, fixed)
 
     if sharding:
         # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
@@ -96,6 +98,8 @@ def plan(
             msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: {why}"
             log.warning(msg)
             sharded.warnings.append(msg)
+        if coupling_note:
+            sharded.warnings.append(coupling_note)
         sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
         sharded.solver["capture_s"] = round(t_capture, 3)
         sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
@@ -143,6 +147,26 @@ def plan(
         "time_s": round(time.perf_counter() - t0, 3),
     }
     return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
+
+
+def _keep_batches_whole(captured, fixed: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``fixed`` with one micro-batch and no pipeline for a model whose forward couples the samples of a batch
+    (BatchNorm in training), unless the user fixed them; and a warning when the user did.
+
+    Cut into micro-batches, such a model normalizes each by its own statistics: the
+    function of gradient accumulation on one device, not of the global batch.
+    """
+    modules = coupling_modules(captured.gm)
+    if not modules:
+        return fixed, ""
+    if fixed.get("microbatches", 1) > 1 or fixed.get("pp", 1) > 1:
+        note = (
+            f"BatchNorm in {modules[0]}{f' and {len(modules) - 1} more' if len(modules) > 1 else ''} normalizes "
+            "each micro-batch by its own statistics, as gradient accumulation on one device does"
+        )
+        log.warning(note)
+        return fixed, note
+    return {"microbatches": 1, "pp": 1, **fixed}, ""
 
 
 # Configurations within this fraction of the fastest count as equally fast; the simplest of them wins.

@@ -168,3 +168,14 @@ def batch_norm(
             running_mean.copy_((1 - momentum) * running_mean + momentum * mean.to(running_mean.dtype))
             running_var.copy_((1 - momentum) * running_var + momentum * unbiased.to(running_var.dtype))
     return torch.ops.autopar.batch_norm_apply(x, mean, invstd, weight, bias, count)
+
+
+def coupling_modules(gm: torch.fx.GraphModule) -> list[str]:
+    """Modules of ``gm`` whose forward couples the samples of a batch: training BatchNorms.
+
+    Such a model computes another function when the batch is cut into
+    micro-batches (each normalized by its own statistics), so the search keeps
+    one micro-batch for it unless a user fixes more.
+    """
+    sums = gm.graph.find_nodes(op="call_function", target=torch.ops.autopar.batch_norm_sums.default)
+    return sorted({n.meta.get("autopar_module", "") for n in sums})

@@ -119,3 +119,19 @@ def test_buffers_end_each_step_as_one_device_leaves_them_on_4_processes():
     checks = check_plans([(resnet_tiny, p) for _, p in cases], cluster, accumulate=True)
     for (name, _), check in zip(cases, checks, strict=True):
         assert check.ok(), f"{name}: {check}"
+
+
+def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatch):
+    """At 0.1 MB a device the search would cut the batch into 4 micro-batches of a 2-stage pipeline,
+    were BatchNorm not there; with it, it stays at one micro-batch (and pays with tensor parallelism)."""
+    torch.manual_seed(0)
+    model, batch = resnet_tiny()
+    cluster = autopar.Cluster.local(4)
+    plan = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
+    assert plan.microbatches == 1 and plan.mesh["pp"] == 1 and not plan.warnings
+    fixed = autopar.plan(model, batch, cluster, precision="fp32", fixed={"dp": 2, "tp": 2, "microbatches": 2})
+    assert fixed.microbatches == 2
+    assert any("normalizes each micro-batch by its own statistics" in w for w in fixed.warnings)
+    monkeypatch.setattr(autopar.api, "coupling_modules", lambda gm: [])
+    unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
+    assert unaware.microbatches > 1
