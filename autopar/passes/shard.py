@@ -281,7 +281,7 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
-        if n.target in strategy_rules.RULES:  # autopar's own rule: exact on local shards by construction
+        if strategy_rules.rule_for(n.target) is not None:  # autopar's own rule: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
         try:
             out = n.target(*args, **kwargs)
@@ -665,7 +665,9 @@ def shard_graph(
     quiet.setLevel(logging.ERROR)
     try:
         with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
-            local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
+            # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
+            # are real tensors: the trace records them as constants of the local graph
+            local_gm = make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)
     finally:
         quiet.setLevel(level)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
