@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from autopar import dropout_attention
+from autopar import dropout_attention, restrides
 from autopar.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -497,7 +497,7 @@ def _trace_joint(
             return tuple(o.from_functional() if isinstance(o, FunctionalTensor) else o for o in outs)
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(functional_joint if functional else joint)(*fake_args)
+        return make_fx(functional_joint if functional else joint, restrides.DECOMPOSITIONS)(*fake_args)
 
 
 def _is_mutating(node: fx.Node) -> bool:
