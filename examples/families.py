@@ -133,7 +133,7 @@ def gemma():
 def gemma2():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    return _decoder(Gemma2Config, Gemma2ForCausalLM, head_dim=HIDDEN // HEADS, num_hidden_layers=2)
+    return _decoder(Gemma2Config, Gemma2ForCausalLM, head_dim=HIDDEN // HEADS)
 
 
 def phi3():

@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+# Ops whose DTensor dispatch is a handler narrower than DTensor's own strategies for them: convolutions go
+# through ``_tp_conv``'s handler (a dim map, built for spatially split inputs), which refuses a batch split
+# over two mesh dims that the single-dim strategy offers. Every strategy offered splits the batch and makes
+# the weight's gradient a partial sum: the local convolution on the shards, run as such.
+_RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
 
 
 def placement(s: str) -> Placement:
@@ -281,7 +286,8 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
-        if strategy_rules.rule_for(n.target) is not None:  # autopar's own rule: exact on local shards by construction
+        if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
+            # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
         try:
             out = n.target(*args, **kwargs)
