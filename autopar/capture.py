@@ -245,9 +245,11 @@ def _export_error(exc: Exception, model: nn.Module, stack: list[str]) -> Capture
             return CaptureError(str(e))
     data_dep = (GuardOnDataDependentSymNode, DataDependentOutputException)
     if any(isinstance(e, data_dep) or "data-dependent" in str(e) for e in _chain(exc)):
+        # where a model computes its loss (HuggingFace's heads): the fix a user can make without editing it
+        loss = "" if stack and stack[-1] else "; if it is in the loss, return the logits and pass loss_fn="
         return CaptureError(
             f"data-dependent control flow in {where}: a Python branch on a tensor value cannot be "
-            "captured; replace it with torch.where or torch.cond"
+            f"captured; replace it with torch.where or torch.cond{loss}"
         )
     if isinstance(exc, (TypeError, ValueError, IndexError, RuntimeError)) and not isinstance(
         exc, NotImplementedError

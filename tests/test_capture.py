@@ -232,6 +232,28 @@ def test_data_dependent_branch_names_the_module() -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert "block.2 (Gate)" in msg and "torch.where" in msg and "torch.cond" in msg
+    assert "loss_fn" not in msg
+
+
+class LabeledOnly(nn.Module):
+    """A loss over the labelled rows only, picked by a data-dependent branch (DeBERTa-v2's classification head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = (labels >= 0).nonzero()
+        if rows.size(0) > 0:
+            return nn.functional.cross_entropy(self.lin(x)[rows[:, 0]], labels[rows[:, 0]])
+        return self.lin(x).sum() * 0
+
+
+def test_data_dependent_loss_says_to_pass_loss_fn() -> None:
+    with pytest.raises(CaptureError) as err:
+        capture(LabeledOnly(), (torch.randn(3, 4), torch.tensor([0, -100, 2])))
+    msg = str(err.value)
+    assert "\n" not in msg and "the top-level module (LabeledOnly)" in msg and "loss_fn=" in msg
 
 
 @pytest.mark.parametrize(
