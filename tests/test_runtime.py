@@ -195,6 +195,20 @@ def test_model_constants_are_constants_of_the_local_graph(fake_world):
         assert any(n.op == "get_attr" for n in local.gm.graph.nodes)
 
 
+def test_ops_sharded_through_their_decomposition_run_it(fake_world):
+    """mse_loss_backward has no DTensor rule; its strategies come from its decomposition, which reads the whole
+    tensor's size (2 / numel): on a shard, the op itself would scale the gradient by the number of shards."""
+    torch.manual_seed(0)
+    model, inputs = mlp_tiny()
+    captured = capture(model, inputs)
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    backward = next(n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.mse_loss_backward.default)
+    placements = random_placements(captured, (2, 2), seed=0)
+    assert placements[backward.name]["inputs"][1] != ["R", "R"]  # the loss's input arrives sharded
+    local = shard_graph(captured, placements, device_mesh)
+    assert torch.ops.aten.mse_loss_backward.default not in {n.target for n in local.gm.graph.nodes}
+
+
 def test_a_plan_for_another_world_size_is_refused_before_any_collective(fake_world):
     plan = _plan(mlp_tiny, 2, 2, 1)
     model, inputs = mlp_tiny()

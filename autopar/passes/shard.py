@@ -44,7 +44,7 @@ from autopar import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.capture import CapturedGraph
 from autopar.cost_models.compute import is_view
 from autopar.passes import random_ops, strategy_rules
-from autopar.passes.strategies import _placement_obj, placement_str
+from autopar.passes.strategies import _placement_obj, decomposition, placement_str
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,9 @@ class _ShardInterpreter(fx.Interpreter):
         if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
             # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        decomposed = decomposition(n.target)
+        if decomposed is not None:  # the strategies were traced through it: run it on the DTensors
+            return self._declare(decomposed(*args, **kwargs), entry, n)
         try:
             out = n.target(*args, **kwargs)
         except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally

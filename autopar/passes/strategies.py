@@ -311,6 +311,30 @@ def _with_rule(op: torch._ops.OpOverload, prop: Any) -> torch._ops.OpOverload:
     return twin if twin is not None and any(twin in r for r in ruled) else op
 
 
+@functools.cache
+def decomposition(op: Any) -> Any:
+    """The decomposition ``op``'s strategies come from, when neither DTensor (for it or its in-place twin) nor
+    autopar has a rule for it; else None.
+
+    Those strategies hold for the decomposition run on DTensors, whose ops see
+    the whole tensor's sizes (``mse_loss_backward``'s ``2 / numel``), not for
+    ``op`` run on each shard as DTensor's dispatch then does: the sharding
+    interpreter runs the decomposition.
+    """
+    from torch._decomp import decomposition_table
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    if not isinstance(op, torch._ops.OpOverload) or strategy_rules.rule_for(op) is not None:
+        return None
+    prop = DTensor._op_dispatcher.sharding_propagator
+    twin = _with_rule(op, prop)
+    if twin in prop.op_single_dim_strategy_funcs or twin in prop.op_strategy_funcs:
+        return None
+    if not DecompShardingStrategy.has_decomp(op):
+        return None
+    return decomposition_table.get(op, op.decompose)
+
+
 class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
