@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 
 import pytest
 import torch
@@ -100,11 +101,16 @@ def _random_dp_tp(name: str) -> autopar.Plan:
 
 @pytest.mark.slow
 def test_families_train_like_one_device() -> None:
-    """Plans are made while the references run (check_plans takes functions that make them)."""
-    labels = [f"{name} {kind}" for name in TRAINED for kind in ("searched", "dp2 x tp2 random")]
+    """Plans are made while the references run (check_plans takes functions that make them).
+
+    AUTOPAR_FAMILIES=all trains every family of examples/families.py; a comma-separated list, those.
+    """
+    chosen = os.environ.get("AUTOPAR_FAMILIES", "")
+    names = list(families.FAMILIES) if chosen == "all" else chosen.split(",") if chosen else TRAINED
+    labels = [f"{name} {kind}" for name in names for kind in ("searched", "dp2 x tp2 random")]
     cases = [
         (families.FAMILIES[name], functools.partial(make, name))
-        for name in TRAINED
+        for name in names
         for make in (_searched, _random_dp_tp)
     ]
     checks = check_plans(cases, FOUR, rng="exact")
