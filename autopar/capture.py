@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from autopar import batch_norm, dropout_attention
+from autopar import batch_norm, dropout_attention, restrides
 from autopar.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -257,9 +257,11 @@ def _export_error(exc: Exception, model: nn.Module, stack: list[str]) -> Capture
             return CaptureError(str(e))
     data_dep = (GuardOnDataDependentSymNode, DataDependentOutputException)
     if any(isinstance(e, data_dep) or "data-dependent" in str(e) for e in _chain(exc)):
+        # where a model computes its loss (HuggingFace's heads): the fix a user can make without editing it
+        loss = "" if stack and stack[-1] else "; if it is in the loss, return the logits and pass loss_fn="
         return CaptureError(
             f"data-dependent control flow in {where}: a Python branch on a tensor value cannot be "
-            "captured; replace it with torch.where or torch.cond"
+            f"captured; replace it with torch.where or torch.cond{loss}"
         )
     if isinstance(exc, (TypeError, ValueError, IndexError, RuntimeError)) and not isinstance(
         exc, NotImplementedError
@@ -538,7 +540,7 @@ def _trace_joint(
             return tuple(outs)
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(functional_joint if functional else joint)(*fake_args)
+        return make_fx(functional_joint if functional else joint, restrides.DECOMPOSITIONS)(*fake_args)
 
 
 def _is_mutating(node: fx.Node) -> bool:

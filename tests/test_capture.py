@@ -120,6 +120,35 @@ def test_mlp_with_loss_fn_matches_eager() -> None:
     assert node_phase(nodes[cg.grads["fc1.weight"]]) == "backward"
 
 
+class Pooled(nn.Module):
+    """Tokens pooled by ``AdaptiveAvgPool1d(1)``, as Swin's head does: ATen restrides its size-1 output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = self.pool(self.fc(x).transpose(1, 2)).flatten(1)
+        return self.head(pooled).square().mean()
+
+
+def test_restrides_of_size_one_dims_are_traced_as_views() -> None:
+    """No ``as_strided`` (which no sharding rule splits) is left, and the graph still computes the model."""
+    torch.manual_seed(0)
+    model, x = Pooled(), torch.randn(4, 6, 8)
+    cg = capture(model, x)
+    check_graph_invariants(cg)
+    assert not [op for op in ops(cg) if "as_strided" in op]
+    loss, *grads = run_real(cg, model, x)
+    ref = model(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for info, g in zip(cg.params, grads, strict=True):
+        torch.testing.assert_close(g, dict(model.named_parameters())[info.name].grad)
+
+
 @pytest.mark.parametrize("make, layer", [(tiny_gpt2, "transformer.h.0"), (tiny_llama, "model.layers.0")])
 def test_hf_causal_lm_matches_eager(make, layer: str) -> None:
     torch.manual_seed(0)
@@ -203,6 +232,28 @@ def test_data_dependent_branch_names_the_module() -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert "block.2 (Gate)" in msg and "torch.where" in msg and "torch.cond" in msg
+    assert "loss_fn" not in msg
+
+
+class LabeledOnly(nn.Module):
+    """A loss over the labelled rows only, picked by a data-dependent branch (DeBERTa-v2's classification head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = (labels >= 0).nonzero()
+        if rows.size(0) > 0:
+            return nn.functional.cross_entropy(self.lin(x)[rows[:, 0]], labels[rows[:, 0]])
+        return self.lin(x).sum() * 0
+
+
+def test_data_dependent_loss_says_to_pass_loss_fn() -> None:
+    with pytest.raises(CaptureError) as err:
+        capture(LabeledOnly(), (torch.randn(3, 4), torch.tensor([0, -100, 2])))
+    msg = str(err.value)
+    assert "\n" not in msg and "the top-level module (LabeledOnly)" in msg and "loss_fn=" in msg
 
 
 @pytest.mark.parametrize(

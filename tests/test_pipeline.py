@@ -164,6 +164,28 @@ def test_searched_cuts_and_microbatches_equal_the_brute_force_optimum():
 # ---------------------------------------------------------------- the split, in one process
 
 
+class _SpareTable(torch.nn.Module):
+    """A buffer the forward never reads (as a rotary embedding's ``original_inv_freq``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.ones(4))
+        self.register_buffer("spare", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * self.table).square().mean()
+
+
+def test_tensors_no_stage_reads_are_kept_by_the_first_stage():
+    from autopar.runtime.pipeline_module import _unread
+
+    captured = capture(_SpareTable(), (torch.randn(2, 4),))
+    names = [t.name for t in captured.params + captured.buffers]
+    assert "spare" in names
+    assert _unread(captured) == {names.index("spare")}
+
+
 @pytest.fixture
 def one_rank():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)

@@ -25,7 +25,7 @@ from autopar.passes.search import solve_mesh
 from autopar.passes.seeds import seed_filter
 from autopar.passes.shard import shard_graph
 from autopar.runtime.grad_accumulation import GradAccumulator
-from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_layout
+from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_layout, random_placements
 from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
 
 TOL = 1e-5
@@ -172,6 +172,41 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     assert graph_count == charged_count
     assert graph_bytes == charged_bytes
     assert sum(graph_count.values()) > 0
+
+
+class _Literal(torch.nn.Module):
+    """A tensor literal in the forward (Falcon's ``torch.tensor(...)``): a constant of the captured graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * torch.tensor([0.5, 2.0]).repeat(4)).square().mean()
+
+
+def test_model_constants_are_constants_of_the_local_graph(fake_world):
+    torch.manual_seed(0)
+    captured = capture(_Literal(), (torch.randn(8, 8),))
+    assert any(n.op == "get_attr" for n in captured.gm.graph.nodes)
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for seed in range(3):
+        local = shard_graph(captured, random_placements(captured, (2, 2), seed), device_mesh)
+        assert any(n.op == "get_attr" for n in local.gm.graph.nodes)
+
+
+def test_ops_sharded_through_their_decomposition_run_it(fake_world):
+    """mse_loss_backward has no DTensor rule; its strategies come from its decomposition, which reads the whole
+    tensor's size (2 / numel): on a shard, the op itself would scale the gradient by the number of shards."""
+    torch.manual_seed(0)
+    model, inputs = mlp_tiny()
+    captured = capture(model, inputs)
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    backward = next(n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.mse_loss_backward.default)
+    placements = random_placements(captured, (2, 2), seed=0)
+    assert placements[backward.name]["inputs"][1] != ["R", "R"]  # the loss's input arrives sharded
+    local = shard_graph(captured, placements, device_mesh)
+    assert torch.ops.aten.mse_loss_backward.default not in {n.target for n in local.gm.graph.nodes}
 
 
 def test_a_plan_for_another_world_size_is_refused_before_any_collective(fake_world):

@@ -258,3 +258,51 @@ def test_op_without_rule_is_replicated_with_one_warning(caplog) -> None:
     assert any("_cdist_forward" in w for w in warnings) and any("_cdist_backward" in w for w in warnings)
     # the rest of the graph still has real choices
     assert any(ns.op == "aten.addmm.default" and len(ns.strategies) > 1 for ns in res.values())
+
+
+class _ShiftedLabels(nn.Module):
+    """What functionalization makes of T5's and BART's label shift, and MoE routing's ``//``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()  # copy
+        shifted[:, 0] = torch.tensor(3)  # a constant (lift_fresh_copy), then fill.Tensor
+        return self.emb(shifted // 2).square().mean()  # floor_divide by a Python number
+
+
+def test_functional_writes_and_constants_have_rules(caplog) -> None:
+    """copy: DTensor's rule for its in-place twin copy_; floor_divide(x, 2): DTensor's decomposition, with the
+    scalar among the arguments; fill.Tensor: autopar's rule; an op on a model constant: whole on every rank."""
+    cg = capture(_ShiftedLabels(), (torch.randint(0, 16, (8, 6)),))
+    with caplog.at_level(logging.WARNING, logger="autopar.passes.strategies"):
+        res = enumerate_strategies(cg.gm, (2, 2))
+    assert "no sharding rule" not in caplog.text
+    by_op = {ns.op: ns for ns in res.values()}
+    for op in ("aten.copy.default", "aten.floor_divide.default", "aten.fill.Tensor"):
+        assert ("S(0)", "R") in {s.outputs[0] for s in by_op[op].strategies}, op
+    const = by_op["aten.lift_fresh_copy.default"]
+    assert const.rule == "autopar" and [s.outputs[0] for s in const.strategies] == [("R", "R")]
+
+
+def test_mixture_of_experts_grouped_matmuls_shard() -> None:
+    """HuggingFace's experts run as ``transformers::grouped_mm_fallback`` in the trace: column and row parallel."""
+    from examples.families import mixtral
+
+    torch.manual_seed(0)
+    model, inputs = mixtral()
+    gm = capture(model, inputs).gm
+    res = enumerate_strategies(gm, (2, 2))
+    assert not _fallbacks(res), _fallbacks(res)
+    forward = [ns for ns in res.values() if ns.op == "transformers.grouped_mm_fallback.default"]
+    backward = [ns for ns in res.values() if ns.op == "transformers.grouped_mm_fallback_backward.default"]
+    assert len(forward) == len(backward) == 2  # up (gate and up fused) and down projections
+    for ns in forward:  # (input, weight (E, K, N), offs): N split, or K split to a partial sum
+        outs = {(s.outputs[0], s.inputs[1]) for s in ns.strategies}
+        assert (("R", "S(1)"), ("R", "S(2)")) in outs and (("R", "P"), ("R", "S(1)")) in outs
+        assert all(s.inputs[0][d] != "S(0)" for s in ns.strategies for d in range(2))  # tokens stay whole
+    for ns in backward:
+        assert any(s.outputs == (("R", "P"), ("R", "S(2)")) for s in ns.strategies)

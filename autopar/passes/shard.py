@@ -44,17 +44,17 @@ from autopar import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.capture import CapturedGraph, graph_results
 from autopar.cost_models.compute import is_view
 from autopar.passes import random_ops, strategy_rules
-from autopar.passes.strategies import _placement_obj, placement_str
+from autopar.passes.strategies import _placement_obj, decomposition, placement_str
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
-# Ops DTensor runs through a custom handler instead of its strategies: convolutions (halo exchange for
-# spatially split images) read a tensor dim split by one mesh dim only, and fail on a batch split over
-# dp and tp. The strategies the strategy pass offers for them (batch splits, copies) are exact on local
-# shards, so they run there.
-_LOCAL_KERNELS = (aten.convolution.default, aten.convolution_backward.default)
+# Ops whose DTensor dispatch is a handler narrower than DTensor's own strategies for them: convolutions go
+# through ``_tp_conv``'s handler (a dim map, built for spatially split inputs), which refuses a batch split
+# over two mesh dims that the single-dim strategy offers. Every strategy offered splits the batch and makes
+# the weight's gradient a partial sum: the local convolution on the shards, run as such.
+_RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
 
 
 def placement(s: str) -> Placement:
@@ -288,8 +288,12 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
-        if n.target in strategy_rules.RULES or n.target in _LOCAL_KERNELS:  # exact on local shards
+        if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
+            # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        decomposed = decomposition(n.target)
+        if decomposed is not None:  # the strategies were traced through it: run it on the DTensors
+            return self._declare(decomposed(*args, **kwargs), entry, n)
         try:
             out = n.target(*args, **kwargs)
         except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
@@ -675,7 +679,9 @@ def shard_graph(
     quiet.setLevel(logging.ERROR)
     try:
         with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
-            local_gm = make_fx(local_joint, tracing_mode="fake")(*fake_local)
+            # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
+            # are real tensors: the trace records them as constants of the local graph
+            local_gm = make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)
     finally:
         quiet.setLevel(level)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and

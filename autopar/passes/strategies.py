@@ -56,6 +56,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy,
 )
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
+from torch.utils import _pytree as pytree
 
 from autopar.passes import strategy_rules
 from autopar.passes.node_keys import (
@@ -295,6 +296,45 @@ def enumerate_strategies(
     return out
 
 
+def _with_rule(op: torch._ops.OpOverload, prop: Any) -> torch._ops.OpOverload:
+    """``op``, or its in-place twin when only the twin has a DTensor rule (``copy`` → ``copy_``).
+
+    Functionalization turns a model's in-place ops into their functional forms,
+    for some of which DTensor registers only the in-place op.  Both compute the
+    same values, so the in-place op's placements hold for the functional one.
+    """
+    ruled = (prop.op_single_dim_strategy_funcs, prop.op_strategy_funcs)
+    if any(op in r for r in ruled):
+        return op
+    packet = getattr(torch.ops.aten, f"{op._schema.name.split('::')[-1]}_", None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    return twin if twin is not None and any(twin in r for r in ruled) else op
+
+
+@functools.cache
+def decomposition(op: Any) -> Any:
+    """The decomposition ``op``'s strategies come from, when neither DTensor (for it or its in-place twin) nor
+    autopar has a rule for it; else None.
+
+    Those strategies hold for the decomposition run on DTensors, whose ops see
+    the whole tensor's sizes (``mse_loss_backward``'s ``2 / numel``), not for
+    ``op`` run on each shard as DTensor's dispatch then does: the sharding
+    interpreter runs the decomposition.
+    """
+    from torch._decomp import decomposition_table
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    if not isinstance(op, torch._ops.OpOverload) or strategy_rules.rule_for(op) is not None:
+        return None
+    prop = DTensor._op_dispatcher.sharding_propagator
+    twin = _with_rule(op, prop)
+    if twin in prop.op_single_dim_strategy_funcs or twin in prop.op_strategy_funcs:
+        return None
+    if not DecompShardingStrategy.has_decomp(op):
+        return None
+    return decomposition_table.get(op, op.decompose)
+
+
 class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
@@ -309,6 +349,7 @@ class _Enumerator:
         self.hits = 0
         self.misses = 0
         self._cands: dict[fx.Node, tuple[Placements, ...]] = {}
+        self.constant: set[fx.Node] = set()  # nodes computed from no graph input: the model's constants
 
     # -- candidates of a producer, as DTensor input ----------------------------------
 
@@ -353,6 +394,8 @@ class _Enumerator:
     # -- dispatch ---------------------------------------------------------------------
 
     def visit(self, node: fx.Node) -> NodeStrategies:
+        if node.op == "get_attr" or (node.op == "call_function" and all(a in self.constant for a in node.all_input_nodes)):
+            self.constant.add(node)
         ns = self._visit(node)
         self.done[node] = ns
         return ns
@@ -389,7 +432,13 @@ class _Enumerator:
             if key is not None:
                 self.memo[key] = (rule, strats)
         if not strats:
-            return self._replicated(node, op_name, warn=True)
+            # an op on the model's constants (a tensor literal copied, a mask built from shapes) computes the
+            # same whole value on every rank, as a factory does: replicated is its rule, not a fallback
+            constant = node in self.constant
+            ns = self._replicated(node, op_name, warn=not constant)
+            if constant:
+                ns.rule = "autopar"
+            return ns
         return NodeStrategies(node.name, op_name, [a.name for a in inputs], list(strats), rule)
 
     def _compute(
@@ -398,7 +447,7 @@ class _Enumerator:
         op = node.target
         in_shapes = [tuple(a.meta["val"].shape) for a in inputs]
         out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in outs]
-        own = strategy_rules.RULES.get(op)
+        own = strategy_rules.rule_for(op)
         if own is not None:
             single = own(node)
             strats = self._expand_plain(single, len(outs), in_shapes, out_shapes)
@@ -454,8 +503,8 @@ class _Enumerator:
         in_shapes: list[tuple[int, ...]],
         out_shapes: list[tuple[int, ...] | None],
     ) -> list[Strategy]:
-        op = node.target
         prop = self.prop
+        op = _with_rule(node.target, prop)
         schema = self._schema(node, op)
         single = prop.op_single_dim_strategy_funcs.get(op)
         if single is not None:
@@ -545,10 +594,17 @@ class _Enumerator:
             opts: list[Placement] = [Replicate(), Partial()]
             opts += [Shard(d) for d in range(len(m.shape)) if m.shape[d] > 1]
             options.append(opts)
+        # DTensor reads one placement per argument leaf, tensor or not (``floor_divide(x, 2)``): None for the rest
+        leaves = pytree.tree_leaves((spec_schema.args_schema, spec_schema.kwargs_schema))
+        is_spec = [isinstance(leaf, DTensorSpec) for leaf in leaves]
+        if sum(is_spec) != len(metas):
+            return None
         rows: list[list[str | None]] = []
         for combo in itertools.product(*options):
+            tensors = iter(combo)
+            per_leaf = tuple(next(tensors) if s else None for s in is_spec)
             try:
-                res = decomp._propagate_through_decomp(spec_schema, combo, fake)
+                res = decomp._propagate_through_decomp(spec_schema, per_leaf, fake)
             except NotImplementedError:
                 return None
             except Exception:

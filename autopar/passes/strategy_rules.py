@@ -158,6 +158,52 @@ def copy(node: fx.Node) -> list[Row]:
     return rows
 
 
+def fill_tensor(node: fx.Node) -> list[Row]:
+    """``fill.Tensor(self, value) -> out``: ``self``'s shape, every element ``value`` (a 0-dim tensor).
+
+    The functional form of ``x[..., 0] = t`` (T5's and BART's shift of the labels
+    into decoder inputs). Each shard of ``self`` is filled whole from the replicated
+    value, so the output takes any placement of ``self`` (DTensor has a rule for
+    ``fill_.Scalar`` only, and ``fill.Tensor``'s decomposition goes through ``copy``).
+    """
+    dims = node.args[0].meta["val"].dim()
+    return [["R", "R", "R"]] + [[f"S({d})", f"S({d})", "R"] for d in range(dims)]
+
+
+def grouped_mm(node: fx.Node) -> list[Row]:
+    """A grouped matmul ``(input (S, K), weight (E, K, N), offs (E,)) -> (S, N)``: ``input``'s rows, grouped
+    by the cumulative counts ``offs``, each times its expert's ``weight[e]``.
+
+    HuggingFace's mixture-of-experts layers run it as ``transformers::grouped_mm_fallback``
+    when traced in fp32. DTensor's rule for ``aten._grouped_mm`` (2-D x 3-D), which
+    computes the same: whole; ``N`` split (column parallel); ``K`` split (a partial
+    sum); a partial input or weight (linear in each). The rows (tokens) cannot be split:
+    ``offs`` counts them over the whole input.
+    """
+    return [
+        ["R", "R", "R", "R"],
+        ["S(1)", "R", "S(2)", "R"],
+        ["P", "S(1)", "S(1)", "R"],
+        ["P", "P", "R", "R"],
+        ["P", "R", "P", "R"],
+    ]
+
+
+def grouped_mm_backward(node: fx.Node) -> list[Row]:
+    """``(input, weight, offs, grad_out) -> (grad_input (S, K), grad_weight (E, K, N))`` of :func:`grouped_mm`.
+
+    ``N`` split: ``grad_input = grad_out · weightᵀ`` sums over ``N`` (a partial) and
+    ``grad_weight`` is split on ``N``; ``K`` split: both split on ``K``; a partial
+    ``grad_out`` gives partial gradients (linear in it).
+    """
+    return [
+        ["R", "R", "R", "R", "R", "R"],
+        ["P", "S(2)", "R", "S(2)", "R", "S(1)"],
+        ["S(1)", "S(1)", "S(1)", "S(1)", "R", "R"],
+        ["P", "P", "R", "R", "R", "P"],
+    ]
+
+
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten.copy.default: copy,
     torch.ops.autopar.batch_norm_sums.default: batch_norm_sums,
@@ -168,6 +214,17 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     torch.ops.autopar.dropout_attention_backward.default: dropout_attention_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
+    aten.fill.Tensor: fill_tensor,
 }
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
 RULES.update({op: random_ops.rule_rows for op in random_ops.RANDOM_OPS})
+# ops of libraries that register them when imported, by name: (node target's str) -> rule
+NAMED_RULES: dict[str, Callable[[fx.Node], list[Row]]] = {
+    "transformers.grouped_mm_fallback.default": grouped_mm,
+    "transformers.grouped_mm_fallback_backward.default": grouped_mm_backward,
+}
+
+
+def rule_for(op: object) -> Callable[[fx.Node], list[Row]] | None:
+    """autopar's rule for ``op``, if it has one."""
+    return RULES.get(op) or NAMED_RULES.get(str(op))

@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _unread(captured: CapturedGraph) -> set[int]:
+    """Indices (parameters, then buffers) of the model's tensors the graph never reads.
+
+    No stage holds them for its work (a rotary table's unused ``original_inv_freq``),
+    yet they belong to the model's state: the first stage keeps them, so that
+    ``full_state_dict`` and checkpoints have every tensor a plan without a pipeline has.
+    """
+    users = {n.name: len(n.users) for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    infos = captured.params + captured.buffers
+    return {i for i, info in enumerate(infos) if not users.get(info.placeholder)}
+
+
 class PipelineParallelModule(RankModule):
     """The stages of one pipeline rank: parameter shards, stage graphs, the schedule that runs them."""
 
@@ -86,6 +98,7 @@ class PipelineParallelModule(RankModule):
         held = sorted(
             {a for g in programs for a in (*g.forward_args, *g.backward_args) if a < n_params + n_state}
             | {i for g in programs for i in g.grads}
+            | (_unread(captured) if self.pp_rank == 0 else set())
         )
         self._params = [i for i in held if i < n_params]  # global parameter indices this rank holds
         self._state = [i for i in held if i >= n_params]

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,8 @@ from torch.utils import _pytree as pytree
 from autopar.capture import CapturedGraph, capture, model_loss
 from autopar.cluster import Cluster
 from autopar.errors import LaunchError
-from autopar.graph_cache import resize_batch
+from autopar.graph_cache import captured_with_stats, resize_batch
+from autopar.passes.random_ops import is_random
 from autopar.passes.strategies import enumerate_strategies
 from autopar.plan import Plan
 from autopar.runtime.launch import launch
@@ -129,11 +131,17 @@ def _slice(inputs: Any, k: int, parts: int) -> Any:
     return pytree.tree_map(lambda t: t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
 
 
-def random_placements(captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int) -> dict[str, dict]:
+def random_placements(
+    captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int, flowing: bool = False
+) -> dict[str, dict]:
     """A random valid plan: one strategy per node drawn at random (followers follow their source).
 
     Not the solver's choice: the oracle must hold for every plan the strategies
-    allow, including the odd ones no cost model would pick.
+    allow, including the odd ones no cost model would pick.  ``flowing``: each
+    op's strategy is drawn among those that take its inputs as their producers
+    left them, where there are any, so that shardings run on through the graph
+    (a placement change where none fits) instead of one between almost every
+    two ops: a layout as varied, several times cheaper to trace and run.
     """
     rng = random.Random(seed)
     strategies = enumerate_strategies(captured.gm, mesh_shape)
@@ -145,7 +153,12 @@ def random_placements(captured: CapturedGraph, mesh_shape: tuple[int, ...], seed
         if ns.rule == "follower" and ns.inputs and ns.inputs[0] in picked:
             k = picked[ns.inputs[0]]
         else:
-            k = rng.randrange(len(ns.strategies))
+            fits = [
+                i
+                for i, s in enumerate(ns.strategies)
+                if flowing and all(p is None or _made(out, a) == p for p, a in zip(s.inputs, ns.inputs, strict=True))
+            ]
+            k = rng.choice(fits) if fits else rng.randrange(len(ns.strategies))
         picked[name] = k
         s = ns.strategies[k]
         node = by_name[name]
@@ -159,20 +172,27 @@ def random_placements(captured: CapturedGraph, mesh_shape: tuple[int, ...], seed
     return out
 
 
+def _made(placements: dict[str, dict], node: str) -> tuple[str, ...] | None:
+    """The placement ``node``'s (first) output was given."""
+    p = placements[node]["outputs"][0] if node in placements and placements[node]["outputs"] else None
+    return tuple(p) if p is not None else None
+
+
 def plan_with_layout(
     plan: Plan, model, inputs, cluster: Cluster, layout: str, seed: int = 0, loss_fn=None
 ) -> Plan:
-    """``plan`` with its placements replaced by a hand-set layout ("dp", "zero3", "megatron") or "random".
+    """``plan`` with its placements replaced by a hand-set layout ("dp", "zero3", "megatron"), "random" or
+    "flowing" (random, following producers' placements: :func:`random_placements`).
 
     Hand-set layouts split the batch over the data-parallel axis, so that they
     exercise gradient synchronisation even on models too small for the cost
     model to want it.
     """
     micro = plan.global_batch_size // max(plan.microbatches, 1)
-    captured = capture(model, resize_batch(inputs, micro), loss_fn=loss_fn)
+    captured, _ = captured_with_stats(model, inputs, loss_fn, batch=micro)  # the plan's own capture, if it was last
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
-    if layout == "random":
-        chosen = random_placements(captured, shape, seed)
+    if layout in ("random", "flowing"):
+        chosen = random_placements(captured, shape, seed, flowing=layout == "flowing")
     else:
         chosen = layout_placements(captured, plan, cluster, layout, split_batch=True)
     return dataclasses.replace(
@@ -284,8 +304,34 @@ def exact_rng_runs(factories: list[Callable], steps: int, lr: float, seed: int, 
     return [(losses, first, final) for losses, first, final, _ in runs]
 
 
+def draws_random(factory: Callable[[], tuple[Any, Any]], seed: int = 0, loss_fn: Callable | None = None) -> bool:
+    """Whether a training step of ``factory()``'s model draws random numbers (dropout, ``rand``...)."""
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    return any(is_random(n) for n in capture(model, inputs, loss_fn=loss_fn).gm.graph.nodes)
+
+
+def _is_maker(plan: Any) -> bool:
+    return plan is not None and not isinstance(plan, Plan) and callable(plan)
+
+
+def _reference_runs(
+    keys: list[tuple[Callable, int]], steps: int, lr: float, seed: int, loss_fn, rng: str | None
+) -> list:
+    """Every (model, micro-batches) reference, in one launched process: see :func:`check_plans`."""
+    one = Cluster.local(1)
+    out = []
+    for factory, microbatches in keys:
+        if rng == "exact" and draws_random(factory, seed, loss_fn):
+            losses, first, final, _ = _rank_run(factory, one, None, False, steps, lr, seed, loss_fn, "exact")
+            out.append((losses, first, final))
+        else:
+            out.append(single_device_run(factory, steps, lr, seed, loss_fn, microbatches))
+    return out
+
+
 def check_plans(
-    cases: list[tuple[Callable[[], tuple[Any, Any]], Plan | None]],
+    cases: list[tuple[Callable[[], tuple[Any, Any]], Plan | Callable[[], Plan] | None]],
     cluster: Cluster,
     *,
     steps: int = 3,
@@ -303,10 +349,14 @@ def check_plans(
     one device (gradient accumulation), for models whose forward couples the samples
     of a batch (:func:`single_device_run`).
 
-    ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")`` and
-    the reference is each model trained by autopar on one process under it
-    (:func:`exact_rng_runs`), so models with dropout on are checked exactly;
-    otherwise the reference is eager PyTorch on one device.
+    ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")``, and
+    the reference of a model that draws random numbers is the model trained by
+    autopar on one process under it (:func:`exact_rng_runs`), so models with
+    dropout on are checked exactly; the reference of any other model (and of
+    every model without ``rng="exact"``) is eager PyTorch on one device.
+
+    A case's plan may be given as a function that makes it: the references
+    then run in a process of their own while the plans are made.
 
     ``local_batch`` (for all cases, or per case): each rank passes only its
     data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
@@ -318,23 +368,27 @@ def check_plans(
     """
     local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
     factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
-    if rng == "exact":
-        runs = exact_rng_runs(factories, steps, lr, seed, loss_fn)
-        refs = [runs[factories.index(factory)] for factory, _ in cases]
+    def key(factory: Callable, plan: Plan | None) -> tuple[Callable, int]:  # (model, micro-batches) of a reference
+        return factory, plan.microbatches if accumulate and plan is not None else 1
+
+    makers = any(_is_maker(plan) for _, plan in cases)
+    if makers and not accumulate:
+        # the references run in a process of their own while this one makes the plans: two cores busy
+        keys = [(factory, 1) for factory in factories]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(launch, _reference_runs, Cluster.local(1), keys, steps, lr, seed, loss_fn, rng)
+            plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
+            runs = dict(zip(keys, pending.result()[0], strict=True))
     else:
-        accumulated = {  # (model, micro-batches) -> its one-device run
-            key: single_device_run(key[0], steps, lr, seed, loss_fn, key[1])
-            for key in dict.fromkeys(
-                (factory, plan.microbatches if accumulate and plan is not None else 1) for factory, plan in cases
-            )
-        }
-        refs = [
-            accumulated[(factory, plan.microbatches if accumulate and plan is not None else 1)]
-            for factory, plan in cases
-        ]
+        plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
+        keys = list(dict.fromkeys(key(factory, plan) for (factory, _), plan in zip(cases, plans, strict=True)))
+        drawing = [k for k in keys if rng == "exact" and draws_random(k[0], seed, loss_fn)]
+        exact = dict(zip(drawing, exact_rng_runs([k[0] for k in drawing], steps, lr, seed, loss_fn), strict=True))
+        runs = {k: exact.get(k) or single_device_run(k[0], steps, lr, seed, loss_fn, k[1]) for k in keys}
+    refs = [runs[key(factory, plan)] for (factory, _), plan in zip(cases, plans, strict=True)]
     wire = [
         (factory, plan.to_dict() if plan is not None else None, flag)
-        for (factory, plan), flag in zip(cases, local, strict=True)
+        for (factory, _), plan, flag in zip(cases, plans, local, strict=True)
     ]
     for attempt in range(crash_retries + 1):
         try:
