@@ -4,9 +4,9 @@ plan = autopar.plan(model, example_inputs, cluster)
 print(plan.summary())
 """
 
-from autopar.api import plan
-from autopar.cluster import Cluster
-from autopar.errors import (
+from autopar.api.parallelizer import parallelize
+from autopar.api.planner import plan
+from autopar.core.errors import (
     AutoparError,
     CaptureError,
     CheckpointError,
@@ -16,11 +16,12 @@ from autopar.errors import (
     PlanFormatError,
     RuntimeMismatchError,
 )
-from autopar.inspection import diff
+from autopar.cost_models.estimate import Estimate, MemoryEstimate
+from autopar.hardware.cluster import Cluster
 from autopar.onnx import OnnxError, OnnxPlan, export_onnx, read_onnx_plan, validate_onnx_plan
-from autopar.plan import Estimate, MemoryEstimate, Plan
+from autopar.plans.inspection import diff
+from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
-from autopar.runtime.parallelize import parallelize
 
 __all__ = [
     "AutoparError",

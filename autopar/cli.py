@@ -27,7 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import AutoparError
+import autopar
+from autopar.core.errors import AutoparError
+from autopar.hardware.cluster import Cluster
+from autopar.onnx import export_onnx
+from autopar.plans.inspection import diff
+from autopar.plans.pictures import pipeline_figure, save_pictures, to_png
+from autopar.plans.plan import Plan
+from autopar.plans.report import write_report
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -59,7 +66,6 @@ def _load_factory(spec: str) -> dict[str, Any]:
 
 
 def _cluster(args):
-    from autopar.cluster import Cluster
 
     if args.local:
         return Cluster.local(args.local)
@@ -124,7 +130,6 @@ def _progress(message: str, verbose: bool) -> Iterator[Any]:
 
 
 def _cmd_plan(args) -> int:
-    import autopar
 
     cluster = _cluster(args)  # cheap checks first, before the model is built
     fixed = {
@@ -160,14 +165,12 @@ def _cmd_plan(args) -> int:
 
 
 def _write_pipeline(plan, path: str) -> None:
-    from autopar.pictures import pipeline_figure, to_png
 
     _write(lambda: Path(path).write_bytes(to_png(pipeline_figure(plan))), path)
     print(f"pipeline timeline written to {path}")
 
 
 def _cmd_show(args) -> int:
-    from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
     if args.explain:
@@ -179,7 +182,6 @@ def _cmd_show(args) -> int:
     if args.show_pipeline:
         _write_pipeline(plan, args.show_pipeline)
     if args.pictures:
-        from autopar.pictures import save_pictures
 
         paths = _write(lambda: save_pictures(plan, args.pictures), args.pictures)
         print("pictures written: " + ", ".join(str(p) for p in paths.values()))
@@ -187,8 +189,6 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_diff(args) -> int:
-    from autopar.inspection import diff
-    from autopar.plan import Plan
 
     a, b = Plan.load(args.a), Plan.load(args.b)
     names = (args.a, args.b) if args.a != args.b else ("a", "b")
@@ -197,8 +197,6 @@ def _cmd_diff(args) -> int:
 
 
 def _cmd_export_onnx(args) -> int:
-    from autopar.onnx import export_onnx
-    from autopar.plan import Plan
 
     plan = Plan.load(args.plan)  # a bad plan file fails before the model is built
     with _progress("building the model", args.verbose) as phase:
@@ -220,7 +218,6 @@ def _cmd_export_onnx(args) -> int:
 
 
 def _write_report(plan, path: str) -> None:
-    from autopar.report import write_report
 
     _write(lambda: write_report(plan, path), path)
     print(f"report written to {path} (open it in a browser)")

@@ -42,11 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar import Cluster  # noqa: E402
-from autopar.cluster import DEVICES  # noqa: E402
 from autopar.cost_models.compute import ComputeEfficiency  # noqa: E402
+from autopar.cost_models.graph_cache import captured_with_stats  # noqa: E402
 from autopar.cost_models.memory import PRECISIONS  # noqa: E402
 from autopar.cost_models.step import Config, estimate_config  # noqa: E402
-from autopar.graph_cache import captured_with_stats  # noqa: E402
+from autopar.hardware.cluster import DEVICES  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
 
 H100_GRAND_TETON = dataclasses.replace(

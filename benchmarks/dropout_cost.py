@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/dropout_cost.py            # about two minutes
 
 Dropout is element-wise and random: sharded like its input, each rank drawing
-its own elements' numbers (``autopar.rng``), it costs a memory-bound pass and
+its own elements' numbers (``autopar.ops.rng``), it costs a memory-bound pass and
 a saved mask, and attention's dropout lives inside the fused attention kernel
-(``autopar.dropout_attention``) as it does on a GPU.  A planner that
+(``autopar.ops.dropout_attention``) as it does on a GPU.  A planner that
 replicates a random op draws the whole global batch's mask on every device;
 one that costs attention dropout on the math path keeps a
 batch × heads × seq × seq matrix per layer.  Either would show here as a step

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.runtime.memory_check import measure_plans, setting_plans  # noqa: E402
+from autopar.verify.memory_check import measure_plans, setting_plans  # noqa: E402
 from examples.models import gpt2_tiny_long  # noqa: E402
 
 MIB = 2**20

@@ -17,7 +17,7 @@ the parameters' placements and letting the solver place the rest:
 Each row prints the step time of each and the ratio best-baseline / plan
 (≥ 1 means the search found a plan at least as fast). The search solves
 these same layouts as seeds beside the unrestricted MILP
-(``autopar.passes.seeds``), so a ratio below 1 can only come from the
+(``autopar.search.sharding.seeds``), so a ratio below 1 can only come from the
 solver's time limits; the "found by" column of a plan's summary says
 whether the MILP or a seed won.
 
@@ -42,13 +42,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar import Cluster  # noqa: E402
-from autopar.api import plan as autopar_plan  # noqa: E402
+from autopar.api.planner import plan as autopar_plan  # noqa: E402
+from autopar.cost_models.graph_cache import captured_with_stats  # noqa: E402
 from autopar.cost_models.memory import PRECISIONS  # noqa: E402
-from autopar.graph_cache import captured_with_stats  # noqa: E402
-from autopar.passes.pipeline_search import solve_pipeline_mesh  # noqa: E402
-from autopar.passes.search import search_meshes, solve_mesh  # noqa: E402
-from autopar.passes.seeds import seed_filter  # noqa: E402
-from autopar.passes.strategies import enumerate_strategies  # noqa: E402
+from autopar.search.pipeline.mesh import solve_pipeline_mesh  # noqa: E402
+from autopar.search.sharding.mesh import search_meshes, solve_mesh  # noqa: E402
+from autopar.search.sharding.seeds import seed_filter  # noqa: E402
+from autopar.search.sharding.strategies import enumerate_strategies  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopar  # noqa: E402
-from autopar.runtime.verify import plan_with_layout  # noqa: E402
+from autopar.verify.oracle import plan_with_layout  # noqa: E402
 
 WIDTH, HIDDEN, BATCH = 1024, 4096, 128
 

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.passes.solve import StrategyProblem, solve_strategies  # noqa: E402
+from autopar.solver import StrategyProblem, solve_strategies  # noqa: E402
 
 FORWARD = ["ln1", "qkv", "attn", "proj", "add1", "ln2", "fc1", "act", "fc2", "add2"]
 WEIGHTS = {"qkv": 3.0, "proj": 1.0, "fc1": 4.0, "fc2": 4.0}  # relative parameter sizes

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.runtime.verify import check_plan  # noqa: E402
+from autopar.verify.oracle import check_plan  # noqa: E402
 from examples.models import gpt2_mini, gpt2_small  # noqa: E402
 
 

@@ -8,7 +8,7 @@
 Four local processes; ranks {0, 1} and {2, 3} form groups, as a tp axis does.
 Each step issues twelve functional all-reduces and all-gathers on the group
 (``--pattern many``) and only then waits for them, the pattern that
-``autopar.passes.shard.schedule_collectives`` forbids; ``--pattern one``
+``autopar.codegen.shard.schedule_collectives`` forbids; ``--pattern one``
 waits for each before the next, as autopar's graphs do; ``--pattern sync``
 calls torch.distributed's blocking collectives instead. The abort is rare on
 an idle machine and frequent with the CPUs oversubscribed: run two copies at
@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from autopar.errors import LaunchError
+from autopar.core.errors import LaunchError
 from autopar.runtime.launch import launch
 
 SHAPES = [(1, 16, 128), (16, 256), (8, 64), (1, 8, 4, 16), (), (32,)]

@@ -49,8 +49,8 @@ def small_plan():
     """
     sys.path.insert(0, str(ROOT))
     import autopar
-    import autopar.api as api
-    from autopar.passes.explain_records import explain_records
+    import autopar.api.planner as api
+    from autopar.search.sharding.explain_records import explain_records
     from examples.models import gpt2_tiny
 
     caught = {}
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     sys.path.insert(0, str(ROOT))
-    from autopar.plan import Plan
-    from autopar.report import write_report
+    from autopar.plans.plan import Plan
+    from autopar.plans.report import write_report
 
     plan = Plan.load(args.plan) if args.plan else small_plan()
     html = write_report(plan, args.html)

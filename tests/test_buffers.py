@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.capture import capture, graph_results, model_loss
-from autopar.passes.strategies import enumerate_strategies
-from autopar.runtime.verify import check_plans, group_error, plan_with_layout, plan_with_pipeline
+from autopar.capture.joint import capture, graph_results, model_loss
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, group_error, plan_with_layout, plan_with_pipeline
 from examples.models import resnet_tiny
 
 
@@ -48,7 +48,7 @@ def test_capture_returns_every_buffer_the_forward_updates_as_one_device_updates_
     for name in names:
         assert torch.allclose(new[name], state[name], rtol=1e-5, atol=1e-6), name
     assert int(state[norms[0] + ".num_batches_tracked"]) == 1
-    # BatchNorm as SyncBatchNorm's sums (autopar.batch_norm) is the function eager BatchNorm computes
+    # BatchNorm as SyncBatchNorm's sums (autopar.ops.batch_norm) is the function eager BatchNorm computes
     assert torch.allclose(results[0], loss, rtol=1e-6)
     params = dict(model.named_parameters())
     grads = {p.name: g for p, g in zip(captured.params, results[1:], strict=False)}
@@ -98,8 +98,8 @@ def _pipeline_plan(model, batch, cluster, microbatches: int):
 
 
 def _segments(model, batch, plan):
-    from autopar.graph_cache import resize_batch
-    from autopar.passes.stages import forward_segments
+    from autopar.cost_models.graph_cache import resize_batch
+    from autopar.search.pipeline.stages import forward_segments
 
     return forward_segments(capture(model, resize_batch(batch, plan.global_batch_size // plan.microbatches)))
 
@@ -132,6 +132,6 @@ def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatc
     fixed = autopar.plan(model, batch, cluster, precision="fp32", fixed={"dp": 2, "tp": 2, "microbatches": 2})
     assert fixed.microbatches == 2
     assert any("normalizes each micro-batch by its own statistics" in w for w in fixed.warnings)
-    monkeypatch.setattr(autopar.api, "coupling_modules", lambda gm: [])
+    monkeypatch.setattr(autopar.api.planner, "coupling_modules", lambda gm: [])
     unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
     assert unaware.microbatches > 1

@@ -1,4 +1,4 @@
-"""Tests for autopar.capture: the joint graph computes what eager autograd computes.
+"""Tests for autopar.capture.joint: the joint graph computes what eager autograd computes.
 
 The 7B-shaped test is the slow one (marked ``slow``, ~15 s); the rest run in seconds.
 """
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autopar.capture import CapturedGraph, capture, node_module, node_phase, tensor_nodes
-from autopar.errors import CaptureError
+from autopar.capture.joint import CapturedGraph, capture, node_module, node_phase, tensor_nodes
+from autopar.core.errors import CaptureError
 
 transformers = pytest.importorskip("transformers")
 
@@ -285,7 +285,7 @@ def test_missing_loss_says_what_to_do() -> None:
 _SEVEN_B = textwrap.dedent(
     """
     import json, resource, time, torch, transformers
-    from autopar.capture import capture
+    from autopar.capture.joint import capture
     cfg = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
                                    num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                                    max_position_embeddings=2048, bos_token_id=0, eos_token_id=0)

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.capture import model_loss
-from autopar.plan import Plan
+from autopar.capture.joint import model_loss
+from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import full_optimizer_state, load_single, save_single
 from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner, flat_range_boxes
-from autopar.runtime.verify import group_error, plan_with_layout, plan_with_pipeline
+from autopar.verify.oracle import group_error, plan_with_layout, plan_with_pipeline
 from examples.models import MLP, gpt2_tiny, mlp_tiny
 
 LR = 1e-3
@@ -317,8 +317,8 @@ def test_a_weight_held_twice_on_one_rank_is_saved_once_and_loaded_into_both(tmp_
     loads it, and each keeps optimizer state of its own (an aliased state would be stepped twice)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.capture import TensorInfo
-    from autopar.runtime.checkpoint import _load, _save, sharded_layout
+    from autopar.capture.joint import TensorInfo
+    from autopar.runtime.checkpoint import load_layout, save_layout, sharded_layout
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -340,9 +340,9 @@ def test_a_weight_held_twice_on_one_rank_is_saved_once_and_loaded_into_both(tmp_
 
         (a, _, c), opt, layout = rank(0, LR, 2)
         assert [x.name for x in layout.weights] == ["w", "v"] and len(layout.copies) == 1
-        _save(layout, tmp_path, opt, "test")
+        save_layout(layout, tmp_path, opt, "test")
         (a2, b2, c2), opt2, layout2 = rank(1, 10 * LR, 1)
-        _load(layout2, tmp_path, opt2)
+        load_layout(layout2, tmp_path, opt2)
         assert torch.equal(a2, a) and torch.equal(b2, a) and torch.equal(c2, c)
         assert opt2.param_groups[0]["lr"] == LR
         for key in ("exp_avg", "exp_avg_sq"):

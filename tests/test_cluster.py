@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from autopar.cluster import (
+from autopar.core.errors import ClusterError
+from autopar.hardware.cluster import (
     DEVICES,
     PRESETS,
     Cluster,
@@ -15,7 +16,6 @@ from autopar.cluster import (
     MeshShape,
     get_device,
 )
-from autopar.errors import ClusterError
 
 
 def _ordered_factorizations_3(n: int) -> int:

@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from autopar.cluster import Cluster, Link
 from autopar.cost_models import comm
 from autopar.cost_models.comm import (
     COLLECTIVES,
@@ -14,6 +13,7 @@ from autopar.cost_models.comm import (
     bus_bytes,
     collective_time,
 )
+from autopar.hardware.cluster import Cluster, Link
 
 NVLINK = Link(bandwidth=450e9, latency_s=3e-6, name="nvlink", intra_node=True)
 IB = Link(bandwidth=50e9, latency_s=8e-6, name="infiniband", intra_node=False)

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.capture import capture
-from autopar.passes.strategies import enumerate_strategies
-from autopar.runtime.verify import check_plans, plan_with_layout
+from autopar.capture.joint import capture
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, plan_with_layout
 from examples import families
 
 pytest.importorskip("transformers")
@@ -59,7 +59,7 @@ def test_every_op_has_a_sharding_rule(name: str, caplog) -> None:
     torch.manual_seed(0)
     model, inputs = families.FAMILIES[name]()
     gm = capture(model, inputs).gm
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autopar.search.sharding.strategies"):
         enumerate_strategies(gm, (2, 2))
     left = [r.getMessage() for r in caplog.records if "no sharding rule" in r.getMessage()]
     assert all(any(op in msg for op in LEFT_REPLICATED) for msg in left), left

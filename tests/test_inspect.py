@@ -6,10 +6,10 @@ import json
 import pytest
 
 import autopar
-import autopar.api as api
-from autopar.inspection import UnknownNameError, diff, explain_plan, record_of
-from autopar.passes.explain_records import explain_records
-from autopar.plan import Plan
+import autopar.api.planner as api
+from autopar.plans.inspection import UnknownNameError, diff, explain_plan, record_of
+from autopar.plans.plan import Plan
+from autopar.search.sharding.explain_records import explain_records
 from examples.models import gpt2_tiny
 
 
@@ -173,7 +173,7 @@ def _one_node_result(source="milp", status="optimal", limit=None, peak=0.0, chos
     """A one-node search result: strategy 0 is cheaper (1 s vs 2 s) but holds 10 bytes more."""
     from types import SimpleNamespace
 
-    from autopar.passes.strategies import Strategy
+    from autopar.search.sharding.strategies import Strategy
 
     problem = SimpleNamespace(
         node_costs=[[1.0, 2.0]], node_memory=[[20.0, 10.0]], edges=[], edge_costs=[], memory_limit=limit
@@ -200,7 +200,7 @@ def _one_node_result(source="milp", status="optimal", limit=None, peak=0.0, chos
     ],
 )
 def test_why_names_the_reason(kwargs, copies, needle):
-    from autopar.passes.explain_records import _Context
+    from autopar.search.sharding.explain_records import _Context
 
     res, choice = _one_node_result(**kwargs)
     rec = _Context(res, choice, [[]], {0: copies}).record(0, alternatives=5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.capture import capture
+from autopar.capture.joint import capture
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from examples.models import gpt2_tiny4_padded
 

@@ -19,10 +19,10 @@ import dataclasses
 import pytest
 
 import autopar
-from autopar.capture import capture
-from autopar.passes.recompute import recompute_layers, with_recompute
-from autopar.passes.recost import estimate_plan
-from autopar.runtime.memory_check import SETTINGS, measure_plans, setting_plans
+from autopar.capture.joint import capture
+from autopar.search.recost import estimate_plan
+from autopar.search.sharding.recompute import recompute_layers, with_recompute
+from autopar.verify.memory_check import SETTINGS, measure_plans, setting_plans
 from examples.models import gpt2_tiny, gpt2_tiny_long
 
 BOUND = 0.15

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import RuntimeMismatchError
+from autopar.core.errors import RuntimeMismatchError
 from autopar.onnx import OnnxError, OnnxPlan, export_onnx, read_onnx_plan, validate_onnx_plan
 from autopar.onnx.annotations import NODE_KEY, PLAN_KEY, decode, encode
-from autopar.runtime.verify import plan_with_layout
+from autopar.verify.oracle import plan_with_layout
 from examples.models import gpt2_tiny, llama_tiny, mlp_tiny
 
 CLUSTER = autopar.Cluster.local(4)

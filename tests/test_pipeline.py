@@ -1,10 +1,10 @@
 """Pipeline parallelism: stage cuts (exact), the graph split, and training like one device.
 
-* The cut search (:mod:`autopar.passes.pipeline`) against every cut set of
+* The cut search (:mod:`autopar.search.pipeline.cuts`) against every cut set of
   random models, with memory limits, for each schedule; and the cuts and
   micro-batch count autopar.plan's search picks for a real model against every
   (cut set, micro-batch count) costed by the same model.
-* The split (:mod:`autopar.passes.stage_split`) in one process: the stage
+* The split (:mod:`autopar.codegen.stage_split`) in one process: the stage
   graphs of a GPT-2 with tied embeddings, run one after another, give the
   joint graph's loss and gradients exactly.
 * Several processes (slow): GPT-2 and LLaMA tiny with 4 layers, GPipe, 1F1B
@@ -27,18 +27,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar.capture import capture, node_phase
-from autopar.cluster import MeshShape
+from autopar.capture.joint import capture, node_phase
+from autopar.codegen.shard import shard_graph
+from autopar.codegen.stage_split import split_stages
 from autopar.cost_models.memory import precision_spec
 from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
-from autopar.passes.pipeline import best_cuts, brute_force_cuts
-from autopar.passes.pipeline_search import solve_pipeline_mesh
-from autopar.passes.pipeline_segments import rescale
-from autopar.passes.shard import shard_graph
-from autopar.passes.stage_split import split_stages
-from autopar.passes.stages import forward_segments, stage_of_nodes, untie_across_stages
-from autopar.runtime.pipeline import schedule_actions
-from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_pipeline
+from autopar.cost_models.schedule import schedule_actions
+from autopar.hardware.cluster import MeshShape
+from autopar.search.pipeline.cuts import best_cuts, brute_force_cuts
+from autopar.search.pipeline.mesh import solve_pipeline_mesh
+from autopar.search.pipeline.segments import rescale
+from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, untie_across_stages
+from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline
 from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
 
 TOL = 1e-5

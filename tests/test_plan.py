@@ -5,7 +5,8 @@ import json
 import pytest
 
 from autopar import Cluster, Plan, PlanFormatError
-from autopar.plan import FORMAT_VERSION, Estimate, MemoryEstimate
+from autopar.cost_models.estimate import Estimate, MemoryEstimate
+from autopar.plans.data import FORMAT_VERSION
 
 
 def _plan() -> Plan:

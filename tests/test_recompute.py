@@ -1,4 +1,4 @@
-"""Recompute at run time (autopar/passes/recompute.py).
+"""Recompute at run time (autopar/search/sharding/recompute.py).
 
 One process: the analysis helpers, the structure of the transformed graph
 (clones before the first backward use, originals dead after the forward),
@@ -25,10 +25,12 @@ import torch
 import torch.fx as fx
 
 import autopar
-from autopar.capture import capture, input_tensors, node_phase
-from autopar.errors import PlanError
-from autopar.passes.random_ops import op_numbers
-from autopar.passes.recompute import (
+from autopar.capture.joint import capture, input_tensors, node_phase
+from autopar.core.errors import PlanError
+from autopar.plans.plan import Plan
+from autopar.runtime.launch import launch
+from autopar.search.sharding.random_ops import op_numbers
+from autopar.search.sharding.recompute import (
     apply_recompute,
     can_recompute,
     full_recompute_nodes,
@@ -39,9 +41,7 @@ from autopar.passes.recompute import (
     saved_activations,
     with_recompute,
 )
-from autopar.plan import Plan
-from autopar.runtime.launch import launch
-from autopar.runtime.verify import _compare, _rank_run_all, plan_with_layout, single_device_run
+from autopar.verify.oracle import _compare, _rank_run_all, plan_with_layout, single_device_run
 from examples.models import gpt, gpt2_tiny, gpt2_tiny4, llama_tiny
 
 TOL = 1e-5
@@ -292,7 +292,7 @@ def test_marks_that_cannot_be_honoured_are_refused_in_one_line():
 
 
 def test_dropout_is_replayed_with_its_mask_and_keyed_to_the_forward_draw():
-    """autopar draws dropout's numbers from a key (autopar.rng), so a replay draws the forward's mask."""
+    """autopar draws dropout's numbers from a key (autopar.ops.rng), so a replay draws the forward's mask."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
     c = capture(model, torch.randn(4, 8), loss_fn=lambda out: out.sum())

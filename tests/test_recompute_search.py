@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.capture import capture, node_phase
-from autopar.passes.recompute import apply_recompute, can_recompute, layer_of, recompute_layers
-from autopar.passes.recompute_settings import SETTINGS, attention_core
-from autopar.passes.recost import estimate_plan
-from autopar.plan import Plan
-from autopar.report import report_html
+from autopar.capture.joint import capture, node_phase
+from autopar.plans.plan import Plan
+from autopar.plans.report import report_html
+from autopar.search.recost import estimate_plan
+from autopar.search.sharding.recompute import apply_recompute, can_recompute, layer_of, recompute_layers
+from autopar.search.sharding.recompute_settings import SETTINGS, attention_core
 from examples.models import gpt, gpt2_tiny
 
 

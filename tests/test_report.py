@@ -10,9 +10,9 @@ import pytest
 
 import autopar
 from autopar import Cluster, Plan
-from autopar.pictures import all_pngs, pipeline_schedule, save_pictures
-from autopar.plan import Estimate, MemoryEstimate
-from autopar.report import report_html, write_report
+from autopar.cost_models.estimate import Estimate, MemoryEstimate
+from autopar.plans.pictures import all_pngs, pipeline_schedule, save_pictures
+from autopar.plans.report import report_html, write_report
 from examples.models import mlp_tiny
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from autopar.cluster import Cluster, MeshShape
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import collectives_between, redistribute_time, shard_factor
+from autopar.hardware.cluster import Cluster, MeshShape
 
 CLUSTER = Cluster.preset("dgx-h100", nodes=2)
 MESH = MeshShape(dp=2, tp=8, pp=1)
@@ -120,7 +120,7 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.passes.shard import LocalGraph, _redistribute, placements
+    from autopar.codegen.shard import LocalGraph, _redistribute, placements
 
     local = list(shape)
     for p, n in zip(src, mesh.shape, strict=True):

@@ -1,4 +1,4 @@
-"""Random ops under a plan: sharded like element-wise ops, drawn from keys (autopar.rng).
+"""Random ops under a plan: sharded like element-wise ops, drawn from keys (autopar.ops.rng).
 
 One process: the counter-based ("exact") numbers of a shard equal the same
 elements of a whole draw, under any micro-batching and with local batches;
@@ -28,14 +28,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar import rng
-from autopar.capture import capture
-from autopar.graph_cache import resize_batch
-from autopar.passes.random_ops import KEYED_KERNELS, RANDOM_OPS, is_random, op_numbers, run_local
-from autopar.passes.strategies import enumerate_strategies
-from autopar.passes.transfer import same_graph, transfer_placements
+from autopar.capture.joint import capture
+from autopar.codegen.transfer import same_graph, transfer_placements
+from autopar.cost_models.graph_cache import resize_batch
+from autopar.ops import rng
 from autopar.runtime.launch import launch
-from autopar.runtime.verify import check_plans, plan_with_layout, plan_with_pipeline, random_placements
+from autopar.search.sharding.random_ops import KEYED_KERNELS, RANDOM_OPS, is_random, op_numbers, run_local
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, plan_with_layout, plan_with_pipeline, random_placements
 from examples.models import gpt2_tiny4_dropout
 
 aten = torch.ops.aten
@@ -130,7 +130,7 @@ def test_random_ops_shard_with_no_fallback(caplog):
     with caplog.at_level(logging.WARNING):
         strategies = enumerate_strategies(captured.gm, (2, 2))
     randoms = [n for n in captured.gm.graph.nodes if is_random(n)]
-    # attention's dropout is one fused op, as on a GPU (autopar.dropout_attention), not a bernoulli
+    # attention's dropout is one fused op, as on a GPU (autopar.ops.dropout_attention), not a bernoulli
     assert {str(n.target) for n in randoms} == {
         "aten.native_dropout.default",
         "autopar.dropout_attention.default",
@@ -159,7 +159,7 @@ def fake_world():
 def _sharded(captured, placements):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.passes.shard import shard_graph
+    from autopar.codegen.shard import shard_graph
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return shard_graph(captured, placements, mesh)

@@ -18,14 +18,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar.capture import capture
-from autopar.cluster import MeshShape
+from autopar.capture.joint import capture
+from autopar.codegen.shard import shard_graph
 from autopar.cost_models.memory import precision_spec
-from autopar.passes.search import solve_mesh
-from autopar.passes.seeds import seed_filter
-from autopar.passes.shard import shard_graph
+from autopar.hardware.cluster import MeshShape
 from autopar.runtime.grad_accumulation import GradAccumulator
-from autopar.runtime.verify import check_plans, loss_split_layout, plan_with_layout, random_placements
+from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.seeds import seed_filter
+from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_layout, random_placements
 from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
 
 TOL = 1e-5
@@ -267,7 +267,7 @@ def test_a_failing_rank_reports_its_error():
 
 @pytest.mark.parametrize("signal", [6, None])
 def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
-    from autopar.runtime import verify
+    from autopar.verify import oracle as verify
 
     calls = []
 

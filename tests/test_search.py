@@ -5,10 +5,10 @@ import pytest
 
 import autopar
 from autopar import Cluster
-from autopar.capture import capture
+from autopar.capture.joint import capture
 from autopar.cost_models.memory import precision_spec
-from autopar.passes.pipeline_search import pipeline_meshes
-from autopar.passes.search import flat_tp_sizes, search_meshes
+from autopar.search.pipeline.mesh import pipeline_meshes
+from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from examples.models import llama, llama_tiny
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar.passes.solve import MEMORY_RTOL, StrategyProblem, solve_strategies
+from autopar.solver import MEMORY_RTOL, StrategyProblem, solve_strategies
 
 # -- helpers -------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tests for autopar.passes.strategies: candidate shardings per node of the joint graph."""
+"""Tests for autopar.search.sharding.strategies: candidate shardings per node of the joint graph."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.capture import capture
-from autopar.passes.strategies import (
+from autopar.capture.joint import capture
+from autopar.search.sharding.strategies import (
     NodeStrategies,
     Strategy,
     divides,
@@ -165,7 +165,7 @@ def _heads_sharded(ns: NodeStrategies, n_out: int) -> bool:
 @pytest.mark.parametrize("which", ["gpt", "llama"])
 def test_transformers_have_real_strategies(which: str, request: pytest.FixtureRequest, caplog) -> None:
     gm = request.getfixturevalue(f"{which}_graph")
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autopar.search.sharding.strategies"):
         res = enumerate_strategies(gm, MESH)
     _check_graph(gm, res, MESH)
     fell = _fallbacks(res)
@@ -173,7 +173,7 @@ def test_transformers_have_real_strategies(which: str, request: pytest.FixtureRe
     assert len(fell) == 0, fell  # today nothing in these models needs the fallback
     assert not [r for r in caplog.records if r.name.startswith("autopar") and r.levelno >= logging.WARNING]
 
-    # GPT-2's attention has dropout (HF's default): one fused op (autopar.dropout_attention); LLaMA's none
+    # GPT-2's attention has dropout (HF's default): one fused op (autopar.ops.dropout_attention); LLaMA's none
     attn = [ns for ns in res.values() if "flash_attention_for_cpu" in ns.op or "dropout_attention" in ns.op]
     assert len(attn) == 4  # two layers, forward and backward
     for ns in attn:
@@ -209,7 +209,7 @@ def test_vocab_parallel_embedding_keeps_indices_whole(gpt_graph: fx.GraphModule)
 
 
 def test_identical_layers_are_memoized(llama_graph: fx.GraphModule, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="autopar.passes.strategies"):
+    with caplog.at_level(logging.INFO, logger="autopar.search.sharding.strategies"):
         enumerate_strategies(llama_graph, MESH)
     (msg,) = [r.getMessage() for r in caplog.records if "memo hits" in r.getMessage()]
     m = re.search(r"(\d+) computed, (\d+) memo hits", msg)
@@ -241,7 +241,7 @@ class _Cdist(nn.Module):
 
 def test_op_without_rule_is_replicated_with_one_warning(caplog) -> None:
     cg = capture(_Cdist(), (torch.randn(16, 8),))
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autopar.search.sharding.strategies"):
         res = enumerate_strategies(cg.gm, (2, 2))
     _check_graph(cg.gm, res, (2, 2))
     fell = [ns for ns in res.values() if ns.rule == "replicated-fallback"]
@@ -252,7 +252,7 @@ def test_op_without_rule_is_replicated_with_one_warning(caplog) -> None:
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and r.name.startswith("autopar.passes")
+        if r.levelno == logging.WARNING and r.name.startswith("autopar.search")
     ]
     assert len(warnings) == 2  # one per op name, not per node
     assert any("_cdist_forward" in w for w in warnings) and any("_cdist_backward" in w for w in warnings)
@@ -278,7 +278,7 @@ def test_functional_writes_and_constants_have_rules(caplog) -> None:
     """copy: DTensor's rule for its in-place twin copy_; floor_divide(x, 2): DTensor's decomposition, with the
     scalar among the arguments; fill.Tensor: autopar's rule; an op on a model constant: whole on every rank."""
     cg = capture(_ShiftedLabels(), (torch.randint(0, 16, (8, 6)),))
-    with caplog.at_level(logging.WARNING, logger="autopar.passes.strategies"):
+    with caplog.at_level(logging.WARNING, logger="autopar.search.sharding.strategies"):
         res = enumerate_strategies(cg.gm, (2, 2))
     assert "no sharding rule" not in caplog.text
     by_op = {ns.op: ns for ns in res.values()}

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar.capture import capture
-from autopar.passes.shard import flat_chunk_numel, shard_graph
-from autopar.plan import Plan
+from autopar.capture.joint import capture
+from autopar.codegen.shard import flat_chunk_numel, shard_graph
+from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.memory_tracker import track_memory
-from autopar.runtime.verify import _compare, _rank_run_all, check_plans, plan_with_layout, single_device_run
 from autopar.runtime.zero import zero_stages
+from autopar.verify.oracle import _compare, _rank_run_all, check_plans, plan_with_layout, single_device_run
 from examples.models import gpt2_tiny
 
 TOL = 1e-5

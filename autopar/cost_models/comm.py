@@ -26,7 +26,7 @@ import logging
 import numbers
 from typing import Any
 
-from autopar.cluster import Cluster, Link, MeshShape
+from autopar.hardware.cluster import Cluster, Link, MeshShape
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ PHASES = ("forward", "backward")
 
 
 class DeviceLike(Protocol):
-    """What the roofline needs from a device; ``autopar.cluster.DeviceSpec`` has both.
+    """What the roofline needs from a device; ``autopar.hardware.cluster.DeviceSpec`` has both.
 
     A Protocol rather than an import so that this module works with any
     device description (tests use a two-field stand-in).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import operator
 
-from autopar.capture import CapturedGraph, node_phase
+from autopar.capture.joint import CapturedGraph, node_phase
 from autopar.cost_models.compute import graph_compute, is_view, node_bytes
 from autopar.cost_models.memory import saved_activation_bytes
 from autopar.cost_models.step import GraphStats

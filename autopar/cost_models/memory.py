@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.errors import PlanError
+from autopar.core.errors import PlanError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ How the changes of several mesh dims combine is not re-derived here: the
 steps are DTensor's own.  :func:`collectives_between` asks DTensor's
 redistribution planner (``torch.distributed.tensor._redistribute.
 _gen_transform_infos_non_cached``, the one ``DTensor.redistribute`` follows
-when the runtime, :func:`autopar.passes.shard._to`, moves a value) for the
+when the runtime, :func:`autopar.codegen.shard._to`, moves a value) for the
 transform steps on a shape-only mesh, with a tensor that every mesh dim
 divides evenly.  That settles what a per-mesh-dim table cannot: a tensor dim
 sharded over several mesh dims is cut outermost mesh dim first, so an outer
@@ -43,22 +43,18 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Sequence
 
-from autopar.cluster import Link
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+from autopar.core.mesh import fake_mesh
+from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
 from autopar.cost_models.comm import collective_time
-
-Placements = tuple[str, ...]
-
-_SHARD = re.compile(r"S\((\d+)\)")
+from autopar.hardware.cluster import Link
 
 INF = math.inf
-
-
-def shard_dim(p: str) -> int | None:
-    m = _SHARD.fullmatch(p)
-    return int(m.group(1)) if m else None
 
 
 def shard_factor(placements: Placements, mesh_shape: Sequence[int]) -> int:
@@ -136,7 +132,7 @@ def _steps(
 def _runtime_request(src: Placements, dst: Placements) -> tuple[Placements, Placements]:
     """The (from, to) the runtime hands to ``DTensor.redistribute`` for ``src`` → ``dst``.
 
-    Mirrors :func:`autopar.passes.shard._to`: a partial average that is to
+    Mirrors :func:`autopar.codegen.shard._to`: a partial average that is to
     change becomes a partial sum locally (rescaled); a wanted partial the value
     is not already in is asked of DTensor as a replica, then kept as a partial
     locally (DTensor makes no partial from another placement with communication).
@@ -163,23 +159,18 @@ def _dtensor_transforms(
     strategy it picks at run time), for a tensor whose every dim each mesh dim
     divides.  Run on a fake mesh, so it needs no process group.
     """
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
-
-    from autopar.passes.strategies import _placement_obj
-
     dims = [shard_dim(p) for p in (*src, *dst)]
     ndim = max([d for d in dims if d is not None], default=0) + 1
     mesh, meta = _fake_mesh_and_meta(mesh_shape, ndim)
-    a = DTensorSpec(mesh, tuple(_placement_obj(p) for p in src), meta)
-    b = DTensorSpec(mesh, tuple(_placement_obj(p) for p in dst), meta)
+    a = DTensorSpec(mesh, tuple(to_dtensor(p) for p in src), meta)
+    b = DTensorSpec(mesh, tuple(to_dtensor(p) for p in dst), meta)
     out = []
     for info in _gen_transform_infos_non_cached(a, b):
         was, now = info.src_dst_placements
-        kind = _KIND.get((_letter(was), _letter(now)))
+        kind = _KIND.get((from_dtensor(was)[0], from_dtensor(now)[0]))
         if kind == "all_to_all" and was == now:
             kind = None  # same shard on both sides: nothing moves
-        out.append((info.mesh_dim, _plain_str(now), kind))
+        out.append((info.mesh_dim, from_dtensor(now), kind))
     return out
 
 
@@ -189,32 +180,12 @@ def _fake_mesh_and_meta(mesh_shape: tuple[int, ...], ndim: int):
 
     Kept alive here: DTensor caches its planners per live mesh.
     """
-    import torch
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-
-    from autopar.passes.strategies import fake_mesh
-
     size = max(math.prod(mesh_shape), 1)
     meta = TensorMeta(
         torch.Size([size] * ndim), tuple(size ** (ndim - 1 - i) for i in range(ndim)), torch.float32
     )
     mesh = fake_mesh(mesh_shape, tuple(f"d{i}" for i in range(len(mesh_shape))))
     return mesh, meta
-
-
-def _plain_str(p) -> str:
-    letter = _letter(p)
-    if letter == "S":
-        return f"S({p.dim})"
-    if letter == "P":
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    return "R"
-
-
-def _letter(p) -> str:
-    if p.is_shard():
-        return "S"
-    return "P" if p.is_partial() else "R"
 
 
 def redistribute_time(
@@ -227,3 +198,31 @@ def redistribute_time(
     if steps is None:
         return INF
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
+
+
+def grad_sync_steps(
+    have: tuple[str, ...],
+    need: tuple[str, ...],
+    zero: int,
+    nbytes: float,
+    mesh_shape: tuple[int, ...],
+    dp_dim: int | None,
+) -> list[tuple[str, int, float]] | None:
+    """The collectives that bring a value placed ``have`` to ``need`` (None: not possible).
+
+    For the gradient of a ZeRO-1/2 parameter (``zero`` > 0): the gradient is brought to
+    the parameter's placement on the other mesh dims, and its dp-partial sum is then
+    reduce-scattered over dp into flat chunks (a gradient that is not partial over dp is
+    cut locally), as :mod:`autopar.runtime.zero` does.
+    """
+    if not zero or dp_dim is None:
+        return collectives_between(have, need, nbytes, mesh_shape)
+    partial = have[dp_dim].startswith("P")
+    keep = tuple((have[d] if partial else "R") if d == dp_dim else need[d] for d in range(len(mesh_shape)))
+    steps = collectives_between(have, keep, nbytes, mesh_shape)
+    if steps is None:
+        return None
+    if partial:
+        local = nbytes / shard_factor(keep, mesh_shape)  # the whole buffer each dp rank reduces
+        steps = [*steps, ("reduce_scatter", dp_dim, local)]
+    return steps

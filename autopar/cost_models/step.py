@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, ComputeSummary
+from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.memory import (
     Precision,
     model_state_bytes,
     optimizer_bytes_per_param,
 )
-from autopar.plan import Estimate, MemoryEstimate
 
 # DDP's default gradient bucket; also the granularity of ZeRO's overlapped communication.
 BUCKET_BYTES = 25e6

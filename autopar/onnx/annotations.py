@@ -21,12 +21,12 @@ from typing import Any
 
 import onnx
 
-from autopar.errors import AutoparError, PlanFormatError
-from autopar.plan import Plan
+from autopar.core.errors import AutoparError, PlanFormatError
+from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
-AXES = ("dp", "tp")  # mesh axes of a placement list: the order of autopar.passes.search.AXES
+AXES = ("dp", "tp")  # mesh axes of a placement list: the order of autopar.search.sharding.mesh.AXES
 CONFIGURATION = "autopar"  # name of the DeviceConfigurationProto autopar writes
 PLAN_KEY = "autopar.plan"  # ModelProto.metadata_props: the plan's JSON
 NODE_KEY = "autopar.sharding"  # NodeProto.metadata_props: {tensor: {"placements", "plan_node"}}

@@ -1,7 +1,7 @@
 """Export: the model's forward through torch.onnx, paired with the plan's joint graph, then annotated.
 
 The plan speaks of nodes of autopar's joint training graph (dispatcher-level
-ATen, captured with ``autopar.capture``); the ONNX file holds the graph
+ATen, captured with ``autopar.capture.joint``); the ONNX file holds the graph
 ``torch.onnx.export`` traced for inference. They are two traces of one
 forward, so they are paired by what both keep: parameter names (the
 initializers), input names, and for ops the module path, the kind of op,
@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.capture import CapturedGraph, _hf_no_cache, node_module, node_phase
+from autopar.capture.joint import CapturedGraph, _hf_no_cache, node_module, node_phase
+from autopar.core.errors import RuntimeMismatchError
+from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.graph_stats import model_fingerprint
-from autopar.errors import RuntimeMismatchError
-from autopar.graph_cache import captured_with_stats, example_batch
 from autopar.onnx.annotations import (
     AXES,
     CONFIGURATION,
@@ -42,7 +42,7 @@ from autopar.onnx.annotations import (
     read_onnx_plan,
     world_of,
 )
-from autopar.plan import Plan
+from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 

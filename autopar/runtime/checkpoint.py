@@ -21,12 +21,12 @@ handed to DCP as the boxes it covers (:mod:`autopar.runtime.checkpoint_chunks`).
 
 Under a pipeline plan each rank holds only its stages' parameters, on its
 stage's dp × tp sub-mesh: the ranks of all stages together write every
-weight once (a weight untied across stages, :func:`autopar.passes.stages.untie_across_stages`,
+weight once (a weight untied across stages, :func:`autopar.search.pipeline.stages.untie_across_stages`,
 is laid out alike on every stage that holds it, so DCP keeps one copy), and a
 load reads into each rank only what its stages hold.
 
 A load checks the checkpoint against the model (names, shapes, optimizer
-class) on every rank first, and raises :class:`~autopar.errors.CheckpointError`
+class) on every rank first, and raises :class:`~autopar.core.errors.CheckpointError`
 on all ranks alike before any tensor is read, so a bad path cannot hang a job.
 """
 
@@ -37,7 +37,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,14 +48,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from autopar.errors import CheckpointError
-from autopar.passes.shard import placements
+from autopar.capture.joint import TensorInfo
+from autopar.codegen.shard import placements
+from autopar.core.errors import CheckpointError
 from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner
-
-if TYPE_CHECKING:
-    from autopar.capture import TensorInfo
-    from autopar.runtime.parallel_module import RankModule
-    from autopar.runtime.zero import ZeroChunks
+from autopar.runtime.zero import ZeroChunks
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +78,7 @@ class _Weight:
 
 
 @dataclass
-class _Layout:
+class Layout:
     """The tensors of one rank (its shards under a plan, or a whole model) and how to hand them to DCP."""
 
     weights: list[_Weight]  # one per name
@@ -126,7 +123,7 @@ def sharded_layout(
     held: list[tuple[TensorInfo, torch.Tensor, tuple[str, ...], int | None]],
     zero: ZeroChunks | None,
     model: list[TensorInfo],
-) -> _Layout:
+) -> Layout:
     """What one rank holds under a plan, from ``(info, local tensor, spec, parameter slot)`` per tensor.
 
     The slot indexes the rank's parameters (its ZeRO chunks); a buffer has
@@ -153,16 +150,16 @@ def sharded_layout(
             w.chunk = (start, min(start + n, local.numel()), n)
             owners[id(zero.chunk(slot))] = (w, True)
         owners[id(local)] = (w, False)
-    return _Layout(weights, owners, mesh, {i.name: tuple(i.shape) for i in model}, copies)
+    return Layout(weights, owners, mesh, {i.name: tuple(i.shape) for i in model}, copies)
 
 
-def _single_layout(model: nn.Module) -> _Layout:
+def _single_layout(model: nn.Module) -> Layout:
     weights, owners = [], {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         w = _Weight(name, t, tuple(t.shape))
         weights.append(w)
         owners[id(t)] = (w, False)
-    return _Layout(weights, owners, None, {w.name: w.shape for w in weights})
+    return Layout(weights, owners, None, {w.name: w.shape for w in weights})
 
 
 # ---------------------------------------------------------------- save
@@ -177,7 +174,7 @@ def _like_param(p: torch.Tensor, key: str, v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.shape == p.shape and (v.dim() > 0 or key != "step")
 
 
-def _saved_state(layout: _Layout, p: torch.Tensor, w: _Weight, chunked: bool, key: str, v: Any) -> Any:
+def _saved_state(layout: Layout, p: torch.Tensor, w: _Weight, chunked: bool, key: str, v: Any) -> Any:
     """One optimizer state value as DCP should see it (laid out like its parameter where it has its shape)."""
     if not isinstance(v, torch.Tensor):
         return v
@@ -192,7 +189,7 @@ def _saved_state(layout: _Layout, p: torch.Tensor, w: _Weight, chunked: bool, ke
     return v.detach()
 
 
-def _state_dict(layout: _Layout, optimizer: torch.optim.Optimizer | None, writer: str) -> dict[str, Any]:
+def _state_dict(layout: Layout, optimizer: torch.optim.Optimizer | None, writer: str) -> dict[str, Any]:
     sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.wrap(w, w.local.detach()) for w in layout.weights}
     info: dict[str, Any] = {"format": FORMAT, "writer": writer, "optimizer": None}
     if optimizer is not None:
@@ -234,8 +231,8 @@ def _merge_over_ranks(ours: dict[str, Any]) -> dict[str, Any]:
     return {"class": ours["class"], "param_groups": groups, "like_param": like}
 
 
-def _save(
-    layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, writer: str
+def save_layout(
+    layout: Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, writer: str
 ) -> None:
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -288,7 +285,7 @@ def _read_info(path: str) -> tuple[Metadata, dict[str, Any]]:
     return metadata, info
 
 
-def _check_model(path: str, metadata: Metadata, layout: _Layout) -> None:
+def _check_model(path: str, metadata: Metadata, layout: Layout) -> None:
     """Same names and shapes as the model, or a one-line error naming the first difference."""
     saved = {k[len(MODEL) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL)}
     ours = layout.model
@@ -327,7 +324,7 @@ def _check_optimizer(path: str, info: dict[str, Any], optimizer: torch.optim.Opt
     return saved
 
 
-def _agree(layout: _Layout, check: Any) -> Any:
+def _agree(layout: Layout, check: Any) -> Any:
     """``check()`` on every rank; if it fails anywhere, the same CheckpointError on every rank (no hang)."""
     error, result = None, None
     try:
@@ -346,7 +343,7 @@ def _agree(layout: _Layout, check: Any) -> Any:
 
 
 def _optimizer_targets(
-    layout: _Layout, metadata: Metadata, optimizer: torch.optim.Optimizer, like_param: set[str]
+    layout: Layout, metadata: Metadata, optimizer: torch.optim.Optimizer, like_param: set[str]
 ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, str, dict[str, str]]]]:
     """Where each saved optimizer value of this rank's parameters is read into, and the keys per parameter."""
     saved_keys: dict[str, dict[str, str]] = {}  # name -> state key -> checkpoint key
@@ -413,7 +410,7 @@ def _restore_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _load(layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None) -> None:
+def load_layout(layout: Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None) -> None:
     t0 = time.perf_counter()
     path = os.fspath(path)
 
@@ -447,19 +444,6 @@ def _load(layout: _Layout, path: str | os.PathLike, optimizer: torch.optim.Optim
 # ---------------------------------------------------------------- public
 
 
-def save_rank(pm: RankModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """``pm.save``: each rank writes its shards (and optimizer state) under the model's names; a collective."""
-    mesh = dict(zip(pm.mesh.mesh_dim_names or (), pm.mesh.shape, strict=False))
-    _save(pm._checkpoint_layout(), path, optimizer, f"{type(pm).__name__} {mesh}")
-
-
-def load_rank(pm: RankModule, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """``pm.load``: each rank reads its shards of a checkpoint written under any plan; a collective."""
-    _load(pm._checkpoint_layout(), path, optimizer)
-    if pm._zero is not None:
-        pm._zero.load_from_params()  # the chunks follow the loaded parameters
-
-
 def save_single(
     model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -467,7 +451,7 @@ def save_single(
 
     Needs no process group (DCP's single-process path), even inside a job.
     """
-    _save(_single_layout(model), path, optimizer, "single device")
+    save_layout(_single_layout(model), path, optimizer, "single device")
 
 
 def load_single(
@@ -478,27 +462,23 @@ def load_single(
     The weights are copied into the model's tensors in place; the optimizer
     (over ``model.parameters()``) takes the saved state and hyperparameters.
     """
-    _load(_single_layout(model), path, optimizer)
+    load_layout(_single_layout(model), path, optimizer)
 
 
-def _gather_chunk(pm: RankModule, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
-    zero = pm._zero
+def _gather_chunk(zero: ZeroChunks, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
     out = torch.empty(w.chunk[2] * zero.size, dtype=chunk.dtype, device=chunk.device)
     dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=zero.group)
     return out[: w.local.numel()].view(w.local.shape)
 
 
-def full_optimizer_state(
-    owner: RankModule | nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, dict[str, Any]]:
+def full_optimizer_state(owner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """The optimizer's state by parameter name, every tensor whole (under a plan: a collective on every rank).
 
-    For tests and inspection: it builds each whole tensor on every rank,
-    ZeRO chunks all-gathered first; a checkpoint never does.
+    ``owner``: a single-device model, or a rank's parallel module (which knows
+    its checkpoint layout). For tests and inspection: it builds each whole
+    tensor on every rank, ZeRO chunks all-gathered first; a checkpoint never does.
     """
-    from autopar.runtime.parallel_module import RankModule
-
-    parallel = isinstance(owner, RankModule)
+    parallel = hasattr(owner, "_checkpoint_layout")
     layout = owner._checkpoint_layout() if parallel else _single_layout(owner)
     out: dict[str, dict[str, Any]] = {}
     for p, w, chunked in layout.optimizer_params(optimizer):
@@ -506,7 +486,7 @@ def full_optimizer_state(
         for key in sorted(optimizer.state.get(p, {})):
             v = optimizer.state[p][key]
             if parallel and _like_param(p, key, v):
-                local = _gather_chunk(owner, w, v) if chunked else v.detach()
+                local = _gather_chunk(owner._zero, w, v) if chunked else v.detach()
                 v = layout.wrap(w, local).full_tensor()
             entry[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
     return owner._gather_stages(out) if parallel else out

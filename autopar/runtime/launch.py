@@ -8,7 +8,7 @@ process group on the cluster's backend (gloo for ``Cluster.local``), calls
 
 A rank that raises or dies ends the job: the launcher stops the other ranks at
 once, so none hangs in a collective waiting for it, and raises
-:class:`~autopar.errors.LaunchError` naming the rank and its error.
+:class:`~autopar.core.errors.LaunchError` naming the rank and its error.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.cluster import Cluster
-from autopar.errors import LaunchError
+from autopar.core.errors import LaunchError
+from autopar.hardware.cluster import Cluster
 
 log = logging.getLogger(__name__)
 

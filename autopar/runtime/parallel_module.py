@@ -1,6 +1,6 @@
 """ParallelModule: one rank's share of the model, trained by running its local joint graph.
 
-The local joint graph (:mod:`autopar.passes.shard`) maps this rank's parameter,
+The local joint graph (:mod:`autopar.codegen.shard`) maps this rank's parameter,
 state and input shards to the loss and this rank's gradient shards, with every
 collective inside.  A training step is one call of that graph per micro-batch,
 without autograd: the backward is already in the graph.  The module owns the
@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,18 +23,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autopar import rng as rng_state
-from autopar.capture import CapturedGraph, input_tensors
-from autopar.errors import RuntimeMismatchError
-from autopar.passes.shard import LocalGraph, placements
-from autopar.plan import Plan
+from autopar.capture.joint import CapturedGraph, input_tensors
+from autopar.codegen.shard import LocalGraph, placements
+from autopar.core.errors import RuntimeMismatchError
+from autopar.ops import rng as rng_state
+from autopar.plans.plan import Plan
+from autopar.runtime.checkpoint import Layout, load_layout, save_layout, sharded_layout
 from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
 from autopar.runtime.zero import ZeroChunks
-
-if TYPE_CHECKING:
-    from autopar.runtime.checkpoint import _Layout
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +125,7 @@ class RankModule(nn.Module):
     dp_size: int
 
     def _init_rng(self, mode: str, seed: int, rows: int) -> None:
-        """Random ops draw under ``mode`` ("fast" or "exact", :mod:`autopar.rng`) from ``seed``.
+        """Random ops draw under ``mode`` ("fast" or "exact", :mod:`autopar.ops.rng`) from ``seed``.
 
         ``rows``: the batch of one micro-batch, the generated graph's batch.
         """
@@ -185,9 +183,8 @@ class RankModule(nn.Module):
         included) under the model's own names with ``torch.distributed.checkpoint``;
         see :mod:`autopar.runtime.checkpoint`.  ``optimizer``: the one ``make_optimizer`` built.
         """
-        from autopar.runtime.checkpoint import save_rank
-
-        save_rank(self, path, optimizer)
+        mesh = dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False))
+        save_layout(self._checkpoint_layout(), path, optimizer, f"{type(self).__name__} {mesh}")
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint written under any plan (or by ``save_single``) into this rank's shards (a collective).
@@ -196,11 +193,11 @@ class RankModule(nn.Module):
         hyperparameters are restored too.  A checkpoint of another model is
         refused on every rank before anything is read.
         """
-        from autopar.runtime.checkpoint import load_rank
+        load_layout(self._checkpoint_layout(), path, optimizer)
+        if self._zero is not None:
+            self._zero.load_from_params()  # the chunks follow the loaded parameters
 
-        load_rank(self, path, optimizer)
-
-    def _checkpoint_layout(self) -> _Layout:
+    def _checkpoint_layout(self) -> Layout:
         """What this rank holds, as :mod:`autopar.runtime.checkpoint` hands it to DCP."""
         raise NotImplementedError
 
@@ -359,9 +356,7 @@ class ParallelModule(RankModule):
             out[info.name] = None if g is None else self._full(g, spec, info.shape)
         return out
 
-    def _checkpoint_layout(self) -> _Layout:
-        from autopar.runtime.checkpoint import sharded_layout
-
+    def _checkpoint_layout(self) -> Layout:
         n = len(self.shards)
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         tensors = zip(self._infos, [*self.shards, *state], [*self._param_specs, *self._state_specs], strict=True)

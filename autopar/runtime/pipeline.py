@@ -8,7 +8,7 @@ GPipe is ``ScheduleGPipe``'s order, 1F1B is the order ``Schedule1F1B``
 runs, interleaved 1F1B is ``ScheduleInterleaved1F1B``'s.
 
 The *work* is autopar's: a stage is not an ``nn.Module`` run under autograd
-but two graphs (:mod:`autopar.passes.stage_split`), the forward and the
+but two graphs (:mod:`autopar.codegen.stage_split`), the forward and the
 backward of the stage's share of the local joint graph, with every tensor- and
 data-parallel collective inside.  The executor here runs those graphs for each
 action, keeps what a forward saves for its backward until that backward runs,
@@ -35,88 +35,12 @@ from torch.distributed.pipelining.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
     _Action,
-    _add_send_recv,
 )
 
-from autopar.cost_models.pipeline import schedule_name
-from autopar.passes.stage_split import StageGraphs, ValueSpec
+from autopar.codegen.stage_split import StageGraphs, ValueSpec
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class _StageStub:
-    """What torch's schedule classes read off a stage to write their action lists."""
-
-    stage_index: int
-    num_stages: int
-    group_rank: int
-    group_size: int
-    submod: object = None
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
-
-def schedule_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> dict[int, list[_Action]]:
-    """Every rank's actions (compute, sends and receives) for ``stages`` stages on ``ranks`` pipeline ranks.
-
-    Stage ``s`` runs on rank ``s % ranks`` (round-robin, as interleaved 1F1B
-    deals them).  Actions other than forward, backward, send and receive
-    (FSDP's unshard / reshard, gradient reduction) are dropped: autopar's
-    graphs reduce their gradients themselves.
-    """
-    schedule = schedule_name(schedule)
-    if schedule in ("GPipe", "1F1B"):
-        if stages != ranks:
-            raise ValueError(f"{schedule} runs one stage per rank; use the interleaved schedule for more")
-        if schedule == "GPipe":
-            order = ScheduleGPipe(_StageStub(0, stages, 0, ranks), microbatches).pipeline_order
-        else:
-            order = _one_f_one_b(stages, microbatches)
-        compute = {
-            r: [a for a in acts if a is not None and a.computation_type in (FORWARD, FULL_BACKWARD)]
-            for r, acts in order.items()
-        }
-        actions = _add_send_recv(compute, stage_to_rank=lambda s: s % ranks, num_stages=stages)
-    else:
-        per_rank = stages // ranks
-        if per_rank * ranks != stages:
-            raise ValueError(f"{stages} stages do not deal evenly onto {ranks} pipeline ranks")
-        stubs = [_StageStub(k * ranks, stages, 0, ranks) for k in range(per_rank)]
-        actions = ScheduleInterleaved1F1B(stubs, microbatches).pipeline_order_with_comms
-    keep = (FORWARD, FULL_BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B)
-    return {r: [a for a in acts if a.computation_type in keep] for r, acts in actions.items()}
-
-
-def _one_f_one_b(stages: int, microbatches: int) -> dict[int, list[_Action]]:
-    """Each stage's compute order under ``Schedule1F1B``: its warm-up forwards, then a backward and a forward.
-
-    The order torch's ``Schedule1F1B._step_microbatches`` runs (stage ``s``
-    warms up with ``min(m, p − s)`` forwards, so at most ``p − s`` micro-batches
-    are in flight), written as actions for the send/receive lowering: that
-    class's own action list (``pipeline_order``) is written for its
-    visualiser and does not match what it runs.
-    """
-    out = {}
-    for s in range(stages):
-        warm = min(microbatches, stages - s)
-        acts = [_Action(s, FORWARD, i) for i in range(warm)]
-        f, b = warm, 0
-        while f < microbatches:
-            acts += [_Action(s, FULL_BACKWARD, b), _Action(s, FORWARD, f)]
-            f, b = f + 1, b + 1
-        acts += [_Action(s, FULL_BACKWARD, i) for i in range(b, microbatches)]
-        out[s] = acts
-    return out
-
 
 @dataclass
 class StageRunner:

@@ -9,7 +9,7 @@ step splits the batch into the plan's micro-batches and runs the schedule
 :class:`~autopar.runtime.parallel_module.ParallelModule` (each micro-batch
 weighted by its share of the loss, :mod:`autopar.runtime.loss_weights`;
 ZeRO-1/2 chunks alike), the gradients of a parameter untied
-across stages (:func:`autopar.passes.stages.untie_across_stages`) are summed
+across stages (:func:`autopar.search.pipeline.stages.untie_across_stages`) are summed
 over the stages holding it, and the loss is sent from the last stage to every
 rank, so ``train_step`` returns the same loss everywhere.
 """
@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.capture import CapturedGraph, input_tensors
-from autopar.passes.shard import LocalGraph
-from autopar.passes.stage_split import StageGraphs
-from autopar.plan import Plan
+from autopar.capture.joint import CapturedGraph, input_tensors
+from autopar.codegen.shard import LocalGraph
+from autopar.codegen.stage_split import StageGraphs
+from autopar.cost_models.schedule import schedule_actions
+from autopar.plans.plan import Plan
+from autopar.runtime.checkpoint import Layout, sharded_layout
 from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.parallel_module import (
@@ -39,11 +41,8 @@ from autopar.runtime.parallel_module import (
     full_tensor,
     model_aliases,
 )
-from autopar.runtime.pipeline import StageRunner, run_schedule, schedule_actions
+from autopar.runtime.pipeline import StageRunner, run_schedule
 from autopar.runtime.zero import ZeroChunks
-
-if TYPE_CHECKING:
-    from autopar.runtime.checkpoint import _Layout
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +269,7 @@ class PipelineParallelModule(RankModule):
         out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
         return out
 
-    def _checkpoint_layout(self) -> _Layout:
-        from autopar.runtime.checkpoint import sharded_layout
-
+    def _checkpoint_layout(self) -> Layout:
         held = [(self._infos[i], self.shards[k], self._specs[i], k) for k, i in enumerate(self._params)]
         held += [
             (self._infos[i], getattr(self, f"state_{k}"), self._specs[i], None)

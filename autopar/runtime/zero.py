@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.passes.shard import flat_chunk_numel
-from autopar.plan import Plan
+from autopar.codegen.shard import flat_chunk_numel
+from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class ZeroChunks:
         reduce-scattered, or a gradient the plan already reduced, of which the
         chunk is cut locally.  One reduction at a time: gloo's CPU collectives
         corrupt the heap with several in flight on one group (see
-        :func:`autopar.passes.shard.schedule_collectives`), and nothing is left
+        :func:`autopar.codegen.shard.schedule_collectives`), and nothing is left
         to overlap them with at the end of the step.
         """
         for i, (g, summed) in partial.items():

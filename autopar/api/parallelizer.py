@@ -1,0 +1,248 @@
+"""``autopar.parallelize``: inside each rank of a launched job, the plan becomes a ParallelModule.
+
+Order: check the job against the plan (world size, model) before any
+collective runs → agree on the weights (rank 0's, as DDP does) → capture the
+model at the plan's micro-batch → recompute as the plan marks it → the local
+joint graph of this rank → the module that owns this rank's shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.api.planner import plan as make_plan
+from autopar.capture.joint import capture, node_phase
+from autopar.codegen.shard import shard_graph
+from autopar.codegen.stage_split import split_stages
+from autopar.codegen.transfer import transfer_name, transfer_placements
+from autopar.core.errors import PlanError, RuntimeMismatchError
+from autopar.cost_models.graph_cache import resize_batch
+from autopar.cost_models.graph_stats import model_fingerprint
+from autopar.cost_models.memory import precision_spec
+from autopar.cost_models.pipeline import schedule_name
+from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.ops.rng import check_mode
+from autopar.plans.plan import Plan
+from autopar.runtime.parallel_module import ParallelModule
+from autopar.runtime.pipeline_module import PipelineParallelModule
+from autopar.runtime.zero import zero_stages
+from autopar.search.pipeline.stages import stage_of_nodes, untie_across_stages
+from autopar.search.sharding.mesh import AXES, solve_mesh
+from autopar.search.sharding.recompute import apply_recompute
+from autopar.search.sharding.seeds import seed_filter
+
+log = logging.getLogger(__name__)
+
+
+def _process_group(cluster: Cluster) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise RuntimeMismatchError(
+            "parallelize runs inside each rank of a job: start it with autopar.launch(fn, cluster) or torchrun"
+        )
+    dist.init_process_group(cluster.backend or "gloo", timeout=timedelta(seconds=120))
+
+
+def _agree_on_plan(make_plan: Callable[[], Plan]) -> Plan:
+    """Rank 0's plan on every rank: solver time limits make independent solves differ."""
+    box = [make_plan().to_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_dict(box[0])
+
+
+def _check(plan: Plan, model: nn.Module, cluster: Cluster) -> None:
+    world = dist.get_world_size()
+    planned = math.prod(plan.mesh.values())
+    if world != planned:
+        raise RuntimeMismatchError(
+            f"the plan is for {planned} devices but this job has {world} ranks; launch {planned} ranks or re-plan"
+        )
+    if cluster.world_size != world:
+        raise RuntimeMismatchError(
+            f"the cluster has {cluster.world_size} devices but this job has {world} ranks; "
+            "pass the cluster the job runs on"
+        )
+    trainable = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    if model_fingerprint(trainable) != plan.fingerprint:
+        raise RuntimeMismatchError(
+            f"the plan was made for another model ({plan.model}, {plan.num_params:,} parameters; parameter names "
+            f"or shapes differ from this {type(model).__name__}): plan this model"
+        )
+    if plan.mesh.get("pp", 1) > 1 and not plan.stages:
+        raise RuntimeMismatchError("the plan has pp > 1 but no pipeline stages; plan again")
+
+
+def _broadcast_weights(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights, as DDP does."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def layout_placements(
+    captured, plan: Plan, cluster: Cluster, kind: str, split_batch: bool = False
+) -> dict[str, dict]:
+    """Placements of a hand-set layout ("dp", "zero3", "megatron") on the plan's mesh, the rest solved.
+
+    ``split_batch`` also splits every input by batch over the data-parallel
+    axis, as DDP and FSDP do, even where the cost model would rather not.
+    """
+    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
+    params = {p.placeholder: p.name for p in captured.params}
+    inputs = {i.placeholder for i in captured.inputs}
+    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+
+    def allowed(node: str, strategy) -> bool:
+        if split_batch and node in inputs and strategy.outputs[0][0] != "S(0)":
+            return False
+        return seed(node, strategy)
+
+    res = solve_mesh(
+        captured,
+        cluster,
+        mesh,
+        precision_spec(plan.precision),
+        plan.optimizer,
+        float("inf"),
+        30.0,
+        allowed=allowed,
+    )
+    if not res.placements:
+        raise PlanError(f"no {kind} layout found for {plan.model} on mesh {plan.mesh}")
+    return res.placements
+
+
+def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
+    """Placements for a plan the data-parallel model chose (no per-op placements recorded).
+
+    The layout's per-parameter ZeRO stages are dropped: such a plan has one
+    stage for all, ``plan.zero``, which the placements would otherwise override.
+    """
+    placements = layout_placements(captured, plan, cluster, "zero3" if plan.zero == 3 else "dp")
+    return {k: {kk: v for kk, v in e.items() if kk != "zero"} for k, e in placements.items()}
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    *,
+    plan: Plan | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    example_targets: Any = None,
+    rng: str = "fast",
+    seed: int | None = None,
+    **plan_options: Any,
+) -> ParallelModule:
+    """This rank's ParallelModule for ``model`` under ``plan`` (planned on rank 0 when None).
+
+    Call on every rank of the job, with the same model (weights are taken from
+    rank 0) and example inputs of the plan's global batch.
+
+    ``rng``: how random ops (dropout, ``bernoulli``, ``rand*``) draw (:mod:`autopar.ops.rng`).
+    ``"fast"`` (the default) is Megatron-LM's semantics: each data-parallel rank
+    draws its own numbers, tensor-parallel ranks the same numbers for a
+    replicated tensor and their own for the shards of a sharded one.
+    ``"exact"`` keys every element by its index in the global batch, so any
+    plan draws what one device draws under ``"exact"``.  ``seed``: the base of
+    every draw's key; None takes rank 0's ``torch.initial_seed()``.
+    """
+
+    check_mode(rng)
+    _process_group(cluster)
+    if dist.get_world_size() != cluster.world_size:
+        raise RuntimeMismatchError(
+            f"the cluster has {cluster.world_size} devices but this job has {dist.get_world_size()} ranks; "
+            "pass the cluster the job runs on"
+        )
+    if plan is None:
+        plan = _agree_on_plan(
+            lambda: make_plan(
+                model,
+                example_inputs,
+                cluster,
+                loss_fn=loss_fn,
+                example_targets=example_targets,
+                **plan_options,
+            )
+        )
+    _check(plan, model, cluster)  # before any collective: a mismatched job must not hang
+    _broadcast_weights(model)
+    seed = _agree_on_seed(seed)
+    micro = plan.global_batch_size // max(plan.microbatches, 1)
+    captured = capture(
+        model,
+        resize_batch(example_inputs, micro),
+        loss_fn=loss_fn,
+        example_targets=resize_batch(example_targets, micro),
+    )
+    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+    firsts = [s["first"] for s in plan.stages]
+    if plan.placements:  # made on the graph at the global batch: carried onto this micro-batch's graph
+        chosen, names = transfer_placements(plan.placements, captured, shape)
+        firsts = [transfer_name(f, plan.placements, names) for f in firsts]
+    else:
+        chosen = _data_parallel_placements(captured, plan, cluster)
+    missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
+    if missing:
+        raise RuntimeMismatchError(
+            f"the plan places no {missing[0]!r}: it was made for a different graph of {plan.model}; plan again"
+        )
+    captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
+    if plan.mesh.get("pp", 1) > 1:
+        return _pipeline_module(model, captured, chosen, plan, cluster, firsts, rng, seed)
+    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
+    local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
+    log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
+    return ParallelModule(model, captured, local, mesh, plan, rng, seed)
+
+
+def _agree_on_seed(seed: int | None) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()``: every rank must key its draws alike."""
+    box = [seed if seed is not None else torch.initial_seed()]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def _pipeline_module(
+    model: nn.Module,
+    captured,
+    chosen: dict,
+    plan: Plan,
+    cluster: Cluster,
+    firsts: list[str],
+    rng: str,
+    seed: int,
+):
+    """This rank's stages of a pipeline plan: the whole local graph on its stage's sub-mesh, cut to its stages."""
+
+    pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
+    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
+    schedule_name(plan.schedule or "1F1B")
+    stage_of = stage_of_nodes(captured, firsts)
+    captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)
+    phase_of = {n.name: node_phase(n) for n in captured.gm.graph.nodes}
+    stages = zero_stages(captured.params, chosen, plan)
+    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True)
+    me = mesh.get_coordinate()[0]
+    mine = [s for s in range(len(firsts)) if s % pp == me]
+    programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine, len(captured.params), captured.updated)
+    index = {p.placeholder: i for i, p in enumerate(captured.params)}
+    tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
+    log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
+    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied, rng, seed)
+
+
+def cluster_device_type(cluster: Cluster) -> str:
+    return "cpu" if (cluster.backend or "gloo") == "gloo" else "cuda"

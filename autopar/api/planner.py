@@ -1,0 +1,595 @@
+"""``autopar.plan``: the order of the passes, from a model to a Plan.
+
+capture → (a fixed recompute setting carried out) → per-op sharding MILP on every
+dp × tp mesh and pipeline search on pp × dp × tp meshes → choose.
+
+What leaves no sharding to decide (one device, or a pinned data-parallel mesh
+with a fixed micro-batch count and no recompute setting) is costed by the
+analytic data-parallel model instead: ZeRO stage × micro-batch count,
+exhaustively (``_candidates``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
+from autopar.core.errors import PlanError
+from autopar.cost_models.estimate import Estimate
+from autopar.cost_models.graph_cache import captured_with_stats, example_batch
+from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
+from autopar.cost_models.step import Config, GraphStats, estimate_config
+from autopar.hardware.cluster import Cluster
+from autopar.ops.batch_norm import coupling_modules
+from autopar.plans.format import GB
+from autopar.plans.plan import Plan
+from autopar.plans.summary import sharding_facts
+from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines
+from autopar.search.pipeline.preview import Preview
+from autopar.search.pipeline.stages import forward_segments
+from autopar.search.sharding.explain_records import explain_records
+from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
+from autopar.search.sharding.recompute import recomputed
+from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
+
+log = logging.getLogger(__name__)
+
+def plan(
+    model,
+    example_inputs,
+    cluster: Cluster,
+    *,
+    loss_fn: Callable | None = None,
+    example_targets=None,
+    optimizer: str = "adamw",
+    precision: str = "bf16-mixed",
+    global_batch_size: int | None = None,
+    memory_limit: float | None = None,
+    fixed: dict[str, Any] | None = None,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Plan parallel training of ``model`` on ``cluster``.
+
+    ``example_inputs`` is one batch (a tensor, a tuple of positional
+    arguments or a dict of keyword arguments; dim 0 is the batch). The
+    model may live on the meta device. ``fixed`` forces part of the answer
+    (``{"dp": 64, "zero": 3}``); what it leaves open is searched. Its keys are
+    ``dp``, ``tp``, ``pp``, ``zero`` (0-3), ``microbatches``, ``schedule`` and
+    ``recompute``: "none", "selective" (Megatron-LM's: the attention core of every
+    layer), "full" (every layer replayed from its input), or absent: the MILP
+    chooses op by op (:mod:`autopar.search.sharding.recompute_settings`).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(cluster, Cluster):
+        raise PlanError(
+            f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()"
+        )
+    prec = precision_spec(precision)
+    optimizer_states(optimizer)
+    fixed = check_fixed(fixed)
+    cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))  # before any capture
+    limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
+    if limit <= 0:
+        raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
+
+    gbs = example_batch(example_inputs) if global_batch_size is None else global_batch_size
+    if gbs is None:
+        raise PlanError("example_inputs hold no tensor with a batch dimension; pass a batch of inputs")
+    if not isinstance(gbs, int) or gbs < 1:
+        raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
+    # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
+    sharding = searches_sharding(cluster, fixed)
+    captured, stats = captured_with_stats(
+        model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
+    )
+    t_capture = time.perf_counter() - t0
+    fixed, coupling_note = _keep_batches_whole(captured, fixed)
+
+    if sharding:
+        # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
+        captured, marks = apply_setting(captured, fixed.get("recompute", NONE))
+        sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
+        if fixed.get("recompute", NONE) != NONE and not marks:
+            why = "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
+            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: {why}"
+            log.warning(msg)
+            sharded.warnings.append(msg)
+        if coupling_note:
+            sharded.warnings.append(coupling_note)
+        sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
+        sharded.solver["capture_s"] = round(t_capture, 3)
+        sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
+        return _make_plan(
+            stats,
+            cluster,
+            *sharded.args,
+            precision,
+            optimizer,
+            sharded.solver,
+            sharded.warnings,
+            placements=sharded.placements,
+            stages=sharded.stages,
+            schedule=sharded.schedule,
+        )
+
+    candidates = _candidates(cluster, gbs, fixed)
+    costed = [(cfg, estimate_config(stats, cfg, cluster, prec, optimizer, limit)) for cfg in candidates]
+    fitting = [(cfg, est) for cfg, est in costed if est.fits]
+    warnings: list[str] = []
+    if fitting:
+        cfg, est = _choose(fitting)
+    else:
+        cfg, est = min(costed, key=lambda ce: ce[1].memory.peak)
+        need = est.memory.peak
+        where = f"dp={cfg.dp}, ZeRO-{cfg.zero}, {cfg.microbatches} micro-batch(es)"
+        if not fixed:
+            raise PlanError(
+                f"no configuration fits {limit / GB:.1f} GB per device; the smallest needs {need / GB:.1f} GB "
+                f"({where}): raise memory_limit, use more devices, or lower the batch"
+            )
+        msg = (
+            f"the fixed configuration needs {need / GB:.2f} GB per device, {(need - limit) / GB:.2f} GB over "
+            f"the {limit / GB:.1f} GB limit"
+        )
+        log.warning(msg)
+        warnings.append(msg)
+
+    solver = {
+        "status": "optimal (exhaustive)",
+        "alternatives": _alternatives(costed),
+        "candidates": len(costed),
+        "gap": 0.0,
+        "capture_s": round(t_capture, 3),
+        "time_s": round(time.perf_counter() - t0, 3),
+    }
+    return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
+
+
+def _keep_batches_whole(captured, fixed: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``fixed`` with one micro-batch and no pipeline for a model whose forward couples the samples of a batch
+    (BatchNorm in training), unless the user fixed them; and a warning when the user did.
+
+    Cut into micro-batches, such a model normalizes each by its own statistics: the
+    function of gradient accumulation on one device, not of the global batch.
+    """
+    modules = coupling_modules(captured.gm)
+    if not modules:
+        return fixed, ""
+    if fixed.get("microbatches", 1) > 1 or fixed.get("pp", 1) > 1:
+        note = (
+            f"BatchNorm in {modules[0]}{f' and {len(modules) - 1} more' if len(modules) > 1 else ''} normalizes "
+            "each micro-batch by its own statistics, as gradient accumulation on one device does"
+        )
+        log.warning(note)
+        return fixed, note
+    return {"microbatches": 1, "pp": 1, **fixed}, ""
+
+
+# Configurations within this fraction of the fastest count as equally fast; the simplest of them wins.
+TIE_TOLERANCE = 0.01
+
+
+def _choose(fitting: list[tuple[Config, Estimate]]) -> tuple[Config, Estimate]:
+    """The fastest configuration; among those within TIE_TOLERANCE of it, the simplest.
+
+    Analytic estimates are not exact to 1%, and a lower ZeRO stage or fewer
+    micro-batches is easier to run and debug (DeepSpeed's defaults make the
+    same choice), so a saving smaller than the model's error buys nothing.
+    """
+    best = min(est.step_time_s for _, est in fitting)
+    close = [ce for ce in fitting if ce[1].step_time_s <= best * (1 + TIE_TOLERANCE)]
+    return min(close, key=lambda ce: (ce[0].zero, ce[0].microbatches, ce[1].step_time_s))
+
+
+def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]:
+    """The best configuration of each ZeRO stage: what the chosen plan won against."""
+    best: dict[int, tuple[Config, Estimate]] = {}
+    for cfg, est in costed:
+        key = (not est.fits, est.step_time_s)
+        if cfg.zero not in best or key < (not best[cfg.zero][1].fits, best[cfg.zero][1].step_time_s):
+            best[cfg.zero] = (cfg, est)
+    return [
+        {
+            "mesh": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+            "zero": cfg.zero,
+            "microbatches": cfg.microbatches,
+            "step_time_s": est.step_time_s,
+            "peak_bytes": est.memory.peak,
+            "fits": est.fits,
+        }
+        for _, (cfg, est) in sorted(best.items())
+    ]
+
+
+@dataclass
+class _Sharded:
+    args: tuple  # (Config, Estimate) for _make_plan
+    solver: dict[str, Any]
+    placements: dict[str, Any]
+    warnings: list[str]
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    schedule: str = ""
+    results: list = field(default_factory=list)  # every mesh's ShardingResult, for the pipeline search
+
+
+def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
+    """Search per-op sharding, ZeRO stages, micro-batches and pipelines on every mesh; PlanError if none fits.
+
+    Meshes without a pipeline (dp × tp) and with one (pp × dp × tp, pp ≥ 2) share the
+    solver's time limit by their number; the fastest plan that fits wins, and a plan
+    without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run).
+    """
+    if "dp" in fixed and gbs % fixed["dp"]:
+        raise PlanError(
+            f"global batch {gbs} does not split over {fixed['dp']} data-parallel ranks; choose a multiple"
+        )
+    pp = fixed.get("pp")
+    segments = len(forward_segments(captured))
+    pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
+    if pp is not None and pp > 1 and not pipe_meshes:
+        raise PlanError(
+            f"no mesh with pp={pp} fits this model and cluster: the model has {segments} segments to cut, "
+            f"{cluster.world_size} devices and a global batch of {gbs}; choose another pp"
+        )
+    start = time.perf_counter()
+    flat_allowed = pp is None or pp == 1
+    share = 0.4 if flat_allowed and pipe_meshes else 1.0  # of the time limit, for meshes without a pipeline
+    # a model whose states outgrow a node is pipelined in practice (Megatron-LM: tp inside a node, pp
+    # across): its pipelines are searched first, and meshes without one in the time left
+    pipelines_first = bool(pipe_meshes) and flat_allowed and _state_bytes(captured, prec, optimizer) > (
+        cluster.gpus_per_node * limit
+    )
+    preview = Preview(captured, cluster, prec, limit)
+    flat, none_fits, pipes = None, None, []
+
+    def search_flat(deadline: float, optional: bool) -> None:
+        nonlocal flat, none_fits
+        try:
+            flat = _plan_flat(
+                captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share, deadline, optional
+            )
+        except PlanError as err:  # a pipeline may still fit: its stages hold less
+            if not pipe_meshes:
+                raise
+            none_fits = err
+
+    def search_pipes(budget: float) -> None:
+        nonlocal pipes
+        # most promising first: previewed with the shardings solved so far; the rest by the
+        # tensor-parallel size the meshes without a pipeline chose, fewest stages first
+        tp_ref = flat.args[0].tp if flat is not None else cluster.gpus_per_node
+        pipe_meshes.sort(key=lambda m: (abs(math.log2(m.tp / tp_ref)), m.pp, m.tp))
+        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget, preview)
+
+    if pipelines_first:
+        search_pipes(time_limit_s * (1 - share))
+        search_flat(start + time_limit_s, optional=any(r.estimate.fits for r in pipes))
+    else:
+        if flat_allowed:
+            search_flat(start + time_limit_s * share, optional=False)
+        if pipe_meshes:
+            preview.learn_flat(flat.results if flat else [])
+            # what is left of the time limit, and at least half the share pipelines were given
+            search_pipes(max(start + time_limit_s - time.perf_counter(), time_limit_s * (1 - share) / 2))
+    pipe = None
+    if pipe_meshes:
+        pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
+    if pipe is not None and (
+        flat is None
+        or not flat.args[1].fits
+        or pipe.estimate.step_time_s < flat.args[1].step_time_s * (1 - TIE_TOLERANCE)
+    ):
+        return _pipelined(captured, pipe, pipes, gbs, flat, fixed)
+    if none_fits is not None:
+        raise none_fits
+    if flat is None:
+        raise PlanError(
+            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.items())} fits {_size(limit)} per device: "
+            "raise memory_limit, use more devices, or lower the batch"
+        )
+    return flat
+
+
+def _pipelines(
+    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s, preview=None
+) -> list[PipelineResult]:
+    """The fastest pipeline that fits on each of ``meshes``; with ``fixed`` pp and none fitting, the fastest."""
+    kwargs = dict(
+        schedules=(fixed["schedule"],) if "schedule" in fixed else ("1F1B", "interleaved"),
+        microbatches=fixed.get("microbatches"),
+        zero=fixed.get("zero"),
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
+        preview=preview,
+    )
+    found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
+    if not found and fixed.get("pp", 1) > 1:
+        found = search_pipelines(captured, cluster, prec, optimizer, math.inf, meshes, time_limit_s, **kwargs)
+        for r in found:
+            r.estimate.memory_limit, r.estimate.fits = limit, r.estimate.memory.peak <= limit
+    return found
+
+
+def _pipelined(
+    captured,
+    pipe: PipelineResult,
+    pipes: list[PipelineResult],
+    gbs: int,
+    flat: _Sharded | None,
+    fixed: dict[str, Any],
+) -> _Sharded:
+    """The plan pieces of a pipeline result."""
+    res, est = pipe.sharding, pipe.estimate
+    est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
+    m, mesh = pipe.microbatches, pipe.mesh
+    cfg = Config(
+        dp=mesh.dp,
+        tp=mesh.tp,
+        pp=mesh.pp,
+        zero=zero_stage(captured, res.placements, mesh.dp),
+        recompute=recompute_label(fixed, res.placements),
+        microbatches=m,
+        micro_batch_size=gbs // (mesh.dp * m),
+    )
+    sol = res.solution
+    warnings = []
+    if not est.fits:
+        msg = (
+            f"no pipeline fits {_size(est.memory_limit)} per device; the fastest needs "
+            f"{_size(est.memory.peak)}, over the limit by {_size(est.memory.peak - est.memory_limit)}"
+        )
+        log.warning(msg)
+        warnings.append(msg)
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "backend": sol.backend,
+        "source": pipe.source,
+        "pipeline": {
+            "schedule": pipe.schedule,
+            "chunks": pipe.chunks,
+            "exact": pipe.choice.exact,
+            "bubble_fraction": (mesh.pp - 1) / (m * pipe.chunks),
+        },
+        "meshes_left_out": flat.solver.get("meshes_left_out", 0) if flat else 0,
+        "meshes": (flat.solver.get("meshes", []) if flat else [])
+        + [
+            {
+                "mesh": r.mesh.to_dict(),
+                "microbatches": r.microbatches,
+                "schedule": r.schedule,
+                "status": r.sharding.solution.status,
+                "source": r.source,
+                "step_time_s": r.estimate.step_time_s,
+                "peak_bytes": r.estimate.memory.peak,
+                "fits": r.estimate.fits,
+                **{k: round(v, 3) for k, v in r.timings.items()},
+            }
+            for r in pipes
+        ],
+        "charged": res.charged,
+        "graph_nodes": sol.stats.get("nodes"),
+        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "ops": explain_records(captured, res),
+    }
+    stages = pipe.stages()
+    return _Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
+
+
+def _plan_flat(
+    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False
+) -> _Sharded | None:
+    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
+
+    Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
+    ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
+    a mesh is costed with its seed layouts only, the baselines a plan must not lose to.
+    """
+    best, results = search_meshes(
+        captured,
+        cluster,
+        prec,
+        optimizer,
+        limit,
+        time_limit_s,
+        tp=fixed.get("tp"),
+        dp=fixed.get("dp"),
+        zero=fixed.get("zero"),
+        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
+        deadline=deadline,
+        require_one=not optional,
+        milp=not optional,
+        microbatches=fixed.get("microbatches"),
+    )
+    if not results and optional and deadline is not None and time.perf_counter() > deadline:
+        log.info("meshes without a pipeline: all left out at the time limit")
+        return None
+    if not results:
+        into = f" into {fixed['microbatches']} micro-batches per rank" if "microbatches" in fixed else ""
+        raise PlanError(
+            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}{into}; "
+            "use a global batch that the data-parallel size (times the micro-batches) divides"
+        )
+    warnings: list[str] = []
+    if best is None:
+        need = min(_least_peak(r) for r in results)
+        what = ", ".join(
+            f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+        )
+        if not what:
+            raise PlanError(
+                f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
+                f"{_size(need)}: raise memory_limit, use more devices, or lower the batch"
+            )
+        # what the user fixed is kept: the fastest plan of it, with how far it is over the limit
+        least = min(results, key=_least_peak)
+        best, _ = search_meshes(
+            captured,
+            cluster,
+            prec,
+            optimizer,
+            math.inf,
+            time_limit_s,
+            least.mesh.tp,
+            least.mesh.dp,
+            fixed.get("zero"),
+            recompute="recompute" not in fixed,
+            microbatches=fixed.get("microbatches"),
+        )
+        best.estimate.memory_limit, best.estimate.fits = limit, False
+        msg = (
+            f"no plan with {what} fits {_size(limit)} per device (the smallest would need {_size(need)}); the "
+            f"fastest one needs {_size(best.estimate.memory.peak)}, over the limit by "
+            f"{_size(best.estimate.memory.peak - limit)}"
+        )
+        log.warning(msg)
+        warnings.append(msg)
+    sol = best.solution
+    est = best.estimate
+    est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
+    m = best.microbatches
+    cfg = Config(
+        dp=best.mesh.dp,
+        tp=best.mesh.tp,
+        pp=1,
+        zero=zero_stage(captured, best.placements, best.mesh.dp),
+        recompute=recompute_label(fixed, best.placements),
+        microbatches=m,
+        micro_batch_size=gbs // (best.mesh.dp * m),
+    )
+    solver = {
+        "status": sol.status,
+        "gap": sol.gap,
+        "objective": sol.objective,
+        "backend": sol.backend,
+        "candidates": len(results),
+        "meshes_left_out": len(
+            flat_tp_sizes(
+                cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches")
+            )
+        )
+        - len(results),
+        "meshes": [
+            {
+                "mesh": {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
+                "microbatches": r.microbatches,
+                "status": r.solution.status,
+                "source": r.source,
+                "step_time_s": r.estimate.step_time_s,
+                "peak_bytes": r.estimate.memory.peak,
+                "fits": r.estimate.fits,
+                **{k: round(v, 3) for k, v in r.timings.items()},
+            }
+            for r in results
+        ],
+        "charged": best.charged,
+        "graph_nodes": sol.stats.get("nodes"),
+        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "ops": explain_records(captured, best),
+    }
+    return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
+
+
+def _state_bytes(captured, prec, optimizer: str) -> float:
+    """The model's parameters, gradients and optimizer state in bytes, unsharded."""
+    params = sum(math.prod(p.shape) for p in captured.params)
+    states = model_state_bytes(params, prec, optimizer, 0, 1)
+    return states.params + states.grads + states.optimizer
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as GB, or MB below a GB, with three significant figures."""
+    return f"{nbytes / GB:.3g} GB" if nbytes >= GB else f"{nbytes / 1e6:.3g} MB"
+
+
+def _least_peak(res) -> float:
+    """The least peak memory a mesh's search saw: its answer's, or the least any choice reaches."""
+    if res.solution.choice:
+        return res.estimate.memory.peak
+    return res.solution.stats.get("min_peak_memory", math.inf)
+
+
+def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
+    """The plan's ZeRO stage for the summary: the stage of most parameter elements.
+
+    A parameter sharded over dp is ZeRO-3; a replicated one has its placement's
+    ``"zero"`` (1 or 2, or 0). The runtime reads each parameter's own stage.
+    """
+    if dp <= 1:
+        return 0
+    weight: dict[int, int] = {}
+    for p in captured.params:
+        entry = placements.get(p.placeholder, {})
+        stage = 3 if entry.get("outputs", [["R"]])[0][0] != "R" else int(entry.get("zero", 0))
+        weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
+    return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
+
+
+def _candidates(cluster: Cluster, gbs: int, fixed: dict[str, Any]) -> list[Config]:
+    """Every configuration of the (data-parallel) search space that ``fixed`` allows."""
+    mesh = cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))
+    dp = mesh.dp
+    if gbs % dp:
+        raise PlanError(
+            f"global batch {gbs} does not split over {dp} data-parallel ranks; choose a multiple of {dp}"
+        )
+    local = gbs // dp
+    if "microbatches" in fixed:
+        if local % fixed["microbatches"]:
+            raise PlanError(
+                f"the local batch {local} (global {gbs} / dp {dp}) does not split into "
+                f"{fixed['microbatches']} micro-batches; choose a divisor of {local}"
+            )
+        counts = [fixed["microbatches"]]
+    else:
+        counts = [m for m in range(1, local + 1) if local % m == 0]
+    zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
+    if dp == 1 and "zero" not in fixed:
+        zeros = [0]  # ZeRO shards over data-parallel ranks; with one rank every stage is the same
+    return [
+        Config(dp=dp, tp=mesh.tp, pp=mesh.pp, zero=z, microbatches=m, micro_batch_size=local // m)
+        for z in zeros
+        for m in counts
+    ]
+
+
+def _make_plan(
+    stats: GraphStats,
+    cluster: Cluster,
+    cfg: Config,
+    est: Estimate,
+    precision: str,
+    optimizer: str,
+    solver: dict[str, Any],
+    warnings: list[str],
+    placements: dict[str, Any] | None = None,
+    stages: list[dict[str, Any]] | None = None,
+    schedule: str = "",
+) -> Plan:
+    return Plan(
+        model=stats.model,
+        fingerprint=stats.fingerprint,
+        num_params=stats.num_params,
+        cluster=cluster.to_dict(),
+        cluster_description=cluster.describe(),
+        mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        zero=cfg.zero,
+        recompute=cfg.recompute,
+        microbatches=cfg.microbatches,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        precision=precision,
+        optimizer=optimizer,
+        estimate=est,
+        solver=solver,
+        warnings=warnings,
+        placements=placements or {},
+        stages=stages or [],
+        schedule=schedule,
+    )

@@ -1,0 +1,697 @@
+"""Shard: the joint graph and a plan's placements → one rank's local joint graph.
+
+The local graph takes this rank's shards of the parameters, fixed state and
+inputs, and returns the loss (whole, the same on every rank) and each
+parameter's gradient shard, laid out the way the plan places that parameter.
+Every change of placement the plan asks for is a ``_c10d_functional``
+collective (all-reduce, all-gather, reduce-scatter, all-to-all) with its wait
+in the graph.
+
+How: the joint graph is re-run node by node on DTensors, each argument first
+redistributed to the placement the plan's strategy reads it in, and that run is
+traced by ``make_fx``.  DTensor then does what would otherwise be written by
+hand and get subtly wrong — local view sizes, redistribution between any two
+placements, partial reductions — and the trace keeps only local ATen ops and
+functional collectives, so the generated graph carries no DTensor overhead at
+run time.  Ops DTensor has no rule for (the CPU flash-attention kernels, ops
+the strategy pass replicated) run on the local tensors of their planned input
+placements, and their outputs are declared in the planned output placements;
+the strategy pass only offered placements for which that is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.core.placements import from_dtensor, to_dtensor
+from autopar.cost_models.compute import is_view
+from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
+from autopar.search.sharding import random_ops, strategy_rules
+from autopar.search.sharding.strategies import decomposition
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+# Ops whose DTensor dispatch is a handler narrower than DTensor's own strategies for them: convolutions go
+# through ``_tp_conv``'s handler (a dim map, built for spatially split inputs), which refuses a batch split
+# over two mesh dims that the single-dim strategy offers. Every strategy offered splits the batch and makes
+# the weight's gradient a partial sum: the local convolution on the shards, run as such.
+_RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
+
+
+def placement(s: str) -> Placement:
+    """DTensor placement of the plain form ``"R"``, ``"S(d)"``, ``"P"``, ``"P(avg)"``."""
+    return to_dtensor(s)
+
+
+def placements(spec: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
+    return tuple(placement(s) for s in spec)
+
+
+@dataclass
+class LocalGraph:
+    """One rank's joint graph and how its arguments and results are laid out.
+
+    ``gm(*args)`` takes, in the captured graph's placeholder order, the local
+    shard of every tensor whose placement is ``arg_placements[i]``, and returns
+    ``(loss, *grads, *updates)`` with grads in ``grad_placements`` (None for a
+    parameter without gradient) and the new value of each buffer the forward
+    updates (``CapturedGraph.updated``) as the local shard of its own placement.
+    ``zero_stages[i]`` is parameter ``i``'s ZeRO stage (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
+    partial sum (``"P"`` on the dp axis) or, when the plan already reduced it,
+    replicated (``"R"``); under ZeRO-2 the graph returns only this rank's flat
+    chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
+    ``grad_placements[i]`` is the placement of the whole gradient it was cut from.
+    """
+
+    gm: fx.GraphModule
+    arg_placements: list[tuple[str, ...]]
+    grad_placements: list[tuple[str, ...] | None]
+    zero_stages: list[int] = field(default_factory=list)
+    updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
+
+    def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = ("dp", "tp")) -> list[dict]:
+        """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
+
+        Bytes follow :func:`autopar.cost_models.reshard.collectives_between`: the
+        full buffer of an all-gather (its output), a reduce-scatter or an
+        all-reduce (its input), and each rank's buffer of an all-to-all.
+        """
+        axis_of = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+        kinds = {
+            "all_reduce": "all_reduce",
+            "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all",
+        }
+        out = []
+        for n in self.gm.graph.nodes:
+            op = getattr(n.target, "_opname", "") if n.op == "call_function" else ""
+            if op not in kinds:
+                continue
+            val = n.args[0].meta["val"]
+            nbytes = val.numel() * val.element_size()
+            group = n.args[-1]
+            size = mesh.size(list(axis_of).index(group)) if group in axis_of else 1
+            if op == "all_gather_into_tensor":
+                nbytes *= size
+            out.append({"kind": kinds[op], "axis": axis_of.get(group, str(group)), "bytes": float(nbytes)})
+        return out
+
+    def collectives(self) -> Counter:
+        """How many of each functional collective the graph runs per step."""
+        return Counter(
+            n.target._opname
+            for n in self.gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "_opname", "") in COLLECTIVES
+        )
+
+
+def _tensor_leaves(args: Any, kwargs: Any) -> list[fx.Node]:
+    flat = pytree.tree_leaves((args, dict(kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _redistribute(x: Any, target: tuple[str, ...] | None) -> Any:
+    if target is None or not isinstance(x, DTensor):
+        return x
+    want = placements(target)
+    if tuple(x.placements) == want:
+        return x
+    current = tuple(from_dtensor(p) for p in x.placements)
+    if current == tuple(target):  # a masked partial is a partial sum: same plain form, keep it
+        return x
+    return _to(x, want)
+
+
+def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
+    """``x.redistribute(want)``, extended where DTensor's public redistribute stops.
+
+    A partial average becomes a partial sum of the scaled value first (gloo has no
+    AVG reduction); a whole value becomes a partial one locally (kept on the first
+    rank of the mesh dim, zeros elsewhere for a sum), which DTensor keeps internal.
+    """
+    mesh = x.device_mesh
+    have = list(x.placements)
+    for i, p in enumerate(have):
+        if isinstance(p, Partial) and p.reduce_op == "avg" and want[i] != p:
+            have[i] = Partial("sum")
+            x = _relabel(x.to_local() / mesh.size(i), x, have)
+    step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
+    if tuple(have) != step:
+        x = x.redistribute(mesh, step)
+    if step != want:
+        coord = mesh.get_coordinate()
+        local = x.to_local()
+        for i, w in enumerate(want):
+            if step[i] != w and w.reduce_op == "sum" and coord[i] != 0:
+                local = torch.zeros_like(local)
+        x = _relabel(local, x, list(want))
+    return x
+
+
+def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTensor:
+    return DTensor.from_local(
+        local, like.device_mesh, pls, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
+    """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
+
+    A shard keeps this rank's chunk; a partial keeps the value on the first rank of
+    its mesh dim and zeros elsewhere, so that the ranks sum to it.
+    """
+    local = t
+    coord = mesh.get_coordinate()
+    for i, p in enumerate(want):
+        if isinstance(p, Shard):
+            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
+        elif isinstance(p, Partial) and coord[i] != 0:
+            local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _local_box(
+    shape: Sequence[int], spec: Sequence[Placement], coord: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
+
+    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh
+    dims 0 and 1 is cut in ``n0`` chunks, each cut in ``n1``).  Shards divide
+    evenly (the strategy pass offers no other).  Plain integers: DTensor's own
+    helper computes the offset with tensors, which a trace cannot read back.
+    """
+    local, offset = [int(s) for s in shape], [0] * len(shape)
+    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+            offset[p.dim] += c * local[p.dim]
+    return local, offset
+
+
+def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:
+    """Dense strides for ``shape`` that order the dims the way ``like``'s strides do."""
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    strides = [0] * like.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _match_layout(x: DTensor, like: torch.Tensor) -> DTensor:
+    """``x`` with its local tensor laid out like the captured value ``like``.
+
+    The captured graph's views were recorded for its tensors' layouts (a
+    ``view`` after a transpose is legal only on the right strides); a local
+    shard produced another way (a kernel run on shards, a collective's output)
+    can come out dense in another order.  Copy it into the captured order.
+    """
+    local = x.to_local()
+    if local.dim() != like.dim() or not is_non_overlapping_and_dense(like):
+        return x
+    want = _layout_strides(local.shape, like)
+    if all(local.stride(d) == want[d] for d in range(local.dim()) if local.shape[d] > 1):
+        return x
+    fixed = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+    return _relabel(fixed, x, list(x.placements))
+
+
+class _ShardInterpreter(fx.Interpreter):
+    """Runs the joint graph on DTensors, honouring the plan's placement of every node."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        plan_placements: dict[str, dict],
+        mesh: DeviceMesh,
+        on_value: dict[fx.Node, Callable[[Any], None]] | None = None,
+    ) -> None:
+        super().__init__(gm)
+        self.plan = plan_placements
+        self.mesh = mesh
+        self.local_only: Counter = Counter()
+        self.on_value = on_value or {}  # called with a node's value as soon as it is computed
+        self.random_ids = random_ops.op_numbers(gm.graph)
+
+    def run_node(self, n: fx.Node) -> Any:
+        # traced nodes record ``n`` as their source ("from_node") when node meta is preserved
+        with fx_traceback.set_current_meta(n, "autopar_shard"):
+            out = self._run_planned(n)
+            if n in self.on_value:
+                self.on_value[n](out)
+        return out
+
+    def _run_planned(self, n: fx.Node) -> Any:
+        if n.op not in ("call_function", "get_attr"):
+            return super().run_node(n)
+        entry = self.plan.get(n.name)
+        if n.op == "get_attr":  # a constant of the model: whole on every rank, then as planned
+            return self._whole(super().run_node(n), entry)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if entry is None:
+            return n.target(*args, **kwargs)
+        if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
+            out = n.target(*args, **kwargs)
+            if entry["inputs"]:
+                out = _redistribute(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
+            return self._declare(out, entry, n)
+        if n.target in random_ops.RANDOM_OPS:
+            args, kwargs = self._bring(n, args, kwargs, entry)
+            return self._declare(self._random(n, args, kwargs, entry), entry, n)
+        if n.target in random_ops.KEYED_KERNELS:
+            args, kwargs = self._bring(n, args, kwargs, entry)
+            return self._declare(self._keyed_kernel(n, args, kwargs, entry), entry, n)
+        if not any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs))):
+            # a factory (arange, full, ...) or an op on constants: whole on every rank
+            return self._whole(n.target(*args, **kwargs), entry)
+        args, kwargs = self._bring(n, args, kwargs, entry)
+        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
+            return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
+        if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
+            # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
+            return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        decomposed = decomposition(n.target)
+        if decomposed is not None:  # the strategies were traced through it: run it on the DTensors
+            return self._declare(decomposed(*args, **kwargs), entry, n)
+        try:
+            out = n.target(*args, **kwargs)
+        except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
+            out = self._local(n, args, kwargs, entry)
+        return self._declare(out, entry, n)
+
+    def _bring(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> tuple[Any, Any]:
+        """The arguments as DTensors, each redistributed to the placement the plan reads it in."""
+        args, kwargs = pytree.tree_map_only(torch.Tensor, self._replicated, (args, kwargs))
+        wanted = iter(entry["inputs"])
+
+        def bring(x: Any, node: Any) -> Any:
+            if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+                return _redistribute(x, next(wanted, None))
+            return x
+
+        node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
+        val_leaves = pytree.tree_leaves((args, kwargs))
+        val_leaves = [bring(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)]
+        return pytree.tree_unflatten(val_leaves, spec)
+
+    def _random(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """A random op on this rank's part of its output, from numbers keyed to that part (:mod:`autopar.ops.rng`).
+
+        The output's placement decides the key: this rank's offset into the
+        whole tensor (``"exact"`` mode) and its coordinate on each mesh axis
+        that shards the output (``"fast"`` mode), so ranks holding copies draw
+        the same numbers and ranks holding different shards draw their own.
+        """
+        spec = placements(entry["outputs"][0])
+        vals = n.meta["val"]
+        whole = vals[0] if isinstance(vals, (tuple, list)) else vals
+        coord = self.mesh.get_coordinate()
+        shape, offset = _local_box(whole.shape, spec, coord, self.mesh.shape)
+        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
+        device = torch.device(self.mesh.device_type)
+
+        def draw(normal: bool, dtype: torch.dtype) -> torch.Tensor:
+            return torch.ops.autopar.random(
+                list(shape), dtype, device, self.random_ids[n.name], list(whole.shape), list(offset), stream, normal
+            )
+
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        out = random_ops.run_local(n.target, local_args, local_kwargs, draw, whole)
+        return self._wrap(out, vals, entry)
+
+    def _keyed_kernel(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """A kernel that draws with a key of its own (attention with dropout) on this rank's shards.
+
+        Its draws cover the score tensor (the query's leading dims, then the
+        key's sequence), split as the query is: the key is this rank's box of
+        it, as for any random op (:meth:`_random`).
+        """
+        q_at = random_ops.KEYED_KERNELS[n.target]
+        q, k = n.args[q_at].meta["val"], n.args[q_at + 1].meta["val"]
+        scores = [*q.shape[:-1], k.shape[-2]]
+        spec = placements(entry["inputs"][q_at])
+        coord = self.mesh.get_coordinate()
+        _, offset = _local_box(scores, spec, coord, self.mesh.shape)
+        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
+        local = list(pytree.tree_map_only(DTensor, lambda d: d.to_local(), args))
+        local[-4:] = [self.random_ids[n.name], scores, offset, stream]
+        return self._wrap(n.target(*local), n.meta["val"], entry)
+
+    def _wrap(self, out: Any, vals: Any, entry: dict) -> Any:
+        """Local outputs as DTensors in the placements ``entry`` declares, with the captured shapes."""
+        flat_out, spec = pytree.tree_flatten(out)
+        flat_val = pytree.tree_leaves(vals)
+        outs = iter(entry["outputs"])
+        wrapped = []
+        for o, v in zip(flat_out, flat_val, strict=True):
+            p = next(outs, None)
+            if isinstance(o, torch.Tensor) and p is not None:
+                o = DTensor.from_local(
+                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
+                )
+            wrapped.append(o)
+        return pytree.tree_unflatten(wrapped, spec)
+
+    def _replicated(self, t: torch.Tensor) -> DTensor:
+        if isinstance(t, DTensor):
+            return t
+        return DTensor.from_local(t, self.mesh, (Replicate(),) * self.mesh.ndim, run_check=False)
+
+    def _whole(self, out: Any, entry: dict | None) -> Any:
+        """Tensors every rank holds whole, laid out as ``entry`` plans (replicated when it does not)."""
+        flat, spec = pytree.tree_flatten(out)
+        outs = iter(entry["outputs"] if entry else [])
+        res = []
+        for o in flat:
+            if isinstance(o, torch.Tensor):
+                p = next(outs, None) or ("R",) * self.mesh.ndim
+                o = _from_whole(o, self.mesh, placements(p))
+            res.append(o)
+        return pytree.tree_unflatten(res, spec)
+
+    def _vocab_parallel_embedding(self, args: Any, entry: dict) -> Any:
+        """Embedding with the table's rows split over mesh dims: look up the rows held, zeros elsewhere.
+
+        The result is a partial sum over those mesh dims.  DTensor does the same
+        with a masked partial whose mask lives in the placement and is spent by
+        the first reduction, which breaks a value read twice; here the mask is
+        applied at once and the placement is a plain partial sum.
+        """
+        weight, indices, *rest = args
+        spec = entry["inputs"][0]
+        rows = weight.shape[0]
+        offset, coord = 0, self.mesh.get_coordinate()
+        for i, p in enumerate(spec):
+            if p == "S(0)":
+                rows //= self.mesh.size(i)
+                offset += coord[i] * rows
+        idx = indices.to_local() if isinstance(indices, DTensor) else indices
+        outside = (idx < offset) | (idx >= offset + rows)
+        local = aten.embedding.default(weight.to_local(), (idx - offset).masked_fill(outside, 0), *rest)
+        local = local.masked_fill(outside.unsqueeze(-1), 0)
+        out_spec = entry["outputs"][0]
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            placements(out_spec),
+            run_check=False,
+            shape=torch.Size([*indices.shape, weight.shape[1]]),
+            stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
+        )
+
+    def _local(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
+        """Run ``n`` on local shards; its outputs are what the plan says they are."""
+        self.local_only[str(n.target)] += 1
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
+
+    def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:
+        """Bring each output to the placement the plan chose for it, in the memory layout of the capture."""
+        flat, spec = pytree.tree_flatten(out)
+        vals = pytree.tree_leaves(node.meta.get("val"))
+        outs = iter(entry["outputs"])
+        res = []
+        for k, o in enumerate(flat):
+            p = next(outs, None) if isinstance(o, torch.Tensor) else None
+            o = _redistribute(o, p)
+            if isinstance(o, DTensor) and k < len(vals) and isinstance(vals[k], torch.Tensor):
+                o = _match_layout(o, vals[k])
+            res.append(o)
+        return pytree.tree_unflatten(res, spec)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", "") in COLLECTIVES
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor"
+
+
+def schedule_collectives(graph: fx.Graph) -> None:
+    """Overlap each collective with compute, with one in flight per process group.
+
+    Functional collectives return at once and ``wait_tensor`` blocks; the trace
+    puts each wait right after its collective, which serialises communication
+    with compute.  Here, per process group:
+
+    * a wait moves to where its value is first read;
+    * a collective moves up to where its inputs exist, but a value that is read
+      later (a parameter gathered for a layer, a result a replayed op reads in
+      the backward) no earlier than the first read of the group's previous
+      such value: one value prefetched ahead, as FSDP does, and not every
+      gathered parameter of the step alive from its start;
+    * a collective whose result only leaves the graph (a gradient's reduction)
+      starts as soon as its input exists, as DDP's bucket hooks do;
+    * before a collective starts, the group's previous one is waited for, so at
+      most one is in flight per group.  Gloo's CPU collectives corrupted the heap
+      with several in flight on one group (a crash every few hundred steps);
+      one at a time makes it rare (it is gloo's: README, Pipelines) and still
+      overlaps each with the compute around it.
+    """
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    for node in nodes:  # waits to their first reader
+        if _is_wait(node) and node.users:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            first = min(node.users, key=lambda u: order[u])
+            if first is not output:
+                first.prepend(node)
+            else:
+                output.prepend(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waits = {}
+    for node in graph.nodes:
+        if _is_wait(node) and node.args and _is_collective(node.args[0]):
+            waits[node.args[0]] = node
+
+    def leaves(n: fx.Node) -> bool:
+        """Only the output reads ``n``, directly or through views (a gradient reshaped to its parameter's shape)."""
+        return all(u is output or (is_view(u) and leaves(u)) for u in n.users)
+
+    def first_read(c: fx.Node) -> int | None:
+        """Where the collective's result is first read inside the graph; None when only the output reads it."""
+        w = waits.get(c)
+        users = [u for u in (w.users if w is not None else ()) if not (u is output or (is_view(u) and leaves(u)))]
+        return min(order[u] for u in users) if users else None
+
+    by_group: dict[str, list[fx.Node]] = {}
+    for c in (n for n in graph.nodes if _is_collective(n)):
+        by_group.setdefault(str(c.args[-1]), []).append(c)
+    nodes = list(graph.nodes)
+    for group in by_group.values():
+        reads = {c: first_read(c) for c in group}
+        read_order = sorted((c for c in group if reads[c] is not None), key=lambda c: (reads[c], order[c]))
+        previous_read = {c: reads[p] for p, c in zip(read_order, read_order[1:], strict=False)}
+        for c in group:
+            ready = max((order[a] + 1 for a in c.all_input_nodes if a.op != "placeholder"), default=0)
+            target = max(ready, previous_read.get(c, 0))
+            w = waits.get(c)
+            if w is not None:
+                target = min(target, order[w])
+            while _is_collective(nodes[target]):  # anchor on a node that does not move
+                target += 1
+            if target < order[c]:
+                nodes[target].prepend(c)  # nodes[] and order[] are the positions before any move
+    # one in flight per group: wait for the previous collective before the next one starts
+    pending: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if _is_wait(node) and node.args and _is_collective(node.args[0]):
+            group = str(node.args[0].args[-1])
+            if pending.get(group) is node.args[0]:
+                del pending[group]
+        elif _is_collective(node):
+            group = str(node.args[-1])
+            previous = pending.get(group)
+            if previous is not None and previous in waits:
+                node.prepend(waits[previous])
+            pending[group] = node
+
+
+def source_of(node: fx.Node) -> str | None:
+    """The captured node a node of a local graph traced with ``keep_sources`` came from; None if none."""
+    sources = node.meta.get("from_node")
+    return sources[-1].name if sources else None
+
+
+def flat_chunk_numel(numel: int, parts: int) -> int:
+    """Elements in one rank's part of a tensor flattened, zero-padded to a multiple of ``parts`` and cut in ``parts``.
+
+    ZeRO-1/2's unit of ownership (DeepSpeed's flat partitions): every rank owns
+    the same number of elements whatever the tensor's shape or its
+    tensor-parallel split, so optimizer state and gradients divide evenly.
+    """
+    return -(-numel // parts)
+
+
+def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, tuple]:
+    """A ZeRO-1/2 parameter's gradient as it leaves the graph, and the placement of the whole gradient.
+
+    The data-parallel sum is not completed here when it is still pending: under
+    ZeRO-1 the partial sum leaves the graph and the runtime reduce-scatters it
+    once per step (after accumulating micro-batches locally); under ZeRO-2 it is
+    reduce-scattered flat right here, so only this rank's chunk outlives the
+    graph.  A gradient the plan already sharded over dp is gathered (what the
+    plan did for this replicated parameter anyway); a replicated one is cut locally.
+    """
+    first = g.placements[0]
+    summed = isinstance(first, Partial)
+    keep = (first if first.reduce_op == "sum" else Partial("sum")) if summed else Replicate()
+    local = _to(g, (keep, *placements(spec[1:]))).to_local()
+    if stage == 1:
+        return local, ("P" if summed else "R", *spec[1:])
+    n = mesh.size(0)
+    flat = local.reshape(-1)
+    pad = flat_chunk_numel(flat.numel(), n) * n - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    if summed:
+        return funcol.reduce_scatter_single(flat, "sum", 0, (mesh, 0)), tuple(spec)
+    return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
+
+
+def _one_chunk_in_flight(graph: fx.Graph, chunk_outputs: list[int]) -> None:
+    """ZeRO-2: wait for each gradient's reduce-scatter before the next one starts.
+
+    A collective's input stays alive until its wait, and waits sit where their
+    value is first read: for gradient chunks that is the graph's output, so
+    every whole gradient would live to the end of the backward, which is the
+    memory ZeRO-2 is there to save.  One reduction in flight still overlaps
+    each with the backward computing the next gradient.
+    """
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = output.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    pairs = []
+    for k in chunk_outputs:
+        wait = results[k]
+        if (
+            isinstance(wait, fx.Node)
+            and getattr(wait.target, "_opname", "") == "wait_tensor"
+            and getattr(wait.args[0].target, "_opname", "") == "reduce_scatter_tensor"
+        ):
+            pairs.append((wait.args[0], wait))
+    pairs.sort(key=lambda p: order[p[0]])
+    for (_, wait), (following, _) in zip(pairs, pairs[1:], strict=False):
+        following.prepend(wait)
+
+
+def shard_graph(
+    captured: CapturedGraph,
+    plan_placements: dict[str, dict],
+    mesh: DeviceMesh,
+    zero_stages: dict[str, int] | None = None,
+    keep_sources: bool = False,
+) -> LocalGraph:
+    """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``).
+
+    ``keep_sources``: every traced node records the captured node it came from
+    (:func:`source_of`) and collectives are left where the trace put them (right
+    before their first reader), for a pass that splits the graph by source
+    (pipeline stages) and schedules each part itself.
+
+    ``zero_stages`` maps parameter placeholders of dp-replicated parameters to
+    their ZeRO stage (1 or 2); their gradients leave the graph as
+    :class:`LocalGraph` describes, for the runtime's sharded optimizer.
+    """
+    zero_stages = zero_stages or {}
+    gm = captured.gm
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    arg_pl = [tuple(plan_placements[p.name]["outputs"][0]) for p in phs]
+    param_ph = [p.placeholder for p in captured.params]
+    grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
+    stages = [zero_stages.get(ph, 0) for ph in param_ph]
+    # A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
+    # reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
+    early: dict[int, torch.Tensor] = {}
+    _, grad_nodes, _ = graph_results(gm, len(param_ph))
+    on_value = {}
+    for i, node in enumerate(grad_nodes):
+        if stages[i] and isinstance(node, fx.Node) and node not in on_value:
+
+            def convert(g: Any, i: int = i) -> None:
+                early[i], grad_pl[i] = _zero_grad(g, grad_pl[i], stages[i], mesh)
+
+            on_value[node] = convert
+    interp = _ShardInterpreter(gm, plan_placements, mesh, on_value)
+
+    def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dt = [
+            DTensor.from_local(
+                t,
+                mesh,
+                placements(pl),
+                run_check=False,
+                shape=ph.meta["val"].shape,
+                stride=ph.meta["val"].stride(),
+            )
+            for t, pl, ph in zip(local, arg_pl, phs, strict=True)
+        ]
+        loss, *results = interp.run(*dt)
+        grads, updates = results[: len(param_ph)], results[len(param_ph) :]
+        out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
+        for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
+            if g is None:
+                out.append(None)
+            elif stages[i]:
+                if i not in early:  # a gradient node shared with another parameter
+                    early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
+                out.append(early[i])
+            else:
+                out.append(_to(g, placements(pl)).to_local())
+        for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
+            out.append(_to(u, placements(arg_pl[len(param_ph) + b])).to_local())
+        return tuple(out)
+
+    fake_local = []
+    for ph, pl in zip(phs, arg_pl, strict=True):
+        v = ph.meta["val"]
+        shape = list(v.shape)
+        for i, s in enumerate(pl):
+            if s.startswith("S("):
+                d = int(s[2:-1])
+                shape[d] //= mesh.size(i)
+        fake_local.append(torch.empty(shape, dtype=v.dtype))
+    # DTensor warns, once per trace, that a 2-D gather runs as two collectives: the plan costed it so
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
+            # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
+            # are real tensors: the trace records them as constants of the local graph
+            local_gm = make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)
+    finally:
+        quiet.setLevel(level)
+    # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
+    # make_fx records those ops too; nothing reads them
+    local_gm.graph.eliminate_dead_code()
+    if not keep_sources:
+        schedule_collectives(local_gm.graph)
+    _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
+    local_gm.recompile()
+    if interp.local_only:
+        log.debug("ran on local shards: %s", dict(interp.local_only))
+    return LocalGraph(local_gm, arg_pl, grad_pl, stages, list(captured.updated))

@@ -1,0 +1,163 @@
+"""Transfer: a plan's placements, made on one capture of the model, onto a capture at another batch size.
+
+A plan names its placements by the node names of the graph it was searched on,
+captured at the global batch; the runtime captures the model again at the
+micro-batch.  The two graphs are the same op for op at every batch size but
+one: tracing specializes a dim of size 1 (an ``expand`` to the same shape is
+dropped, a matmul reshapes by ``view`` where it would ``clone``), so a graph of
+one-row micro-batches has a few ops fewer or other, and every later node's
+name shifts.  Read by name, the placements would then land on the wrong ops.
+
+:func:`transfer_placements` aligns the two graphs' op sequences (op and module
+path per node, as a diff aligns lines) and carries each entry over to the node
+it aligns with, when it still fits that node (same numbers of inputs and
+outputs, shards that divide its shapes).  A node left without an entry gets the
+strategy that moves the fewest of its inputs from where their producers put
+them: any strategy the strategy pass offers is exact, so this changes what the
+step costs, never what it computes, and it touches only the handful of cheap
+ops the specialization changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.capture.joint import CapturedGraph, node_module
+from autopar.search.sharding.node_keys import tensor_inputs
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, divides, enumerate_strategies
+
+log = logging.getLogger(__name__)
+
+
+def _op(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _outputs(node: fx.Node) -> list[Any]:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _fits(entry: dict, node: fx.Node, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether ``entry`` can place ``node``: as many outputs and inputs, and every shard divides."""
+    outs, ins = _outputs(node), tensor_inputs(node)
+    if len(entry.get("outputs", [])) != len(outs) or len(entry.get("inputs", [])) != len(ins):
+        return False
+    pairs = list(zip(entry["outputs"], outs, strict=True)) + [
+        (p, a.meta["val"]) for p, a in zip(entry["inputs"], ins, strict=True)
+    ]
+    for p, val in pairs:
+        if p is None or not isinstance(val, torch.Tensor):
+            continue
+        if len(p) != len(mesh_shape) or not divides(tuple(p), tuple(val.shape), mesh_shape):
+            return False
+    return True
+
+
+def same_graph(placements: dict[str, dict], captured: CapturedGraph) -> bool:
+    """Whether ``placements`` name exactly ``captured``'s nodes, with the same ops."""
+    nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
+    return len(nodes) == len(placements) and all(
+        n.name in placements and placements[n.name].get("op", _op(n)) == _op(n) for n in nodes
+    )
+
+
+def align(placements: dict[str, dict], captured: CapturedGraph) -> dict[str, str]:
+    """Plan node name -> node name of ``captured``, for the nodes whose op (and module) line up."""
+    plan_names = list(placements)
+    plan_keys = [(e.get("op"), e.get("module", "")) for e in placements.values()]
+    nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
+    keys = [(_op(n), node_module(n)) for n in nodes]
+    if not all(e.get("module") is not None for e in placements.values()):
+        keys = [(op, "") for op, _ in keys]  # an older plan without module paths: align on ops alone
+        plan_keys = [(op, "") for op, _ in plan_keys]
+    matcher = difflib.SequenceMatcher(None, plan_keys, keys, autojunk=False)
+    mapping = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            mapping[plan_names[block.a + k]] = nodes[block.b + k].name
+    return mapping
+
+
+def _moves(s: Strategy, node: fx.Node, chosen: dict[str, dict]) -> int:
+    """How many of ``node``'s inputs strategy ``s`` reads in another placement than their producer's."""
+    count = 0
+    for want, a in zip(s.inputs, tensor_inputs(node), strict=False):
+        have = chosen.get(a.name, {}).get("outputs", [None])
+        if want is not None and have and list(want) != have[0]:
+            count += 1
+    return count
+
+
+def _entry(node: fx.Node, s: Strategy) -> dict:
+    return {
+        "op": _op(node),
+        "module": node_module(node),
+        "outputs": [list(p) if p is not None else None for p in s.outputs],
+        "inputs": [list(p) if p is not None else None for p in s.inputs],
+    }
+
+
+def _pick(ns: NodeStrategies, node: fx.Node, chosen: dict[str, dict]) -> Strategy:
+    """The strategy for a node left without an entry: a follower follows its source's chosen output."""
+    if ns.rule == "follower" and node.args and isinstance(node.args[0], fx.Node):
+        src = chosen.get(node.args[0].name)
+        idx = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) else 0
+        if src is not None and idx < len(src["outputs"]):
+            want = src["outputs"][idx]
+            for s in ns.strategies:
+                if s.outputs and s.outputs[0] is not None and list(s.outputs[0]) == want:
+                    return s
+    return min(ns.strategies, key=lambda s: _moves(s, node, chosen))
+
+
+def transfer_placements(
+    placements: dict[str, dict], captured: CapturedGraph, mesh_shape: tuple[int, ...]
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """``placements`` carried onto ``captured``'s nodes, and the plan-name -> node-name map used.
+
+    Unchanged (the same dict) when the plan's names are ``captured``'s.
+    """
+    if same_graph(placements, captured):
+        return placements, {name: name for name in placements}
+    mapping = align(placements, captured)
+    nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
+    by_run = {run: plan for plan, run in mapping.items()}
+    chosen: dict[str, dict] = {}
+    missing: list[fx.Node] = []
+    for n in nodes:
+        entry = placements.get(by_run.get(n.name, ""))
+        if entry is not None and _fits(entry, n, mesh_shape):
+            chosen[n.name] = copy.deepcopy(entry)
+        else:
+            missing.append(n)
+    if missing:
+        strategies = enumerate_strategies(captured.gm, mesh_shape)
+        for n in nodes:  # graph order: producers are chosen before their readers
+            if n in missing:
+                chosen[n.name] = _entry(n, _pick(strategies[n.name], n, chosen))
+        chosen = {n.name: chosen[n.name] for n in nodes}
+    log.info(
+        "placements carried onto a graph of batch %d: %d of %d nodes aligned, %d placed anew",
+        captured.batch_size,
+        len(nodes) - len(missing),
+        len(nodes),
+        len(missing),
+    )
+    return chosen, mapping
+
+
+def transfer_name(name: str, placements: dict[str, dict], mapping: dict[str, str]) -> str:
+    """The node of the new graph that plan node ``name`` became, or the next plan node's that has one."""
+    names = list(placements)
+    start = names.index(name) if name in names else len(names)
+    for later in names[start:]:
+        if later in mapping:
+            return mapping[later]
+    raise KeyError(f"no node of the new graph lines up with {name!r} or any node after it")

@@ -1,0 +1,91 @@
+"""The last captured graph, kept so that re-planning the same model does not capture it again.
+
+Users re-plan one model with other options (a ZeRO stage, a memory limit, a
+cluster); a 7B capture takes seconds and its result does not change. The key
+covers the model object, its parameter names, shapes and dtypes, the
+example inputs' shapes and dtypes, the loss function and the batch size the
+graph is captured at.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from autopar.capture.joint import CapturedGraph, capture
+from autopar.cost_models.graph_stats import graph_stats
+from autopar.cost_models.step import GraphStats
+
+log = logging.getLogger(__name__)
+
+_last: tuple[tuple, CapturedGraph, GraphStats] | None = None
+
+
+def captured_with_stats(
+    model, example_inputs, loss_fn=None, example_targets=None, batch: int | None = None
+) -> tuple[CapturedGraph, GraphStats]:
+    """Capture ``model`` (at ``batch`` samples if given) and read its statistics, reusing the last capture."""
+    global _last
+    key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn), batch)
+    if _last is not None and _last[0] == key:
+        log.info("reusing the capture of %s", type(model).__name__)
+        return _last[1], _last[2]
+    if batch is not None:
+        example_inputs = resize_batch(example_inputs, batch)
+        example_targets = resize_batch(example_targets, batch)
+    captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    stats = graph_stats(captured)
+    _last = (key, captured, stats)
+    return captured, stats
+
+
+def example_batch(example_inputs) -> int | None:
+    """Dim 0 of the first tensor among the example inputs: the batch the user gave."""
+    for x in _flat(example_inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return None
+
+
+def resize_batch(x, batch: int):
+    """The same inputs with dim 0 set to ``batch``, on the meta device (capture needs only shapes)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 or x.shape[0] == batch:
+            return x
+        return torch.empty((batch, *x.shape[1:]), dtype=x.dtype, device="meta")
+    if isinstance(x, dict):
+        return {k: resize_batch(v, batch) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(resize_batch(v, batch) for v in x)
+    return x
+
+
+def _flat(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _flat(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat(v)
+    else:
+        yield x
+
+
+def _model_key(model) -> tuple:
+    return (
+        id(model),
+        type(model),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()),
+    )
+
+
+def _shapes(x) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, str(x.device))
+    if isinstance(x, dict):
+        return tuple((k, _shapes(v)) for k, v in sorted(x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_shapes(v) for v in x)
+    return repr(x)

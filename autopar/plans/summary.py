@@ -1,0 +1,279 @@
+"""Why a plan fits: what it shards, what it recomputes, and what is live at its peak, in words.
+
+Planning records, per plan, the facts a reader needs to see why its memory
+comes out as it does (:func:`sharding_facts`, kept in ``plan.solver["sharding"]``
+as plain data: parameter elements by placement and ZeRO stage, the recompute
+marks by layer and op); :func:`summary_rows` and :func:`peak_line` turn them
+and the estimate into the lines ``Plan.summary`` prints.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.plans.data import PlanData
+from autopar.plans.format import GB, secs, size, solver_line
+
+_STATES = {
+    0: "replicated",
+    1: "optimizer state split",
+    2: "gradients and optimizer state split",
+    3: "parameters, gradients and optimizer state split",
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".") if module else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _op_name(op: str) -> str:
+    """``aten.mul.Tensor`` -> ``mul``; ``<built-in function getitem>`` -> ``getitem``."""
+    if op.startswith("<"):
+        return op.strip("<>").split()[-1]
+    parts = op.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = ("dp", "tp")) -> dict:
+    """Parameter elements by ZeRO stage and by the mesh axes that split them (placements hold no shapes)."""
+    zero: Counter = Counter()
+    split: Counter = Counter()
+    total = 0
+    for p in captured.params:
+        entry = placements.get(p.placeholder)
+        if entry is None:
+            continue
+        n = math.prod(p.shape)
+        total += n
+        out = entry["outputs"][0] or ["R"] * len(axes)
+        stage = 3 if out[0] != "R" else int(entry.get("zero", 0) or 0)
+        zero[str(stage)] += n
+        split["+".join(a for a, pl in zip(axes, out, strict=False) if pl != "R") or "none"] += n
+    return {"param_elements": total, "zero_elements": dict(zero), "split_elements": dict(split)}
+
+
+def recompute_facts(placements: dict[str, dict[str, Any]]) -> dict:
+    """The recompute marks: how many ops, of which kinds, in how many of the layers."""
+    marks = [e for e in placements.values() if e.get("recompute")]
+    return {
+        "ops": len(marks),
+        "full": sum(1 for e in marks if e["recompute"] == "full"),
+        "layers": len({_layer(e.get("module", "")) for e in marks} - {None}),
+        "of_layers": len({_layer(e.get("module", "")) for e in placements.values()} - {None}),
+        "kinds": dict(Counter(_op_name(e.get("op", "")) for e in marks).most_common(6)),
+    }
+
+
+# Plan.recompute in words
+_RECOMPUTE = {
+    "selective": "selective (Megatron's: the attention core of every layer)",
+    "full": "full (Megatron's: every layer from its input)",
+    "op-level": "op by op (the MILP's choice)",
+}
+
+
+def _share(part: float, total: float) -> str:
+    if not total:
+        return "-"
+    return "<1%" if 0 < part / total < 0.005 else f"{100 * part / total:.0f}%"
+
+
+def summary_rows(plan) -> list[tuple[str, str]]:
+    """(key, value) rows for the summary's configuration table: how it shards, ZeRO, recompute."""
+    facts = plan.solver.get("sharding")
+    mesh = plan.mesh
+    if not facts:
+        return [("ZeRO stage", str(plan.zero)), ("recompute", plan.recompute)]
+    total = facts["param_elements"]
+    dp = mesh.get("dp", 1)
+    split = facts["split_elements"]
+    parts = []
+    for axes, n in sorted(split.items(), key=lambda kv: -kv[1]):
+        if axes == "none":
+            parts.append(f"{_share(n, total)} whole on every device")
+        else:
+            ways = math.prod(mesh.get(a, 1) for a in axes.split("+"))
+            parts.append(f"{_share(n, total)} split {ways} ways over {axes}")
+    parts = [f"parameter elements: {', '.join(parts)}"]
+    if dp > 1:
+        parts.insert(0, f"batch split {dp} ways over dp")
+    if mesh.get("pp", 1) > 1:
+        parts.insert(0, f"layers cut into {len(plan.stages) or mesh['pp']} pipeline stages over pp={mesh['pp']}")
+    zero = facts["zero_elements"]
+    stages = sorted(zero.items(), key=lambda kv: -kv[1])
+    zero_text = "; ".join(
+        f"{z} for {_share(n, total)} ({_STATES[int(z)]}{f' {dp} ways over dp' if int(z) else ''})"
+        for z, n in stages
+    )
+    rec = recompute_facts(plan.placements)
+    if rec["ops"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in rec["kinds"].items())
+        how = _RECOMPUTE.get(plan.recompute, "full layers" if rec["full"] else plan.recompute)
+        rec_text = (
+            f"{how}: {rec['ops']} forward ops in {rec['layers']} of {rec['of_layers']} layers marked, replayed in "
+            f"the backward (+{secs(plan.estimate.recompute_s)} per step); most: {kinds}"
+        )
+    else:
+        rec_text = "none: every activation the backward reads is kept from the forward"
+    return [("sharded", "; ".join(parts)), ("ZeRO stage", zero_text), ("recompute", rec_text)]
+
+
+def peak_line(plan) -> str:
+    """The peak against the limit, where in the step it falls, and what is live there."""
+    est, mem = plan.estimate, plan.estimate.memory
+    if not mem.peak:
+        return ""
+    free = est.memory_limit - mem.peak
+    head = f"peak {size(mem.peak)} of the {size(est.memory_limit)} limit " + (
+        f"({size(free)} free)" if free >= 0 else f"({size(-free)} over)"
+    )
+    where = f", in the {mem.peak_at}" if mem.peak_at and not mem.peak_at.startswith("end") else (
+        f", at the {mem.peak_at}" if mem.peak_at else ""
+    )
+    at = mem.at_peak
+    if not at:
+        return head + where
+    names = {"grads": "gradients made so far"}
+    parts = " + ".join(f"{names.get(k, k)} {size(v)}" for k, v in at.items() if v)
+    return f"{head}{where}: {parts}"
+
+
+def summary_text(plan: PlanData, width: int = 100) -> str:
+    """A table a person reads: the configuration, time and memory per device."""
+    est, mem = plan.estimate, plan.estimate.memory
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False)
+
+    cfg = Table(
+        title=f"autopar plan: {plan.model} ({plan.num_params / 1e9:.3g}B params)", show_header=False
+    )
+    cfg.add_column("key", style="bold")
+    cfg.add_column("value")
+    cfg.add_row("cluster", plan.cluster_description)
+    cfg.add_row("mesh", plan.mesh_str())
+    for key, value in summary_rows(plan):  # what is sharded, ZeRO, what is recomputed
+        cfg.add_row(key, value)
+    cfg.add_row(
+        "batch",
+        f"global {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
+        f"{plan.microbatches} micro-batches x dp {plan.mesh['dp']}",
+    )
+    cfg.add_row("precision / optimizer", f"{plan.precision} / {plan.optimizer}")
+    if plan.solver:
+        cfg.add_row("search", solver_line(plan.solver, plan.mesh))
+    console.print(cfg)
+
+    time_t = Table(title="time per step")
+    hfu = ("HFU",) if est.hfu_differs else ()  # hardware FLOPs: recompute counted
+    for col in ("step", "compute (recompute)", "comm (exposed / total)", "optimizer", "samples/s", "MFU", *hfu):
+        time_t.add_column(col, justify="right")
+    time_t.add_row(
+        secs(est.step_time_s),
+        f"{secs(est.compute_s)} ({secs(est.recompute_s)})",
+        f"{secs(est.exposed_comm_s)} / {secs(est.comm_s)}",
+        secs(est.optimizer_s),
+        f"{est.samples_per_s:,.1f}",
+        f"{est.mfu * 100:.1f}%",
+        *(f"{est.hfu * 100:.1f}%" for _ in hfu),
+    )
+    console.print(time_t)
+
+    mem_t = Table(title="memory per device (GB)")
+    for col in ("params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"):
+        mem_t.add_column(col, justify="right")
+    mem_t.add_row(
+        *(
+            f"{v / GB:.2f}"
+            for v in (mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.peak)
+        ),
+        f"{est.memory_limit / GB:.1f}",
+        "yes" if est.fits else "NO",
+    )
+    console.print(mem_t)
+    if peak_line(plan):
+        console.print(peak_line(plan))
+
+    if plan.stages:
+        console.print(_pipeline_table(plan))
+
+    if est.collectives:
+        coll = Table(title="collectives per step")
+        for col in ("collective", "axis", "count", "bytes each", "time"):
+            coll.add_column(col, justify="right")
+        for c in est.collectives:
+            coll.add_row(c["kind"], c["axis"], str(c["count"]), size(c["bytes"]), secs(c["time_s"]))
+        console.print(coll)
+    params = plan.param_placements()
+    if params:
+        pt = Table(title="parameter placements (layers folded)")
+        for col in ("parameter", "copies", *plan.mesh_axes()):
+            pt.add_column(col, justify="left" if col == "parameter" else "right")
+        for (name, placement), count in params.items():
+            pt.add_row(name, str(count), *placement)
+        console.print(pt)
+    meshes = plan.solver.get("meshes") or []
+    if len(meshes) > 1:
+        left = plan.solver.get("meshes_left_out") or 0
+        mt = Table(
+            title="meshes searched",
+            caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
+        )
+        for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
+            mt.add_column(col, justify="right")
+        for r in meshes:
+            mt.add_row(
+                " x ".join(f"{k}={r['mesh'][k]}" for k in ("dp", "tp", "pp")),
+                str(r.get("microbatches", 1)),
+                r["status"],
+                r.get("source", "milp"),
+                secs(r["step_time_s"]),
+                f"{r['peak_bytes'] / GB:.2f}",
+                "yes" if r["fits"] else "no",
+            )
+        console.print(mt)
+    alts = plan.solver.get("alternatives") or []
+    if len(alts) > 1:
+        alt_t = Table(title="best configuration per ZeRO stage")
+        for col in ("mesh", "ZeRO", "micro-batches", "step", "peak memory (GB)", "fits"):
+            alt_t.add_column(col, justify="right")
+        for a in alts:
+            mesh = " x ".join(f"{k}={a['mesh'][k]}" for k in ("dp", "tp", "pp"))
+            alt_t.add_row(
+                mesh,
+                str(a["zero"]),
+                str(a["microbatches"]),
+                secs(a["step_time_s"]),
+                f"{a['peak_bytes'] / GB:.2f}",
+                "yes" if a["fits"] else "no",
+            )
+        console.print(alt_t)
+    for w in plan.warnings:
+        console.print(f"warning: {w}")
+    return buf.getvalue()
+
+
+def _pipeline_table(plan: PlanData) -> Table:
+    """One row per pipeline stage: what it holds, its time per micro-batch and its peak memory."""
+    pp, m = plan.mesh.get("pp", 1), max(plan.microbatches, 1)
+    chunks = max(len(plan.stages) // max(pp, 1), 1)
+    bubble = (pp - 1) / (m * chunks)
+    table = Table(
+        title=f"pipeline: {plan.schedule or '1F1B'}, {len(plan.stages)} stages on {pp} devices, "
+        f"{m} micro-batches, bubble (p-1)/(v*m) = {bubble * 100:.1f}%"
+    )
+    rows = plan.stage_rows()
+    for col in rows[0] if rows else ():
+        table.add_column(col, justify="left" if col == "holds" else "right")
+    for row in rows:
+        table.add_row(*row.values())
+    return table

@@ -1,0 +1,478 @@
+"""Pipeline configurations: the sharding MILP inside each stage, the stage cuts around it.
+
+For a mesh pp × dp × tp (pp ≥ 2) the search runs in two levels, as Alpa's
+does (intra-op ILP inside, inter-op slicing around):
+
+1. **Inside a stage**: the sharding problem of the whole graph on the dp × tp
+   sub-mesh every stage uses (:mod:`autopar.search.sharding.problem`), solved
+   by the MILP with the memory a stage has to itself.  A stage holds 1/pp of
+   the model's parameter states, and under 1F1B its first stage keeps pp
+   micro-batches of its 1/pp of the layers in flight — one micro-batch of all
+   of them.  So the MILP sees the parameters' memory divided by pp and the
+   activations of one micro-batch: the same limit and the same decisions
+   (shardings, ZeRO stage per parameter, recompute) as without a pipeline,
+   on the memory a stage really has.
+2. **Around the stages**: the chosen strategies give every segment of the
+   forward (:func:`autopar.search.pipeline.stages.forward_segments`) its time and memory
+   (:class:`autopar.cost_models.pipeline.Segment`), and
+   :func:`autopar.search.pipeline.cuts.best_cuts` places the cuts exactly for each
+   micro-batch count and schedule; every stage's memory is checked there with
+   its own parameters and in-flight micro-batches.
+
+Seed layouts (data parallel, ZeRO-3, Megatron) are solved on the same
+sub-mesh problem beside the MILP, as for meshes without a pipeline, so that a
+hand-set Megatron tp × pp × dp configuration costed by the same model can
+never beat the search.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.capture.joint import CapturedGraph
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.estimate import Estimate, MemoryEstimate
+from autopar.cost_models.memory import Precision
+from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time, stage_figures
+from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.search.pipeline.cuts import CutChoice, best_cuts
+from autopar.search.pipeline.preview import Preview
+from autopar.search.pipeline.segments import (
+    even_layer_cuts,
+    microbatch_counts,
+    pipeline_memory_problem,
+    rescale,
+    segment_figures,
+)
+from autopar.search.pipeline.stages import GraphSegment, forward_segments
+from autopar.search.sharding.mesh import (
+    MeshProblem,
+    ShardingResult,
+    both,
+    describe_result,
+    evaluate,
+    prepare_mesh,
+    zero_filter,
+)
+from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
+from autopar.search.sharding.problem import ShardingProblem, restrict, with_microbatches
+from autopar.search.sharding.seeds import seed_filter, seeds_for
+from autopar.solver import solve_strategies
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineResult:
+    """The best pipeline found on one pp × dp × tp mesh."""
+
+    mesh: MeshShape
+    microbatches: int
+    schedule: str
+    chunks: int
+    cuts: list[int]  # segment indices where stages start (after the first)
+    segments: list[Segment]
+    graph_segments: list[GraphSegment]
+    sharding: ShardingResult  # placements inside the stages (one micro-batch's problem)
+    estimate: Estimate
+    choice: CutChoice
+    source: str = "milp"
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def stages(self) -> list[dict[str, Any]]:
+        """The plan's description of each stage: where it starts, what it holds, its time and memory."""
+        bounds = [0, *self.cuts, len(self.segments)]
+        out = []
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            fig = stage_figures(self.segments, a, b)
+            names = [seg.name for seg in self.graph_segments[a:b]]
+            out.append(
+                {
+                    "first": self.graph_segments[a].first,
+                    "segments": names,
+                    "forward_s": fig.forward_s,
+                    "backward_s": fig.backward_s,
+                    "params": fig.params,
+                    "memory_bytes": self.choice.memory[s % len(self.choice.memory)],
+                    "device": s % self.mesh.pp,
+                }
+            )
+        return out
+
+
+def _costed_cuts(segments, cuts, m, schedule, p2p, memory_limit, chunks) -> CutChoice | None:
+    if cuts is None:
+        return None
+    memory = pipeline_memory(segments, cuts, m, schedule, chunks)
+    if max(memory) > memory_limit:
+        return None
+    return CutChoice(cuts, pipeline_time(segments, cuts, m, schedule, p2p, chunks), memory, exact=False)
+
+
+def _splittable(pm: PipelineMesh, sp: ShardingProblem, choice: list[int]) -> list[int]:
+    """The micro-batch counts under which every placement of ``choice`` still divides its tensor."""
+    return [m for m in pm.counts if microbatch_divides(pm.captured, sp, choice, (pm.mesh.dp, pm.mesh.tp), m)]
+
+
+@dataclass
+class PipelineMesh:
+    """One pp × dp × tp mesh's sharding problem, built once and solved under several layouts."""
+
+    captured: CapturedGraph
+    mesh: MeshShape
+    mp: MeshProblem
+    sp: ShardingProblem  # at the most micro-batches, the parameters' states divided by pp
+    counts: list[int]  # micro-batch counts to cost
+    graph_segments: list[GraphSegment]
+    link: Any
+    activation_scale: float
+    memory_limit: float
+
+    @property
+    def solve_microbatches(self) -> int:
+        return self.counts[-1]
+
+    def p2p(self, nbytes: float) -> float:
+        return collective_time("send_recv", nbytes, 2, self.link) if nbytes > 0 else 0.0
+
+
+def prepare_pipeline_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    *,
+    microbatches: int | None = None,
+    recompute: bool = True,
+) -> PipelineMesh | None:
+    """Build ``mesh``'s problem (pp ≥ 2); None when the model has fewer segments than stages."""
+    graph_segments = forward_segments(captured)
+    if len(graph_segments) < mesh.pp:
+        return None
+    counts = microbatch_counts(captured.batch_size // mesh.dp, mesh.pp, microbatches)
+    if not counts:
+        return None
+    mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+    sp = pipeline_memory_problem(with_microbatches(mp.sp, counts[-1]), mesh.pp)
+    scale = precision.activation_bytes / max(
+        (p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4
+    )
+    link = cluster.axis_link(mesh, "pp")
+    return PipelineMesh(captured, mesh, mp, sp, counts, graph_segments, link, scale, memory_limit)
+
+
+def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: tuple[str, ...] | None):
+    """(name, strategy filter) of each way to shard inside the stages: the MILP and the seed layouts."""
+    captured = pm.captured
+    fixed = zero_filter(pm.mp.sp, zero) if zero is not None else None
+    params = {p.placeholder: p.name for p in captured.params}
+    conv1d = captured.model_name.startswith("GPT2")
+    out = [("milp", fixed)] if milp else []
+    for kind in layouts if layouts is not None else seeds_for(pm.mesh.tp, list(params.values())):
+        seed = seed_filter(kind, params, conv1d)
+        out.append((kind, seed if fixed is None else both(pm.mp.sp, seed, fixed)))
+    return out
+
+
+def solve_pipeline(
+    pm: PipelineMesh,
+    time_limit_s: float,
+    *,
+    schedules: tuple[str, ...] = ("1F1B",),
+    zero: int | None = None,
+    milp: bool = True,
+    layouts: tuple[str, ...] | None = None,
+    even_cuts: bool = False,
+) -> PipelineResult | None:
+    """The fastest pipeline on ``pm``'s mesh that fits, or None.
+
+    Each candidate way of sharding inside the stages (the MILP when ``milp``, and
+    ``layouts``, default the mesh's seed layouts) is solved once; its segments are
+    costed at each micro-batch count and schedule, and the cuts placed exactly
+    (:func:`autopar.search.pipeline.cuts.best_cuts`).  ``even_cuts`` cuts at an equal
+    number of layers per stage instead (the first stage also holds what comes
+    before the layers, the last what comes after), as Megatron-LM does: with
+    ``milp=False, layouts=("megatron",)`` that costs a hand-set configuration.
+    """
+    t0 = time.perf_counter()
+    candidates = layout_candidates(pm, zero, milp, layouts)
+    if not candidates:
+        return None
+    per = max(time_limit_s / len(candidates), 1.0)
+    mesh, mp, sp, m_solve = pm.mesh, pm.mp, pm.sp, pm.solve_microbatches
+    shape = (mesh.dp, mesh.tp)
+    best: tuple | None = None  # (step, m, schedule, chunks, choice, segments, solution, source)
+    divides = microbatch_filter(pm.captured, shape, m_solve)
+
+    def answers():
+        """(source, solution, micro-batch counts it divides at) of each candidate."""
+        for source, allowed in candidates:
+            problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+            solution = solve_strategies(problem, time_limit_s=per, bound=False)
+            counts = _splittable(pm, sp, solution.choice) if solution.choice else []
+            if solution.choice:
+                yield source, solution, counts
+            if m_solve not in counts:
+                # placements that split a batch dim finer than a micro-batch holds: solve again without
+                # them (they divide at every count, since every count divides the most micro-batches)
+                narrow = divides if allowed is None else both(sp, allowed, divides)
+                solution = solve_strategies(restrict(sp.problem, sp, narrow), time_limit_s=per, bound=False)
+                if solution.choice:
+                    yield source, solution, _splittable(pm, sp, solution.choice)
+
+    for source, solution, counts in answers():
+        sp_solve = with_microbatches(mp.sp, m_solve)
+        base = segment_figures(
+            pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale
+        )
+        for m in counts:
+            segments = rescale(base, m_solve, m)
+            for schedule in schedules:
+                chunks = 2 if schedule == "interleaved" else 1
+                if even_cuts:
+                    cuts = even_layer_cuts(pm.graph_segments, mesh.pp * chunks)
+                    choice = _costed_cuts(segments, cuts, m, schedule, pm.p2p, pm.memory_limit, chunks)
+                else:
+                    choice = best_cuts(segments, mesh.pp, m, schedule, pm.p2p, pm.memory_limit, chunks)
+                if choice is not None and (best is None or choice.time.step_s < best[0] * (1 - 1e-9)):
+                    best = (choice.time.step_s, m, schedule, chunks, choice, segments, solution, source)
+    if best is None:
+        return None
+    _, m, schedule, chunks, choice, segments, solution, source = best
+    res = ShardingResult(mesh, m, with_microbatches(mp.sp, m), solution, Estimate(), source=source)
+    est = _estimate(pm.captured, res, segments, choice, schedule, chunks, mp, pm.memory_limit)
+    result = PipelineResult(
+        mesh, m, schedule, chunks, choice.cuts, segments, pm.graph_segments, res, est, choice, source
+    )
+    describe_result(pm.captured, res)
+    result.timings = {**mp.timings, "pipeline_s": time.perf_counter() - t0}
+    log.info(
+        "mesh %s: pipeline %s, %d micro-batches, step %.4g s (%s)", mesh, schedule, m, est.step_time_s, source
+    )
+    return result
+
+
+def solve_pipeline_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float,
+    *,
+    schedules: tuple[str, ...] = ("1F1B",),
+    microbatches: int | None = None,
+    zero: int | None = None,
+    recompute: bool = True,
+    milp: bool = True,
+    layouts: tuple[str, ...] | None = None,
+    even_cuts: bool = False,
+) -> PipelineResult | None:
+    """:func:`prepare_pipeline_mesh` then :func:`solve_pipeline`: the fastest pipeline on ``mesh``, or None."""
+    pm = prepare_pipeline_mesh(
+        captured,
+        cluster,
+        mesh,
+        precision,
+        optimizer,
+        memory_limit,
+        microbatches=microbatches,
+        recompute=recompute,
+    )
+    if pm is None:
+        return None
+    return solve_pipeline(
+        pm, time_limit_s, schedules=schedules, zero=zero, milp=milp, layouts=layouts, even_cuts=even_cuts
+    )
+
+
+# The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.
+MILP_MESHES = 2
+# The share of the time limit for costing meshes with the seed layouts; the MILP rounds get the rest.
+SEED_ROUND = 0.75
+# Each mesh of the seed round may take up to 1/SHARE_OF of the round's time left.
+SHARE_OF = 3
+
+
+def search_pipelines(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    meshes: list[MeshShape],
+    time_limit_s: float,
+    *,
+    schedules: tuple[str, ...] = ("1F1B", "interleaved"),
+    microbatches: int | None = None,
+    zero: int | None = None,
+    recompute: bool = True,
+    preview: Preview | None = None,
+) -> list[PipelineResult]:
+    """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
+
+    Every mesh is first costed with its seed layouts inside the stages (restricted
+    solves, quick), most promising first, until SEED_ROUND of the time limit is
+    spent (the rest are left out, and the log says how many): in the order given,
+    or, with a ``preview``, in the order of its previewed step times, which every
+    costed mesh refines for the meshes of its tp. The MILP then runs on the
+    ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
+    improve them, as long as the time left is at least what costing a mesh took.
+    """
+    start = time.perf_counter()
+    seeds_end = start + time_limit_s * SEED_ROUND
+    seeded: list[tuple[PipelineMesh, PipelineResult | None]] = []
+    todo = preview.order(meshes) if preview is not None else list(meshes)
+    costed = 0
+    for k in range(len(meshes)):
+        if k and time.perf_counter() > seeds_end:
+            log.info("pipelines: time limit reached after %d of %d meshes", k, len(meshes))
+            break
+        mesh = todo.pop(0)
+        pm = prepare_pipeline_mesh(
+            captured,
+            cluster,
+            mesh,
+            precision,
+            optimizer,
+            memory_limit,
+            microbatches=microbatches,
+            recompute=recompute,
+        )
+        if pm is not None:
+            costed += 1
+            # a share of what is left that lets a large mesh's solve find an answer: the limit ends
+            # the round long before every mesh of a large cluster is costed
+            left = max(seeds_end - time.perf_counter(), 0.0) / min(max(len(meshes) - k, 1), SHARE_OF)
+            res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False)
+            seeded.append((pm, res))
+            if preview is not None:
+                preview.costed(mesh, res.estimate.step_time_s if res is not None else None)
+                if res is not None:
+                    preview.learn(res.mesh, res.segments, res.microbatches)
+                todo = preview.order(todo)
+    if not seeded:
+        return []
+
+    def step(r: PipelineResult | None) -> float:
+        return r.estimate.step_time_s if r is not None else math.inf
+
+    order = sorted(range(len(seeded)), key=lambda i: step(seeded[i][1]))
+    top = order[:MILP_MESHES]
+    per_mesh = (time.perf_counter() - start) / max(costed, 1)  # what costing one mesh took
+    for n, i in enumerate(top):
+        left = max(start + time_limit_s - time.perf_counter(), 0.0) / (len(top) - n)
+        if left < per_mesh:  # a MILP round takes at least as long as a seed costing: no time for it
+            log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
+            break
+        pm, old = seeded[i]
+        res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=())
+        if res is not None and step(res) < step(old) * (1 - 1e-9):
+            seeded[i] = (pm, res)
+    return [r for _, r in seeded if r is not None]
+
+
+def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limit) -> Estimate:
+    """The pipeline's Estimate: its step, the worst stage's memory, and the collectives inside stages."""
+    inner = evaluate(
+        res.sp,
+        res.solution,
+        (res.mesh.dp, res.mesh.tp),
+        mp.cluster,
+        captured.batch_size,
+        memory_limit,
+        mp.links,
+        mp.compute_dtype,
+    )
+    t = choice.time
+    memory = pipeline_memory(segments, choice.cuts, res.microbatches, schedule, chunks)
+    worst = max(range(len(memory)), key=memory.__getitem__)
+    bounds = [0, *choice.cuts, len(segments)]
+    pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    mine = pieces[worst :: len(memory)] if chunks > 1 else [pieces[worst]]
+    share = sum(x.state_bytes for x in mine) / max(sum(x.state_bytes for x in pieces), 1e-30)
+    collectives = list(inner.collectives)
+    sends = len(choice.cuts)
+    if sends:
+        nbytes = sum(segments[c - 1].boundary_bytes for c in choice.cuts) / sends
+        collectives.append(
+            {
+                "kind": "send_recv",
+                "axis": "pp",
+                "bytes": nbytes,
+                "count": 2 * sends * res.microbatches,
+                "time_s": t.p2p_s,
+            }
+        )
+    devices = res.mesh.size
+    peak_flops = mp.cluster.device_spec.peak_flops[mp.compute_dtype]
+    flops = inner.model_flops
+    peak = max(memory)
+    held = sum(x.state_bytes for x in mine)
+    activations = max(0.0, peak - held)
+    mem = MemoryEstimate(
+        params=inner.memory.params * share,
+        grads=inner.memory.grads * share,
+        optimizer=inner.memory.optimizer * share,
+        activations=activations,
+        peak=peak,
+        at_peak={
+            "params": inner.memory.params * share,
+            "optimizer": inner.memory.optimizer * share,
+            "grads": inner.memory.grads * share,
+            "activations": activations,
+        },
+        peak_at=f"pipeline stage {worst} with its micro-batches in flight ({schedule})",
+    )
+    rate = t.step_s * devices * peak_flops
+    return Estimate(
+        step_time_s=t.step_s,
+        samples_per_s=captured.batch_size / t.step_s if t.step_s > 0 else 0.0,
+        mfu=flops / rate if t.step_s > 0 else 0.0,
+        hfu=inner.hardware_flops / rate if t.step_s > 0 else 0.0,
+        memory=mem,
+        memory_limit=memory_limit,
+        fits=peak <= memory_limit,
+        compute_s=t.work_s,
+        comm_s=inner.comm_s + t.p2p_s,
+        exposed_comm_s=t.p2p_s,
+        optimizer_s=t.tail_s,
+        recompute_s=inner.recompute_s / max(res.mesh.pp, 1),
+        bubble_s=t.bubble_s,
+        model_flops=flops,
+        hardware_flops=inner.hardware_flops,
+        collectives=collectives,
+    )
+
+
+def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: dict[str, Any]) -> list[MeshShape]:
+    """The pp × dp × tp meshes (pp ≥ 2) worth a pipeline search, fewest stages first.
+
+    Tensor parallelism stays inside a node, its size a divisor of the node's
+    devices (across nodes it runs on the slow links: Megatron-LM keeps it there
+    too); a stage needs at least one segment;
+    dp must divide the batch.
+    """
+    world = cluster.world_size
+    out = []
+    for pp in range(2, world + 1):
+        if world % pp or pp > segments or ("pp" in fixed and fixed["pp"] != pp):
+            continue
+        for tp in range(1, world // pp + 1):
+            if (world // pp) % tp or ("tp" in fixed and fixed["tp"] != tp):
+                continue
+            if cluster.gpus_per_node % tp and "tp" not in fixed:
+                continue
+            dp = world // (pp * tp)
+            if batch % dp or ("dp" in fixed and fixed["dp"] != dp):
+                continue
+            out.append(cluster.check_mesh(dp=dp, tp=tp, pp=pp))
+    return out
+

@@ -1,0 +1,136 @@
+"""A quick preview of each pipeline mesh's step time: the order in which the search costs them.
+
+Costing one pp × dp × tp mesh means building and solving its sharding problem
+(seconds at scale), and a large cluster has dozens of such meshes, more than a
+time limit allows.  The preview ranks them without solving: the segment figures
+of a sharding already solved for the same tp (a dp × tp mesh without a pipeline,
+or a pipeline mesh costed earlier) are scaled to the mesh's micro-batch size,
+and a pipeline of near-even layer cuts is priced under 1F1B
+(:mod:`autopar.cost_models.pipeline`) at each micro-batch count the search would
+try.  Only the order depends on it: every mesh the search keeps is costed by
+its own solve.  Figures of different tp compare poorly until a pipeline of
+each was costed, so a mesh of each promising tp goes first (see ``order``).
+
+The figures carry over imperfectly (a mesh without a pipeline holds every
+layer's states, so it may have chosen ZeRO-3 or recompute where a stage needs
+neither), which is why a costed pipeline mesh replaces them for its tp.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from autopar.capture.joint import CapturedGraph
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.memory import Precision
+from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
+from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.search.pipeline.segments import microbatch_counts, rescale, segment_figures
+from autopar.search.pipeline.stages import GraphSegment, forward_segments
+
+log = logging.getLogger(__name__)
+
+# Added to a previewed step that does not fit in memory: such meshes are costed after those that fit.
+UNFIT = 1e9
+
+
+def near_even_cuts(graph_segments: list[GraphSegment], pieces: int) -> list[int] | None:
+    """Cuts giving ``pieces`` stages as equal a number of layers as they divide into (None: too few layers)."""
+    layers = [i for i, s in enumerate(graph_segments) if s.name.rsplit(".", 1)[-1].isdigit()]
+    if len(layers) < pieces:
+        return None
+    return [layers[(k * len(layers)) // pieces] for k in range(1, pieces)]
+
+
+class Preview:
+    """Segment figures per tensor-parallel size, and the previewed step of a mesh from them."""
+
+    def __init__(self, captured: CapturedGraph, cluster: Cluster, precision: Precision, memory_limit: float):
+        self.captured, self.cluster, self.memory_limit = captured, cluster, memory_limit
+        self.graph_segments = forward_segments(captured)
+        self.activation_scale = precision.activation_bytes / max(
+            (p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4
+        )
+        self.figures: dict[int, tuple[list[Segment], float]] = {}  # tp -> segments, their micro-batch size
+        self.tried: set[int] = set()  # tensor-parallel sizes a pipeline mesh was costed for
+        self.best: tuple[float, int] = (math.inf, 0)  # the fastest pipeline costed: step, tp
+        self.best_mesh: MeshShape | None = None
+
+    def learn_flat(self, results) -> None:
+        """Take the figures of solved dp × tp meshes (``ShardingResult``), one per tp not yet known."""
+        for r in results:
+            if not r.solution.choice or r.mesh.tp in self.figures:
+                continue
+            segs = segment_figures(
+                self.captured,
+                r.sp,
+                r.solution.choice,
+                self.graph_segments,
+                (r.mesh.dp, r.mesh.tp),
+                r.microbatches,
+                self.activation_scale,
+            )
+            self.learn(r.mesh, segs, r.microbatches)
+
+    def learn(self, mesh: MeshShape, segments: list[Segment], microbatches: int) -> None:
+        """Figures of ``mesh``'s solved sharding at ``microbatches``: they now stand for its tp."""
+        self.figures[mesh.tp] = (segments, self.captured.batch_size / (mesh.dp * microbatches))
+
+    def costed(self, mesh: MeshShape, step_s: float | None) -> None:
+        """``mesh`` was costed as a pipeline: its step, or None when nothing on it fits."""
+        self.tried.add(mesh.tp)
+        if step_s is not None and step_s < self.best[0]:
+            self.best = (step_s, mesh.tp)
+            self.best_mesh = mesh
+
+    def step(self, mesh: MeshShape) -> float | None:
+        """The previewed step time of a pipeline on ``mesh`` (plus UNFIT if it does not fit), or None."""
+        if mesh.tp not in self.figures:
+            return None
+        cuts = near_even_cuts(self.graph_segments, mesh.pp)
+        if cuts is None:
+            return None
+        segs, size = self.figures[mesh.tp]
+        link = self.cluster.axis_link(mesh, "pp")
+
+        def p2p(nbytes: float) -> float:
+            return collective_time("send_recv", nbytes, 2, link) if nbytes > 0 else 0.0
+
+        best = math.inf
+        for m in microbatch_counts(self.captured.batch_size // mesh.dp, mesh.pp, None):
+            # rescale's figures scale with new / old micro-batch size (given as the sizes, not the counts)
+            scaled = rescale(segs, self.captured.batch_size / (mesh.dp * m), size)
+            t = pipeline_time(scaled, cuts, m, "1F1B", p2p, 1).step_s
+            if max(pipeline_memory(scaled, cuts, m, "1F1B", 1)) > self.memory_limit:
+                t += UNFIT
+            best = min(best, t)
+        return best if math.isfinite(best) else None
+
+    def order(self, meshes: list[MeshShape]) -> list[MeshShape]:
+        """``meshes`` by previewed step, fastest first; those with no preview after them, in their order.
+
+        Figures of one tp compare poorly with another's until a pipeline of each was
+        costed, so some meshes go first, the best-previewed (or else the first) of their
+        tp: before any mesh was costed, one of each tp with figures; after, the mesh of
+        the fastest pipeline's tp previewed faster than that pipeline's own mesh, if
+        any, then one of each tp not yet tried next to (half or twice) that tp.
+        """
+        steps = {m: self.step(m) for m in meshes}
+        ahead = sorted((m for m in meshes if steps[m] is not None), key=lambda m: steps[m])
+        rest = [m for m in meshes if steps[m] is None]
+        log.debug("pipelines previewed: %s", ", ".join(f"{m.pp}x{m.dp}x{m.tp} {steps[m]:.4g}" for m in ahead))
+        if math.isfinite(self.best[0]):
+            wanted = {self.best[1] * 2, self.best[1] // 2} - self.tried
+        else:
+            wanted = set(self.figures) - self.tried
+        lead: dict[int, MeshShape] = {}
+        for m in ahead + rest:
+            if m.tp in wanted:
+                lead.setdefault(m.tp, m)
+        first = list(lead.values())
+        if self.best_mesh is not None:
+            own = self.step(self.best_mesh)
+            better = [m for m in ahead if m.tp == self.best[1] and own is not None and steps[m] < own]
+            first = better[:1] + first
+        return first + [m for m in ahead + rest if m not in first]

@@ -1,0 +1,360 @@
+"""Per-op records of a sharding search, kept in the plan so that ``Plan.explain`` can say why.
+
+The plan holds only what was chosen; the search knew the alternatives. This
+pass reads them off a :class:`~autopar.search.sharding.mesh.ShardingResult` while
+they still exist and writes compact, JSON-able records: for each op that
+matters (it has FLOPs, is a parameter, or sends or receives a collective),
+the strategies it had, what each would cost *with every other node kept as
+chosen* (compute, plus the communication on the edges that touch it, plus
+the memory it holds), the collectives the chosen one caused, and a sentence
+on why the chosen one won.
+
+"Kept as chosen" makes the numbers local and exact: the cost of switching
+one node alone is its own cost plus its incident edges' costs, which are
+the terms of the MILP objective that change. A cheaper local alternative
+that was not taken has a reason the record names: the node is tied to its
+copies in repeated layers, the memory limit, a seed layout the search
+preferred, or a solver time limit.
+
+Size is bounded: repeated layers are recorded once (the other copies point
+at the first through ``same_as``), at most ``alternatives`` strategies are
+kept per op, numbers keep four significant digits, and at most ``limit``
+records are written, the ops with the most FLOPs and the parameters first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from autopar.capture.joint import CapturedGraph, node_module
+from autopar.core.module_paths import layer_key
+
+if TYPE_CHECKING:
+    from autopar.search.sharding.mesh import ShardingResult
+
+RECORDS_FORMAT = 1
+AXES = ("dp", "tp")
+# the sharding problem marks a forbidden resharding with this cost (seconds); see sharding_problem.FORBIDDEN_S
+_FORBIDDEN_S = 1e6
+# a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain
+_TIE_RTOL = 1e-6
+
+
+def placement_str(p: Any) -> str:
+    """One tensor's placement per mesh axis as a short string: ``S(0),R``; ``-`` for a non-tensor."""
+    if p is None:
+        return "-"
+    return ",".join(str(x) for x in p)
+
+
+def _outputs_str(outputs: Any) -> str:
+    return " | ".join(placement_str(p) for p in outputs) or "-"
+
+
+def _r(x: float) -> float:
+    """Four significant digits: enough to compare alternatives, small in JSON."""
+    if x == 0 or not math.isfinite(x):
+        return 0.0 if x == 0 else x
+    return float(f"{x:.4g}")
+
+
+def explain_records(
+    captured: CapturedGraph,
+    res: ShardingResult,
+    limit: int = 2000,
+    alternatives: int = 5,
+) -> dict[str, Any]:
+    """Compact per-op records of ``res``'s search on ``captured``'s graph, for ``plan.solver["ops"]``.
+
+    Returns ``{"format", "axes", "mesh", "source", "status", "memory_limit", "peak",
+    "records": {node: record}, "same_as": {node: node recorded}, "dropped": int}``.
+    A record holds ``op``, ``module``, ``phase``, ``flops`` (whole batch), ``param``
+    (parameters only), ``copies`` (repeated layers sharing the decision), ``n``
+    (strategies it had), ``forbidden`` (of those, how many were ruled out: forbidden,
+    or needing a resharding from its neighbours' placements that cannot be done),
+    ``alts`` (the chosen strategy first, then the cheapest others: ``out``, ``in``,
+    ``compute_s``, ``comm_s``, ``mem``), ``collectives`` and ``why``.
+    """
+    sp, choice = res.sp, res.solution.choice
+    base = {
+        "format": RECORDS_FORMAT,
+        "axes": list(AXES),
+        "mesh": {"dp": res.mesh.dp, "tp": res.mesh.tp},
+        "source": res.source,
+        "status": res.solution.status,
+        "memory_limit": _r(sp.problem.memory_limit or 0.0),
+        "peak": _r(res.estimate.memory.peak),
+        "records": {},
+        "same_as": {},
+        "dropped": 0,
+    }
+    if not choice:
+        return base
+    p = sp.problem
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    param_of = {t.placeholder: t.name for t in captured.params}
+
+    incident: list[list[int]] = [[] for _ in sp.nodes]
+    for e, (u, v) in enumerate(p.edges):
+        incident[u].append(e)
+        if v != u:
+            incident[v].append(e)
+
+    colls: dict[str, list[dict[str, Any]]] = {}
+    for c in res.charged:
+        rec = {
+            "kind": c["kind"],
+            "axis": c["axis"],
+            "bytes": _r(c["bytes"]),
+            "from": c["from"],
+            "to": c["to"],
+            "reason": c["reason"],
+        }
+        colls.setdefault(c["from"], []).append(rec)
+        if c["to"] != c["from"]:
+            colls.setdefault(c["to"], []).append(rec)
+
+    # repeated layers: one record per group, the first member in graph order speaks for the others
+    rep_of: dict[int, int] = {}
+    copies: dict[int, int] = {}
+    for group in p.groups or []:
+        members = sorted(group)
+        for m in members:
+            rep_of[m] = members[0]
+        copies[members[0]] = len(members)
+
+    def matters(i: int) -> bool:
+        name = sp.nodes[i]
+        return name in param_of or sp.flops[i] > 0 or name in colls
+
+    wanted: dict[int, None] = {}
+    same_as: dict[str, str] = {}
+    for i, name in enumerate(sp.nodes):
+        rep = rep_of.get(i, i)
+        if not (matters(i) or (rep != i and matters(rep))):
+            continue
+        if rep != i:
+            same_as[name] = sp.nodes[rep]
+        wanted[rep] = None
+
+    order = sorted(wanted, key=lambda i: (sp.nodes[i] not in param_of, -sp.flops[i], i))
+    kept = order[:limit]
+    kept_names = {sp.nodes[i] for i in kept}
+    base["dropped"] = len(order) - len(kept)
+    base["same_as"] = {k: v for k, v in same_as.items() if v in kept_names}
+    ctx = _Context(res, choice, incident, copies)
+    for i in sorted(kept):
+        name = sp.nodes[i]
+        node = by_name.get(name)
+        rec = ctx.record(i, alternatives)
+        rec.update(
+            op=str(node.target) if node is not None and node.op == "call_function" else "placeholder",
+            module=node_module(node) if node is not None else "",
+            phase=node.meta.get("autopar_phase", "") if node is not None else "",
+            flops=_r(sp.flops[i]),
+        )
+        if name in param_of:
+            rec["param"] = param_of[name]
+        if copies.get(i, 1) > 1:
+            rec["copies"] = copies[i]
+        cs = colls.get(name, [])
+        if cs:
+            rec["collectives"] = cs
+        base["records"][name] = dict(sorted(rec.items()))
+    _fold_identical(base)
+    return base
+
+
+def _fold_identical(base: dict[str, Any]) -> None:
+    """Alias records that repeat an earlier one up to the layer number (parameters of repeated layers).
+
+    The solver ties only ops it may tie; parameters of identical layers usually get
+    identical records anyway, and one copy says all there is to say.
+    """
+    seen: dict[str, str] = {}
+    records, same_as = base["records"], base["same_as"]
+    for name in list(records):
+        rec = records[name]
+        key = json.dumps(
+            {
+                **{k: v for k, v in rec.items() if k not in ("module", "param", "collectives")},
+                "module": _fold(rec.get("module", "")),
+                "param": _fold(rec.get("param", "")),
+                "collectives": [
+                    {k: v for k, v in c.items() if k not in ("from", "to")}
+                    for c in rec.get("collectives", [])
+                ],
+            },
+            sort_keys=True,
+        )
+        first = seen.setdefault(key, name)
+        if first != name and _fold(rec.get("module", "")) != rec.get("module", ""):
+            same_as[name] = first
+            del records[name]
+    for name, target in same_as.items():
+        same_as[name] = same_as.get(target, target)
+
+
+def _fold(module: str) -> str:
+    """The layer number taken out: "transformer.h.3.mlp" -> "transformer.h.*.mlp"."""
+    key = layer_key(module)
+    return key[0] if key else module
+
+
+class _Context:
+    """What every record reads: the problem, the chosen answer, each node's incident edges."""
+
+    def __init__(self, res: ShardingResult, choice: list[int], incident: list[list[int]], copies) -> None:
+        self.res = res
+        self.sp = res.sp
+        self.p = res.sp.problem
+        self.choice = choice
+        self.incident = incident
+        self.copies = copies
+
+    def local_costs(self, i: int) -> list[tuple[float, float]]:
+        """(compute, communication on the edges touching ``i``) per strategy of ``i``, others as chosen."""
+        p, choice = self.p, self.choice
+        out = []
+        for s, c in enumerate(p.node_costs[i]):
+            comm = 0.0
+            for e in self.incident[i]:
+                u, v = p.edges[e]
+                sv = len(p.node_costs[v])
+                a = s if u == i else choice[u]
+                b = s if v == i else choice[v]
+                comm += p.edge_costs[e][a * sv + b]
+            out.append((c, comm))
+        return out
+
+    def record(self, i: int, alternatives: int) -> dict[str, Any]:
+        sp = self.sp
+        chosen = self.choice[i]
+        costs = self.local_costs(i)
+        totals = [c + m for c, m in costs]
+        allowed = [
+            s for s, (c, m) in enumerate(costs) if math.isfinite(c) and c < _FORBIDDEN_S and m < _FORBIDDEN_S
+        ]
+        others = sorted((s for s in allowed if s != chosen), key=lambda s: (totals[s], s))
+        shown = [chosen, *others[: max(alternatives - 1, 0)]]
+        strategies = sp.strategies[i]
+
+        def alt(s: int) -> dict[str, Any]:
+            st = strategies[s]
+            c, m = costs[s]
+            return {
+                "out": _outputs_str(st.outputs),
+                "in": [placement_str(x) for x in st.inputs],
+                "compute_s": _r(c),
+                "comm_s": _r(m),
+                "mem": _r(self.held(i, s)),
+            }
+
+        rec: dict[str, Any] = {
+            "n": len(strategies),
+            "forbidden": len(strategies) - len(set(allowed) | {chosen}),
+            "alts": [alt(s) for s in shown],
+            "why": self.why(i, chosen, others, costs, strategies),
+        }
+        return rec
+
+    def held(self, i: int, s: int) -> float:
+        """Bytes node ``i`` holds under strategy ``s``: its output, or a parameter's value, state and gradient."""
+        parts = getattr(self.sp, "state_parts", {})
+        grad = parts[i][s][1] if i in parts else 0.0
+        return self.p.node_memory[i][s] + grad
+
+    def why(self, i: int, chosen: int, others: list[int], costs, strategies) -> str:
+        """One or two sentences: why ``chosen`` rather than the locally cheapest alternative."""
+        res, p = self.res, self.p
+        total = [c + m for c, m in costs]
+        here = total[chosen]
+        cname = _outputs_str(strategies[chosen].outputs)
+        if not others:
+            return f"its only allowed strategy ({cname})"
+        best = others[0]
+        bname = _outputs_str(strategies[best].outputs)
+        saving = here - total[best]
+        tol = max(abs(here) * _TIE_RTOL, 1e-8)
+        if saving <= tol:
+            gap = total[best] - here
+            if gap <= tol:
+                reason = f"ties with {bname}, the cheapest with its neighbours' placements as chosen"
+            else:
+                reason = (
+                    f"cheapest of its {len(others) + 1} allowed strategies with its neighbours' placements "
+                    f"as chosen; next best {bname} costs {_t(gap)} more ({_component(costs, chosen, best)})"
+                )
+            return reason + _vs_replicated(costs, chosen, strategies)
+        # a cheaper alternative was left: name why
+        lead = f"{bname} would cost {_t(saving)} less here"
+        mem_more = self.held(i, best) - self.held(i, chosen)
+        limit = p.memory_limit
+        if res.source != "milp":
+            return (
+                f"the {res.source} layout was kept on this mesh (its step estimate beat the unrestricted "
+                f"search's); {lead}, outside that layout"
+            )
+        if mem_more > 0 and limit and res.estimate.memory.peak + mem_more > limit:
+            return (
+                f"{lead} but needs {_b(mem_more)} more per device, and the plan's peak "
+                f"{_b(res.estimate.memory.peak)} is near the {_b(limit)} limit"
+            )
+        n = self.copies.get(i, 1)
+        if n > 1:
+            return (
+                f"tied to its {n} copies in the repeated layers, which take one decision together: "
+                f"{lead} in this copy, not over all of them"
+            )
+        if mem_more > 0 and limit:
+            return f"{lead} but needs {_b(mem_more)} more per device while memory is tight elsewhere in its live range"
+        if res.solution.status != "optimal":
+            return f"{lead}; the solver stopped at its time limit ({res.solution.status})"
+        return f"{lead} alone, but the joint optimum over the whole graph keeps {cname}"
+
+
+def _component(costs, chosen: int, other: int) -> str:
+    dc = costs[other][0] - costs[chosen][0]
+    dm = costs[other][1] - costs[chosen][1]
+    parts = []
+    if abs(dc) > 0:
+        parts.append(f"compute {'+' if dc > 0 else '-'}{_t(abs(dc))}")
+    if abs(dm) > 0:
+        parts.append(f"communication {'+' if dm > 0 else '-'}{_t(abs(dm))}")
+    return ", ".join(parts) or "same cost"
+
+
+def _vs_replicated(costs, chosen: int, strategies) -> str:
+    """How the chosen strategy compares with running the op replicated, when that was an option."""
+    st = strategies[chosen]
+    rep = [
+        s
+        for s, x in enumerate(strategies)
+        if all(p is None or all(a == "R" for a in p) for p in (*x.outputs, *x.inputs))
+    ]
+    if not rep or rep[0] == chosen or all(p is None or all(a == "R" for a in p) for p in st.outputs):
+        return ""
+    r = rep[0]
+    if not (math.isfinite(costs[r][0]) and costs[r][1] < _FORBIDDEN_S):
+        return ""
+    return (
+        f"; replicated it would take compute {_t(costs[r][0])} and communication {_t(costs[r][1])}, "
+        f"against {_t(costs[chosen][0])} and {_t(costs[chosen][1])}"
+    )
+
+
+def _t(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def _b(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"

@@ -1,0 +1,725 @@
+"""Sharding search on one mesh, and the costing of a chosen answer.
+
+strategies → MILP instance → solve → per-node placements + an Estimate.
+
+The Estimate reads the chosen strategies back through the same cost terms
+the MILP minimised, then adds what the linear objective cannot express:
+gradient synchronisation overlaps the backward pass (bucketed, as DDP
+does), so only the part of it that outlasts the backward compute, or the
+last bucket, is exposed. Baseline layouts (pure data parallel, ZeRO-3
+style parameter sharding, Megatron-style tensor parallel) are costed by
+the same code with the parameters' placements restricted, so every
+comparison uses one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from autopar.capture.joint import CapturedGraph, node_module, node_phase
+from autopar.core.errors import PlanError
+from autopar.core.heap import long_lived_heap
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.compute import ComputeEfficiency, is_view
+from autopar.cost_models.estimate import Estimate
+from autopar.cost_models.memory import Precision
+from autopar.cost_models.step import BUCKET_BYTES
+from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.search.sharding.coarsen import repeated_groups
+from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
+from autopar.search.sharding.problem import (
+    ShardingProblem,
+    build_problem,
+    charged_collectives,
+    restrict,
+    with_microbatches,
+)
+from autopar.search.sharding.recompute import recomputed
+from autopar.search.sharding.seeds import seed_filter, seeds_for
+from autopar.search.sharding.step_memory import step_memory
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.solver import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, solve_strategies
+
+log = logging.getLogger(__name__)
+
+AXES = ("dp", "tp")
+
+
+@dataclass
+class ShardingResult:
+    mesh: MeshShape
+    microbatches: int
+    sp: ShardingProblem
+    solution: Solution
+    estimate: Estimate
+    placements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
+    source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
+    milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
+    # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
+    # same problem fits them either, so the seed layouts of the mesh skip them
+    unfit: frozenset[int] = frozenset()
+
+
+def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
+    return [cluster.axis_link(mesh, axis) for axis in AXES]
+
+
+@dataclass
+class MeshProblem:
+    """One mesh's sharding problem, built once (for one micro-batch) and solved under several restrictions.
+
+    The search solves each mesh unrestricted and again for every seed layout, and
+    retries with more micro-batches when nothing fits: all of these are the same
+    problem with some strategies forbidden or the activation memory divided, so
+    they share this one build.
+    """
+
+    captured: CapturedGraph
+    cluster: Cluster
+    mesh: MeshShape
+    links: list
+    sp: ShardingProblem  # one micro-batch, repeated-layer groups set
+    memory_limit: float
+    compute_dtype: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@long_lived_heap()
+def prepare_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    strategies: dict[str, NodeStrategies] | None = None,
+    efficiency: ComputeEfficiency | None = None,
+    recompute: bool = False,
+) -> MeshProblem:
+    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``.
+
+    ``recompute``: activations may also be recomputed in the backward (a decision of the MILP).
+    """
+    timings: dict[str, float] = {}
+    shape = (mesh.dp, mesh.tp)
+    t = time.perf_counter()
+    if strategies is None:
+        strategies = enumerate_strategies(captured.gm, shape, AXES)
+    timings["strategies_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    links = mesh_links(cluster, mesh)
+    sp = build_problem(
+        captured,
+        strategies,
+        shape,
+        links,
+        cluster.device_spec,
+        precision,
+        optimizer,
+        efficiency=efficiency,
+        memory_limit=memory_limit,
+        microbatches=1,
+        recompute=recompute,
+    )
+    index = {name: i for i, name in enumerate(sp.nodes)}
+    options = {name: sp.strategies[i] for name, i in index.items()}
+    groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
+    # a replayed op runs as its original is placed (the runtime copies the original's entry): one choice
+    groups += [
+        [clone, source]
+        for clone, source in recomputed(captured).items()
+        if clone in index and source in index and options[clone] == options[source]
+    ]
+    sp.problem.groups = [[index[n] for n in g] for g in groups] or None
+    timings["build_s"] = time.perf_counter() - t
+    timings["solve_s"] = 0.0
+    return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
+
+
+@long_lived_heap()
+def solve_prepared(
+    mp: MeshProblem,
+    time_limit_s: float = 60.0,
+    allowed: Callable[[str, Strategy], bool] | None = None,
+    describe: bool = True,
+    bound: bool = True,
+    least_peak: bool = True,
+    unfit: frozenset[int] = frozenset(),
+    microbatches: int | None = None,
+) -> ShardingResult:
+    """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
+
+    Gradient accumulation only to fit: the fewest micro-batches that fit the memory
+    limit, or ``microbatches`` when given (it must divide the local batch).
+    ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
+    ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
+    ``least_peak=False``: an answer that does not fit is of no use to the caller (a seed
+    layout), so no solve is spent on the smallest memory that would fit, and none at all
+    when the parameters' states alone are over the limit. ``unfit``: micro-batch counts known not
+    to fit (``ShardingResult.unfit`` of a less restricted solve of ``mp``), not tried again.
+    """
+    captured, shape = mp.captured, (mp.mesh.dp, mp.mesh.tp)
+    local = captured.batch_size // mp.mesh.dp
+    deadline = time.perf_counter() + time_limit_s
+    solve_s = 0.0
+    counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
+    if not counts:
+        raise PlanError(
+            f"the local batch {local} on mesh {mp.mesh} does not split into {microbatches} micro-batches"
+        )
+    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
+    solution, m, sp = None, counts[0], mp.sp
+    proven = set(unfit)  # counts that cannot fit
+    restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
+    if not least_peak:
+        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
+        if states > mp.memory_limit * (1 + MEMORY_RTOL):
+            solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory": states})
+            solution.stats["min_peak_memory_exact"] = False
+    tries = [k for k in counts if k not in proven]
+    if solution is None and not tries:
+        solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False})
+
+    def left() -> float:
+        return max(deadline - time.perf_counter(), 1.0)
+
+    def fitted(sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
+        """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
+
+        def again(p: StrategyProblem) -> Solution:
+            return solve_strategies(p, time_limit_s=left(), bound=False)
+
+        raw = solve_strategies(problem, time_limit_s=left(), bound=bound_work, exact_peak=least_peak)
+        return raw, _fit_exactly(sp, problem, raw, shape, mp.memory_limit, again)
+
+    for k in tries if solution is None else ():
+        if (
+            solution is not None
+            and states is not None
+            and not _may_fit(solution, m, k, states, mp.memory_limit)
+        ):
+            if not _may_fit(solution, m, counts[-1], states, mp.memory_limit):
+                proven.update(c for c in counts if c >= k)
+                break  # the bound falls as k grows: if the most micro-batches cannot fit, none can
+            proven.add(k)
+            continue
+        t = time.perf_counter()
+        sp = with_microbatches(mp.sp, k)
+        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
+        raw, solution = fitted(sp, problem, bound)
+        if raw.status == "infeasible":  # proven (an answer not found in time is "unknown")
+            proven.add(k)
+        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+            # a placement splits the batch over more ranks than 1/k of it holds: solve again without such
+            # placements (more micro-batches would only make them worse)
+            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", mp.mesh, k)
+            divides = microbatch_filter(captured, shape, k)
+            narrow = divides if allowed is None else both(mp.sp, allowed, divides)
+            problem = restrict(sp.problem, sp, narrow)
+            _, solution = fitted(sp, problem, False)
+            if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+                solution = Solution(
+                    [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
+                )
+                m = k
+                solve_s += time.perf_counter() - t
+                break
+        m = k
+        solve_s += time.perf_counter() - t
+        if solution.choice:
+            break
+        if states is None:
+            states = sum(_least_memory(problem, i) for i in sp.param_nodes)
+    if not solution.choice and m != counts[-1] and least_peak:
+        # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
+        t = time.perf_counter()
+        sp = with_microbatches(mp.sp, counts[-1])
+        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
+        solution, m = solve_strategies(problem, time_limit_s=1.0, bound=False), counts[-1]
+        solve_s += time.perf_counter() - t
+    mp.timings["solve_s"] += solve_s
+    estimate = evaluate(
+        sp, solution, shape, mp.cluster, captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
+    )
+    res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": solve_s})
+    res.unfit = frozenset(proven)
+    if describe:
+        describe_result(captured, res)
+    return res
+
+
+def _fit_exactly(
+    sp: ShardingProblem,
+    problem: StrategyProblem,
+    solution: Solution,
+    shape: tuple[int, ...],
+    memory_limit: float,
+    solve: Callable[[StrategyProblem], Solution],
+    tries: int = 4,
+) -> Solution:
+    """``solution``, solved again under a lower limit while its exact peak is over ``memory_limit``.
+
+    The MILP's memory rows leave out buffers that depend on the strategies of both ends
+    of an edge (a gradient being reduced, a value redistributed); the estimate counts them
+    (:mod:`autopar.search.sharding.step_memory`).  Where an answer's exact peak is over the limit,
+    the MILP's limit is lowered to leave room for the most such memory any answer so far
+    needed beyond what the MILP saw, and the problem solved again; an answer still over
+    after ``tries`` is no answer.
+    """
+    limit, hidden = problem.memory_limit, 0.0
+    for _ in range(tries):
+        if not solution.choice or limit is None or not math.isfinite(limit):
+            return solution
+        exact = step_memory(sp, solution.choice, shape).peak
+        if exact <= memory_limit * (1 + MEMORY_RTOL):
+            return solution
+        hidden = max(hidden, exact - _seen_peak(problem, solution.choice))
+        limit = min(limit - (exact - memory_limit), memory_limit - hidden)
+        log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
+        if limit <= 0:
+            break
+        solution = solve(replace(problem, memory_limit=limit))
+    if solution.choice and step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL):
+        return replace(solution, choice=[], status="infeasible", objective=math.inf)
+    return solution
+
+
+def _seen_peak(problem: StrategyProblem, choice: list[int]) -> float:
+    """The peak of ``choice`` as the MILP's memory rows see it."""
+    item_node, intervals, item_memory = problem.items()
+    events: dict[int, float] = {}
+    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
+        m = item_memory[k][choice[v]]
+        events[s] = events.get(s, 0.0) + m
+        events[e] = events.get(e, 0.0) - m
+    live = peak = 0.0
+    for t in sorted(events):
+        live += events[t]
+        peak = max(peak, live)
+    return peak
+
+
+def _microbatched(restricted: StrategyProblem, problem: StrategyProblem) -> StrategyProblem:
+    """``restricted`` (from :func:`restrict`) with ``problem``'s memory and edges: another micro-batch count.
+
+    A restriction changes only node costs and groups, and micro-batching never touches those,
+    so the mesh's problem is restricted once and each count reuses it.
+    """
+    return replace(problem, node_costs=restricted.node_costs, groups=restricted.groups)
+
+
+def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: float) -> bool:
+    """Whether ``m`` micro-batches may fit where ``m0`` did not (``solution`` says by how much).
+
+    The peak of any choice is its states' memory plus its activations' peak, and only
+    the activations shrink with more micro-batches, so with ``P`` the least peak at
+    ``m0`` and ``S`` the least states' memory, no choice peaks below
+    ``(m0 / m) P + (1 - m0 / m) S`` at ``m``.
+    """
+    peak = solution.stats.get("min_peak_memory")
+    if peak is None:
+        return True
+    bound = (m0 / m) * peak + (1 - m0 / m) * states
+    return bound <= memory_limit * (1 + MEMORY_RTOL)
+
+
+def _least_memory(problem: StrategyProblem, i: int) -> float:
+    """The least memory node ``i`` takes under a strategy that is not forbidden."""
+    allowed = [
+        mem for mem, c in zip(problem.node_memory[i], problem.node_costs[i], strict=True) if math.isfinite(c)
+    ]
+    return min(allowed or problem.node_memory[i])
+
+
+def zero_filter(sp: ShardingProblem, zero: int) -> Callable[[str, Strategy], bool]:
+    """The parameter strategies of ZeRO stage ``zero`` (0-3) on ``sp``'s mesh; other nodes are free.
+
+    Stages 0-2 keep parameters replicated over dp (2: and their optimizer state and
+    gradients split); stage 3 shards them over dp, and a parameter that no dp shard
+    divides takes ZeRO-2, the most the runtime can split it.
+    """
+    dp = sp.dp_dim
+    params = {sp.nodes[i]: sp.strategies[i] for i in sp.param_nodes}
+
+    def over_dp(s: Strategy) -> bool:
+        return s.outputs[0] is not None and s.outputs[0][dp] != "R"
+
+    shardable = {name for name, options in params.items() if any(over_dp(s) for s in options)}
+
+    def allowed(name: str, s: Strategy) -> bool:
+        if name not in params or dp is None:
+            return True
+        if zero == 3 and name in shardable:
+            return over_dp(s)
+        want = min(zero, 2)
+        return not over_dp(s) and s.zero == (want if any(o.zero for o in params[name]) else 0)
+
+    return allowed
+
+
+def both(
+    sp: ShardingProblem, first: Callable[[str, Strategy], bool], then: Callable[[str, Strategy], bool]
+) -> Callable[[str, Strategy], bool]:
+    """Strategies both filters allow; at a node where none does, those ``then`` allows (it is binding)."""
+    agree = {
+        sp.nodes[i]
+        for i in range(len(sp.nodes))
+        if any(first(sp.nodes[i], s) and then(sp.nodes[i], s) for s in sp.strategies[i])
+    }
+    return lambda name, s: then(name, s) and (first(name, s) or name not in agree)
+
+
+def describe_result(captured: CapturedGraph, res: ShardingResult) -> ShardingResult:
+    """Fill in the placements and charged collectives of ``res``'s answer (once; none without one)."""
+    if res.solution.choice and not res.placements:
+        shape = (res.mesh.dp, res.mesh.tp)
+        res.placements = read_placements(captured, res.sp, res.solution.choice)
+        res.charged = describe_collectives(captured, res.sp, res.solution.choice, shape)
+    return res
+
+
+def solve_mesh(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    mesh: MeshShape,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float = 60.0,
+    allowed: Callable[[str, Strategy], bool] | None = None,
+    strategies: dict[str, NodeStrategies] | None = None,
+    efficiency: ComputeEfficiency | None = None,
+    recompute: bool = False,
+) -> ShardingResult:
+    """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``.
+
+    ``recompute``: activations may be recomputed (as :func:`search_meshes` allows by default).
+    """
+    mp = prepare_mesh(
+        captured, cluster, mesh, precision, optimizer, memory_limit, strategies, efficiency, recompute
+    )
+    res = solve_prepared(mp, time_limit_s, allowed)
+    res.timings = dict(mp.timings)
+    return res
+
+
+def describe_collectives(
+    captured: CapturedGraph, sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    params = {p.placeholder for p in captured.params}
+    for n in captured.gm.graph.nodes:  # a view of a parameter (its transpose) moves the parameter
+        if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in params:
+            params.add(n.name)
+    out = []
+    for c in charged_collectives(sp, choice, mesh_shape):
+        src = by_name[c["from"]]
+        out.append(
+            {
+                "kind": c["kind"],
+                "axis": AXES[c["mesh_dim"]],
+                "bytes": c["bytes"],
+                "from": c["from"],
+                "to": c["to"],
+                "reason": c["reason"],
+                "from_module": node_module(src),
+                "to_module": node_module(by_name[c["to"]]),
+                "phase": src.meta.get("autopar_phase", ""),
+                "from_param": c["from"] in params,
+            }
+        )
+    return out
+
+
+def evaluate(
+    sp: ShardingProblem,
+    solution: Solution,
+    mesh_shape: tuple[int, ...],
+    cluster: Cluster,
+    batch: int,
+    memory_limit: float,
+    links: list,
+    compute_dtype: str = "bf16",
+) -> Estimate:
+    """Step time, memory and collectives of the chosen strategies."""
+    choice = solution.choice
+    if not choice:
+        return Estimate(step_time_s=float("inf"), memory_limit=memory_limit, fits=False)
+    p = sp.problem
+    node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
+    param_idx = set(sp.param_nodes)
+    compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
+    # forward ops run again in the backward: op-level variants (charged twice) and replaying nodes
+    recomputed = [i for i, c in enumerate(choice) if sp.strategies[i][c].recompute]
+    replayed = set(sp.replayed)
+    recompute_s = sum(node_time[i] / 2 for i in recomputed) + sum(node_time[i] for i in replayed)
+    zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
+    optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
+    backward = sum(node_time[i] for i in sp.backward_nodes)
+    grad = set(sp.grad_edges)
+    data_comm = grad_comm = 0.0
+    grad_bytes = 0.0
+    for e, (u, v) in enumerate(p.edges):
+        c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
+        if e in grad:
+            grad_comm += c
+            grad_bytes += sp.edge_info[e][3]
+        else:
+            data_comm += c
+    tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
+    # ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
+    exposed = data_comm + max(grad_comm - backward, tail) + zero_gather
+    step = compute + exposed + optimizer_s
+
+    memory = step_memory(sp, choice, mesh_shape)
+    peak = memory.peak
+    collectives = _aggregate(charged_collectives(sp, choice, mesh_shape), mesh_shape, links)
+    devices = 1
+    for n in mesh_shape:
+        devices *= n
+    flops = sum(f for i, f in enumerate(sp.flops) if i not in replayed)  # the model's: recompute not counted
+    hardware = sum(sp.flops) + sum(sp.flops[i] for i in recomputed)
+    rate = step * devices * cluster.device_spec.peak_flops[compute_dtype]
+    return Estimate(
+        step_time_s=step,
+        samples_per_s=batch / step if step > 0 else 0.0,
+        mfu=flops / rate if step > 0 else 0.0,
+        hfu=hardware / rate if step > 0 else 0.0,
+        memory=memory,
+        memory_limit=memory_limit,
+        fits=peak <= memory_limit,
+        compute_s=compute,
+        comm_s=data_comm + grad_comm + zero_gather,
+        exposed_comm_s=exposed,
+        optimizer_s=optimizer_s,
+        recompute_s=recompute_s,
+        model_flops=flops,
+        hardware_flops=hardware,
+        collectives=collectives,
+    )
+
+
+def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
+    """Collectives per (kind, mesh axis): how many, average bytes, total time."""
+    agg: dict[tuple[str, str], dict] = {}
+    for r in records:
+        d = r["mesh_dim"]
+        key = (r["kind"], AXES[d])
+        a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
+        a["bytes"] += r["bytes"]
+        a["count"] += 1
+        a["time_s"] += collective_time(r["kind"], r["bytes"], mesh_shape[d], links[d])
+    for a in agg.values():
+        a["bytes"] = a["bytes"] / max(a["count"], 1)  # bytes each, on average
+    return sorted(agg.values(), key=lambda a: (a["axis"], a["kind"]))
+
+
+def read_placements(
+    captured: CapturedGraph, sp: ShardingProblem, choice: list[int]
+) -> dict[str, dict[str, Any]]:
+    """Per node: op, module, chosen output placements and the placements its inputs are brought to."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    param_of = {p.placeholder: p.name for p in captured.params}
+    out = {}
+    for i, name in enumerate(sp.nodes):
+        s = sp.strategies[i][choice[i]]
+        node = by_name[name]
+        out[name] = {
+            "op": str(node.target) if node.op == "call_function" else node.op,
+            "module": node_module(node),
+            "outputs": [list(p) if p is not None else None for p in s.outputs],
+            "inputs": [list(p) if p is not None else None for p in s.inputs],
+        }
+        if s.recompute:
+            out[name]["recompute"] = "selective"
+        if name in param_of:
+            out[name]["param"] = param_of[name]
+            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim] == "R":
+                out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
+    _recompute_views(captured, out)
+    return out
+
+
+def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, Any]]) -> None:
+    """Mark the forward views of a recomputed value that the backward reads: kept, they would keep it."""
+    base: dict[str, str] = {}
+    for node in captured.gm.graph.nodes:
+        src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if src is None or not is_view(node) or node_phase(node) == "backward":
+            continue
+        root = base.get(src.name, src.name)
+        base[node.name] = root
+        entry = placements.get(node.name)
+        if (
+            entry is not None
+            and placements.get(root, {}).get("recompute")
+            and any(node_phase(u) == "backward" for u in node.users)
+        ):
+            entry["recompute"] = "selective"
+
+
+def flat_tp_sizes(
+    cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None, microbatches: int | None = None
+) -> list[int]:
+    """The tensor-parallel sizes of the dp × tp meshes to search, in the order to search them.
+
+    Those inside a node come first, largest first (a large model wants them, and a
+    small one solves quickly anyway); those that cross nodes follow, smallest first.
+    dp must divide the batch, and ``microbatches`` (when given) the local batch.
+    """
+    world = cluster.world_size
+    sizes = [t for t in range(1, world + 1) if world % t == 0]
+    if tp is not None:
+        sizes = [tp]
+    if dp is not None:
+        sizes = [t for t in sizes if world // t == dp]
+    sizes = [t for t in sizes if batch % (world // t) == 0]
+    if microbatches is not None:
+        sizes = [t for t in sizes if (batch // (world // t)) % microbatches == 0]
+    inside = [t for t in sizes if cluster.gpus_per_node % t == 0]
+    return sorted(inside, reverse=True) + [t for t in sizes if t not in inside]
+
+
+@long_lived_heap()
+def search_meshes(
+    captured: CapturedGraph,
+    cluster: Cluster,
+    precision: Precision,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float = 60.0,
+    tp: int | None = None,
+    dp: int | None = None,
+    zero: int | None = None,
+    recompute: bool = True,
+    deadline: float | None = None,
+    require_one: bool = True,
+    milp: bool = True,
+    microbatches: int | None = None,
+) -> tuple[ShardingResult | None, list[ShardingResult]]:
+    """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
+
+    Tensor-parallel sizes that cross a node are tried too, after those inside a
+    node (:func:`flat_tp_sizes`): the link model makes them expensive, not
+    forbidden. Past ``deadline`` (a ``time.perf_counter()`` instant) the meshes
+    not yet solved are left out once one fits (``require_one=False``: all may
+    be). ``milp=False`` solves only the seed layouts where a mesh has some, on the
+    meshes inside a node. Returns (best or None, all results);
+    each mesh's problem is built once and its seed layouts are solved on it with the
+    other strategies forbidden. Only the best result has its placements and charged
+    collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
+    every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
+    ``recompute=False`` keeps every activation for the backward. ``microbatches`` fixes the
+    micro-batch count (meshes whose local batch it does not divide are left out).
+    """
+    world = cluster.world_size
+    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
+    if not milp:  # the baselines keep tensor parallelism inside a node
+        sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
+    results = []
+    per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
+    params = {p.placeholder: p.name for p in captured.params}
+    conv1d = captured.model_name.startswith("GPT2")
+    for k, t in enumerate(sizes):
+        late = deadline is not None and time.perf_counter() > deadline
+        if late and (not require_one or any(r.estimate.fits for r in results)):
+            log.info("meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
+            break
+        mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
+        mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+        fixed = zero_filter(mp.sp, zero) if zero is not None else None
+        # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
+        solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
+        plain = res = solve(per_mesh, allowed=fixed) if milp else None
+        # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
+        # the backward, which the MILP's linear objective does not see
+        kinds = seeds_for(t, list(params.values()))
+        if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
+            plain = res = solve(per_mesh, allowed=fixed)
+        for kind in kinds:
+            seed = seed_filter(kind, params, conv1d)
+            seeded = solve(
+                per_mesh / 2,
+                allowed=seed if fixed is None else both(mp.sp, seed, fixed),
+                least_peak=False,
+                unfit=plain.unfit if plain is not None else frozenset(),
+            )
+            if res is None or (
+                seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
+            ):
+                if plain is not None:
+                    log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)
+                seeded.source, seeded.milp = kind, plain
+                res = seeded
+        if plain is not None and res is not plain:
+            _against_bound(
+                res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches
+            )
+        res.timings = dict(mp.timings)
+        log.info(
+            "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
+            mesh,
+            res.solution.status,
+            res.estimate.step_time_s,
+            res.estimate.memory.peak / 1e9,
+            ", ".join(f"{k} {v:.2f}" for k, v in res.timings.items()),
+        )
+        results.append(res)
+    fitting = [r for r in results if r.solution.choice and r.estimate.fits]
+    best = min(fitting, key=lambda r: r.estimate.step_time_s) if fitting else None
+    if best is not None:
+        describe_result(captured, best)
+        if best.solution.status != "optimal":
+            # the gap of the answer kept, against the best bound on the unrestricted problem: the MILP's,
+            # or its relaxation's (memory dropped, so valid at any number of micro-batches)
+            unrestricted = best.milp or best
+            start = time.perf_counter()
+            lower = lower_bound(unrestricted.sp.problem, time_limit_s=min(1.0, 0.05 * time_limit_s))
+            elapsed = time.perf_counter() - start
+            best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
+            log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
+            milp_lower = unrestricted.solution.stats.get("lower_bound")
+            if milp_lower is not None and unrestricted.microbatches == best.microbatches:
+                lower = max(lower, milp_lower)
+            _against_bound(best, lower, True)
+    return best, results
+
+
+def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -> None:
+    """Set ``res``'s status and gap from a lower bound on the unrestricted problem's optimum.
+
+    A seed's answer is an answer to the unrestricted problem too (the same costs, fewer
+    strategies allowed), so that problem's bound bounds it: the gap says how far its
+    linear objective can be from the optimum. (A seed wins on the estimate, which also
+    credits gradient synchronisation hidden under the backward; the objective does not.)
+    ``comparable`` is False when the bound is for another number of micro-batches.
+    """
+    sol = res.solution
+    stats = dict(sol.stats)
+    if res.milp is not None:
+        ms = res.milp.solution
+        stats.update(
+            found_by=res.source,
+            milp_status=ms.status,
+            milp_gap=ms.gap,
+            milp_objective=ms.objective,
+            seed_status=sol.status,
+            seed_gap=sol.gap,
+        )
+    gap = sol.gap if res.milp is None else None  # a seed's own gap is on its restricted problem
+    if lower is not None and comparable and math.isfinite(sol.objective):
+        stats["lower_bound"] = lower
+        gap = max(0.0, (sol.objective - lower) / (abs(sol.objective) or 1.0))
+    status = "optimal" if gap is not None and gap <= 1e-9 else "feasible"
+    res.solution = replace(sol, status=status, gap=gap, stats=stats)

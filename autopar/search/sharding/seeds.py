@@ -1,0 +1,64 @@
+"""Hand-set layouts the search must never lose to: pure data parallel, ZeRO-3, Megatron tensor parallel.
+
+Each is a restriction of the parameters' placements; the solver places
+everything else. Solving them beside the unrestricted MILP gives the search
+a portfolio: if the MILP stops at its time limit short of the optimum, a
+known-good layout of the same cost model still stands, so the chosen plan
+is never worse than these baselines. Megatron's layout is recognised by
+the usual module names (q/k/v/gate/up and GPT-2's c_attn/c_fc are
+column-parallel, o/down/c_proj row-parallel, embeddings and head
+vocab-parallel); a model with other names simply gets no Megatron seed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from autopar.search.sharding.strategies import Strategy
+
+COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
+ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
+VOCAB = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
+
+
+def megatron_tp(name: str, conv1d: bool) -> str:
+    """The tp placement Megatron-LM gives a parameter; Linear weights are (out, in), GPT-2's Conv1D (in, out)."""
+    if COLUMN.search(name):
+        if name.endswith("bias"):
+            return "S(0)"
+        return "S(1)" if conv1d else "S(0)"
+    if ROW.search(name):
+        return "S(0)" if conv1d else "S(1)"
+    if VOCAB.search(name):
+        return "S(0)"
+    return "R"
+
+
+def has_megatron_names(param_names: list[str]) -> bool:
+    return any(COLUMN.search(n) for n in param_names) and any(ROW.search(n) for n in param_names)
+
+
+def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[str, Strategy], bool]:
+    """Allowed strategies under a seed layout; ``params`` maps placeholder names to parameter names."""
+
+    def allowed(node: str, strategy: Strategy) -> bool:
+        if node not in params:
+            return True
+        out = strategy.outputs[0]
+        if kind == "dp":
+            return all(p == "R" for p in out) and not strategy.zero  # plain data parallelism: no ZeRO
+        if kind == "zero3":
+            return out[0].startswith("S") and all(p == "R" for p in out[1:])
+        if kind == "megatron":
+            return out[0] == "R" and out[1] == megatron_tp(params[node], conv1d)
+        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3 or megatron")
+
+    return allowed
+
+
+def seeds_for(tp: int, param_names: list[str]) -> list[str]:
+    """The seed layouts that make sense on a mesh with this tensor-parallel size."""
+    if tp == 1:
+        return ["dp", "zero3"]
+    return ["megatron"] if has_megatron_names(param_names) else []

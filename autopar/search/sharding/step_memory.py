@@ -1,0 +1,256 @@
+"""What a training step holds beyond the graph's values, and the peak memory of a chosen answer.
+
+The sharding problem (:mod:`autopar.search.sharding.problem`) costs each node's
+output over its live interval, and each parameter's value and optimizer state
+over the whole step.  The runtime (:mod:`autopar.runtime`) holds more:
+
+* **gradients** — a parameter's gradient exists from the backward op that
+  makes it to the optimizer step, at the size its placement and ZeRO stage
+  leave on the rank (whole, its dp shard, or its flat chunk).  With several
+  micro-batches the sum of the earlier ones is live over the whole step too
+  (:func:`accumulated`).  These are memory items of the parameters'
+  strategies (:func:`parameter_items`), so that the MILP's limit sees them;
+* **a gradient being reduced** — the backward's gradient stays alive until
+  its reduction has completed, and the runtime keeps one reduction in flight
+  (:func:`autopar.codegen.shard.schedule_collectives`): until the next
+  gradient is made.  ZeRO-1 reduces once, after the step's last micro-batch:
+  each chunk then exists beside its whole gradient (:func:`gradient_buffers`);
+* **redistributed values** — every data edge whose two ends' placements
+  differ makes a new tensor on the reader's side (the collective's output:
+  a parameter gathered for ZeRO-3, an activation gathered or reduced), alive
+  from where the runtime issues the collective (once its input exists, and
+  not before the previous such value is first read: one prefetched ahead) to
+  after its reader, and the readers of that reader's views, which alias it;
+  an all-gather along a tensor dim other than 0 holds the gathered tensor
+  twice for a moment (gathered on dim 0, then concatenated on its own dim)
+  (:func:`edge_buffers`).
+
+The last two depend on the strategies of both ends of an edge, which a
+node's memory item cannot express; :func:`step_memory` counts them exactly
+for a chosen answer, and where that peak is over the limit the search solves
+again under a lower one (:func:`autopar.search.sharding.mesh.solve_prepared`).  The
+sharding problem forbids gathering a parameter into a view, which the
+backward could keep alive from the forward on: parameters are gathered where
+an op computes with them, as FSDP does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from autopar.core.placements import shard_dim
+from autopar.cost_models.compute import is_view
+from autopar.cost_models.estimate import MemoryEstimate
+from autopar.cost_models.reshard import collectives_between, grad_sync_steps, shard_factor
+
+if TYPE_CHECKING:
+    from autopar.capture.joint import CapturedGraph
+    from autopar.search.sharding.problem import ShardingProblem
+
+Item = tuple[int, tuple[int, int], list[float]]
+
+
+def in_flight_until(made: list[tuple[int, int]], at: int, end: int) -> int:
+    """End of a gradient's reduction made at ``at``: waited for before the next gradient's reduction starts."""
+    later = [m for m, _ in made if m > at]
+    return min(later, default=end - 1) + 1
+
+
+def _storage_owner(node: fx.Node) -> fx.Node:
+    """The op whose output ``node`` is a view of (itself when it is no view): where its storage is made."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op != "placeholder":
+        node = node.args[0]
+    return node
+
+
+def parameter_items(
+    captured: CapturedGraph,
+    by_name: dict[str, fx.Node],
+    order: dict[str, int],
+    end: int,
+    index: dict[str, int],
+    state_parts: dict[int, list[tuple[float, float, float]]],
+) -> list[Item]:
+    """Each parameter's gradient as a memory item: live from the op that makes it (see the module docstring)."""
+    made: list[tuple[int, int]] = []  # (position of the op that makes the gradient, parameter's problem index)
+    for p in captured.params:
+        i, g = index.get(p.placeholder), captured.grads.get(p.name)
+        if i is not None and g in order:
+            made.append((order[_storage_owner(by_name[g]).name], i))
+    # from the op's output on (the gradient synced, if it is reduced) to the optimizer step
+    return [(i, (at + 1, end), [x[1] for x in state_parts[i]]) for at, i in sorted(made)]
+
+
+def accumulated(items: list[Item], grad_items: list[int]) -> list[int]:
+    """Add to ``items`` (several micro-batches) the gradients accumulated over the step; all gradient items.
+
+    The runtime adds each micro-batch's gradients, which the graph returns, into ``.grad``
+    (or ZeRO-1's whole gradient, ZeRO-2's chunk) after it ran: the sum of the earlier
+    micro-batches is live over the whole step, beside the gradients this micro-batch makes.
+    """
+    first = len(items)
+    items += [(v, (0, iv[1]), list(row)) for v, iv, row in (items[k] for k in grad_items)]
+    return [*grad_items, *range(first, len(items))]
+
+
+def _readers_end(node: fx.Node, order: dict[str, int]) -> int:
+    """One past the last op that reads ``node``'s value, following its views."""
+    last = order[node.name] + 1
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u.op == "output":
+                continue
+            seen.add(u)
+            last = max(last, order[u.name] + 1)
+            if is_view(u):
+                todo.append(u)
+    return last
+
+
+def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> list[tuple[int, int, float]]:
+    """(start, end, bytes) of the new tensor each data edge of the chosen answer makes on its reader's side.
+
+    Bytes are local to one rank; values from a batch are divided by the micro-batch count.
+    Starts follow the runtime's schedule: a collective is issued once its input exists,
+    and not before the previous redistributed value is first read (one ahead).
+    """
+    facts = sp.facts
+    params = {sp.nodes[i] for i in sp.param_nodes}
+    found = []
+    for e, (iu, iv) in enumerate(sp.problem.edges):
+        u, v, k, nbytes, kind, pos = sp.edge_info[e]
+        if kind != "data":
+            continue
+        a, b = sp.strategies[iu][choice[iu]], sp.strategies[iv][choice[iv]]
+        have = a.outputs[k] if k < len(a.outputs) else None
+        need = b.inputs[pos] if 0 <= pos < len(b.inputs) else None
+        if have is None or need is None or tuple(have) == tuple(need):
+            continue
+        steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
+        makes_partial = any(n.startswith("P") and not h.startswith("P") for h, n in zip(have, need, strict=True))
+        if steps is None or not (steps or makes_partial):
+            continue  # a local slice of a replica is a view: no new memory
+        local = nbytes / shard_factor(tuple(need), mesh_shape) / (1 if u in params else sp.microbatches)
+        reader = facts.by_name[v]
+        twice = any(
+            kind_ == "all_gather" and (shard_dim(have[d]) or 0) != 0 for kind_, d, _ in steps
+        )  # gathered on dim 0, then concatenated along its own dim
+        ready = 0 if facts.by_name[u].op == "placeholder" else facts.order[u] + 1
+        stop = _readers_end(reader, facts.order) if is_view(reader) else facts.order[v] + 1  # a view aliases it
+        found.append((facts.order[v], ready, stop, local, twice))
+    found.sort()
+    out = []
+    previous_read = 0
+    for read, ready, stop, local, twice in found:
+        start = min(max(ready, previous_read), read)
+        out.append((start, stop, local))
+        if twice:
+            out.append((read, read + 1, local))
+        previous_read = read
+    return out
+
+
+def gradient_buffers(
+    sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]
+) -> list[tuple[int, int, float]]:
+    """(start, end, bytes) of each gradient as the backward made it while its reduction is in flight.
+
+    A gradient made in another placement than its parameter takes (a partial sum over
+    dp, a shard to gather, a whole gradient to cut into ZeRO-2 chunks) is reduced in the
+    graph, one reduction in flight: the value made lives until the next gradient is made.
+    ZeRO-1 reduces after the step's last micro-batch instead: each parameter's chunk
+    then exists beside its whole gradient.
+    """
+    facts = sp.facts
+    end = facts.n_nodes
+    made = sorted(
+        (facts.order[_storage_owner(facts.by_name[sp.edge_info[e][0]]).name], e) for e in sp.grad_edges
+    )
+    dp_n = mesh_shape[sp.dp_dim] if sp.dp_dim is not None else 1
+    out = []
+    for at, e in made:
+        iu, iv = sp.problem.edges[e]
+        _, _, k, nbytes, _, _ = sp.edge_info[e]
+        a, b = sp.strategies[iu][choice[iu]], sp.strategies[iv][choice[iv]]
+        have, need = (a.outputs[k] if k < len(a.outputs) else None), b.outputs[0]
+        if have is None or need is None:
+            continue
+        if b.zero == 1:
+            out.append((end - 1, end, sp.state_parts[iv][choice[iv]][1] / dp_n))
+        elif grad_sync_steps(tuple(have), tuple(need), b.zero, nbytes, mesh_shape, sp.dp_dim):
+            out.append((at + 1, in_flight_until(made, at, end), nbytes / shard_factor(tuple(have), mesh_shape)))
+    return out
+
+
+def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> MemoryEstimate:
+    """Peak bytes per device of the chosen answer over the step, and what is live at the peak.
+
+    Parameters and optimizer state are live throughout; gradients, activations and
+    buffers (redistributed values, gradients in flight, gathered parameters) over
+    their intervals.  ``grads`` is every gradient (what ZeRO-2 and 3 divide);
+    ``activations``, ``buffers`` and ``at_peak`` are taken at the peak.
+    """
+    p = sp.problem
+    params = set(sp.param_nodes)
+    parts = [sp.state_parts[i][choice[i]] for i in sp.param_nodes if i in sp.state_parts]
+    states = sum(p.node_memory[i][choice[i]] for i in sp.param_nodes)
+    n = len(p.node_costs)
+    skip = set(sp.param_nodes)  # a parameter's own item is its state
+    grad_items = {n + j for j in sp.grad_items}
+    item_node, intervals, item_memory = p.items()
+    kinds = ("grads", "activations", "buffers")
+    events: dict[int, list[float]] = {}
+
+    def add(start: int, stop: int, nbytes: float, kind: int) -> None:
+        for t, sign in ((start, 1.0), (stop, -1.0)):
+            events.setdefault(t, [0.0, 0.0, 0.0])[kind] += sign * nbytes
+
+    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
+        m = item_memory[k][choice[v]]
+        if m and k not in skip:
+            add(s, e, m, 0 if k in grad_items else (2 if v in params else 1))
+    for s, e, m in [*edge_buffers(sp, choice, mesh_shape), *gradient_buffers(sp, choice, mesh_shape)]:
+        add(s, e, m, 2)
+    live = [0.0, 0.0, 0.0]
+    best, at = [0.0, 0.0, 0.0], -1
+    for t in sorted(events):
+        live = [x + d for x, d in zip(live, events[t], strict=True)]
+        if sum(live) > sum(best) * (1 + 1e-12) or at < 0:
+            best, at = list(live), t
+    param_bytes = sum(x[0] for x in parts)
+    optimizer = sum(x[2] for x in parts)
+    return MemoryEstimate(
+        params=param_bytes,
+        grads=sum(x[1] for x in parts),
+        optimizer=optimizer,
+        activations=best[1],
+        buffers=best[2],
+        peak=states + max(sum(best), 0.0),
+        at_peak={
+            "params": param_bytes,
+            "optimizer": optimizer,
+            **{kind: x for kind, x in zip(kinds, best, strict=True)},
+        },
+        peak_at=_where(sp, at),
+    )
+
+
+def _where(sp: ShardingProblem, t: int) -> str:
+    """The op running at time ``t``: its phase and module (where a reader finds the peak)."""
+    facts = sp.facts
+    if t < 0 or facts is None:
+        return ""
+    names = sorted(facts.order, key=facts.order.get)
+    if t >= len(names):
+        return "after the backward"
+    node = facts.by_name[names[t]]
+    if node.op == "output":
+        return "end of the backward: every gradient made"
+    phase = node.meta.get("autopar_phase", "")
+    module = node.meta.get("autopar_module", "")
+    return f"{phase} {module or '(top level)'} at {node.name}".strip()

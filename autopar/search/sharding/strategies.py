@@ -1,0 +1,761 @@
+"""Strategies: for every node of the joint graph, its candidate shardings on a device mesh.
+
+The solver picks one strategy per node; this pass only says what is *possible*.
+Everything it returns is plain data (strings and tuples), so the solver, the cost
+models and the plan never see a DTensor object.
+
+Where the rules come from, and why:
+
+* **DTensor first.** PyTorch's DTensor already knows, per ATen op, which input
+  placements give which output placement (its "op strategies").  We feed those
+  functions ``OpStrategy`` inputs that hold *every* candidate placement of each
+  producer (the way meta-pytorch/autoparallel uses them), so each rule lists all
+  its options rather than one runtime choice.  Three kinds exist in torch 2.13 and
+  are tried in the order DTensor's own propagator uses: single-mesh-dim rules
+  (expanded here across the mesh), full op-strategy functions, and strategies
+  derived by tracing an op's decomposition.
+* **autopar's own rules** (:mod:`autopar.search.sharding.strategy_rules`) where DTensor has
+  none or lacks a useful one: the CPU flash-attention kernels, factory ops.
+* **Followers** (``getitem``) mirror their source strategy by strategy, so the
+  solver can tie them to it instead of choosing freely.
+* **Anything else is replicated**, with one warning per op name, never a crash.
+
+A placement is written per mesh dim as ``"R"`` (replicate), ``"S(d)"`` (shard
+tensor dim ``d``) or ``"P"`` (partial sum; DTensor's masked partial of a
+vocab-sharded embedding is a partial sum too).  A partial that reduces by another
+operation is ``"P(avg)"``, ``"P(max)"``...: a mean-reduced loss over a
+batch-sharded input is ``"P(avg)"`` and without it data parallelism would have to
+gather the logits.  Strided shards have no plain form; strategies that need them
+are dropped (the same result stays reachable through the strategies kept, the
+all-"R" one at worst).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import operator
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopar.core.mesh import fake_mesh
+from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
+from autopar.search.sharding import strategy_rules
+from autopar.search.sharding.node_keys import (
+    NodeKey,
+    is_tensor_node,
+    node_keys,
+    output_vals,
+    tensor_inputs,
+    tensor_meta,
+)
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: where its outputs live and where it needs its inputs."""
+
+    outputs: tuple[Placements | None, ...]  # per output tensor; None for a non-tensor output
+    inputs: tuple[Placements | None, ...]  # per entry of NodeStrategies.inputs
+    # ZeRO stage 1 or 2 of a parameter replicated over dp: its optimizer state (and gradient) split
+    # over dp at run time; the placement the graph sees is ``outputs`` all the same (sharding_problem)
+    zero: int = 0
+    # the output is dropped after its last forward use and computed again before its first backward
+    # use (selective recompute); the placements are those of the strategy it varies (sharding_problem)
+    recompute: bool = False
+
+
+@dataclass
+class NodeStrategies:
+    """The candidate strategies of one fx node.
+
+    ``inputs`` lists the tensor-valued argument nodes in the order the op reads them
+    (args then kwargs, lists flattened).  A node read twice (``mul(x, x)``) appears
+    twice, because each use may ask for its own placement.  For a follower
+    (``getitem``), ``strategies[k]`` belongs with ``strategies[k]`` of its source and
+    ``inputs`` names the source; its input placement is that of the selected output.
+    """
+
+    node: str
+    op: str
+    inputs: list[str]
+    strategies: list[Strategy]
+    rule: str  # "dtensor", "autopar", "follower", "placeholder", "replicated-fallback"
+
+
+_DEFAULT_NAMES = ("dp", "tp")
+
+
+# ---------------------------------------------------------------------------- placements
+
+
+def divides(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Whether every sharded tensor dim splits evenly over the mesh dims that shard it.
+
+    Uneven shards are ruled out, not padded: divisibility is a constraint of the plan.
+    """
+    ways: dict[int, int] = {}
+    for p, n in zip(placements, mesh_shape, strict=True):
+        d = shard_dim(p)
+        if d is None:
+            continue
+        if d < 0 or d >= len(shape):
+            return False
+        ways[d] = ways.get(d, 1) * n
+    return all(int(shape[d]) % w == 0 for d, w in ways.items())
+
+
+def _canon(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
+    """A mesh dim of size 1 holds the whole tensor whatever it is called: write it "R".
+
+    This keeps a (64, 1) mesh from listing each strategy several times over.
+    """
+    if all(n > 1 for n in mesh_shape):
+        return placements
+    return tuple("R" if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
+
+
+def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every placement of a graph input: R or S(d) per mesh dim, shards dividing evenly.
+
+    No "P": an input holds real values, not pieces of a sum.  Dims of size 1 stay
+    replicated, and mesh dims of size 1 only carry "R".
+    """
+    per_dim: list[list[str]] = []
+    for n in mesh_shape:
+        opts = ["R"]
+        if n > 1:
+            opts += [f"S({d})" for d, size in enumerate(shape) if int(size) > 1 and int(size) % n == 0]
+        per_dim.append(opts)
+    return [p for p in itertools.product(*per_dim) if divides(p, shape, mesh_shape)]
+
+
+# ---------------------------------------------------------------------------- mesh
+
+
+@functools.lru_cache(maxsize=16)
+def _names_for(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> tuple[str, ...]:
+    if len(mesh_dim_names) == len(mesh_shape):
+        return tuple(mesh_dim_names)
+    if tuple(mesh_dim_names) == _DEFAULT_NAMES:
+        return (
+            _DEFAULT_NAMES[: len(mesh_shape)]
+            if len(mesh_shape) <= 2
+            else tuple(f"d{i}" for i in range(len(mesh_shape)))
+        )
+    raise ValueError(f"mesh_dim_names {mesh_dim_names} do not match mesh_shape {mesh_shape}")
+
+
+# ---------------------------------------------------------------------------- speed
+
+
+_quiet = threading.local()
+
+
+@functools.cache
+def _install_cost_gate() -> None:
+    """Let DTensor's rules skip pricing redistributions while this pass runs.
+
+    Every DTensor strategy function prices, for each strategy, the move from each
+    candidate input placement (``generate_redistribute_costs``): about 85% of the
+    time here, for numbers this pass throws away (autopar's own cost models price
+    moves on the real links).  The gate wraps the one function those prices come
+    from and answers 0.0 only on a thread inside :func:`enumerate_strategies`;
+    everyone else (DTensor running for real, other threads) gets the original.
+    """
+    import torch.distributed.tensor._ops.utils as dt_utils
+
+    original = dt_utils.redistribute_cost
+
+    @functools.wraps(original)
+    def gated(*args: Any, **kwargs: Any) -> float:
+        if getattr(_quiet, "on", False):
+            return 0.0
+        return original(*args, **kwargs)
+
+    dt_utils.redistribute_cost = gated
+
+
+@contextlib.contextmanager
+def _costs_off() -> Iterator[None]:
+    _install_cost_gate()
+    before = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = before
+
+
+# ---------------------------------------------------------------------------- the pass
+
+
+def enumerate_strategies(
+    gm: fx.GraphModule,
+    mesh_shape: tuple[int, ...],
+    mesh_dim_names: tuple[str, ...] = _DEFAULT_NAMES,
+) -> dict[str, NodeStrategies]:
+    """Candidate strategies for every placeholder, constant and call node of ``gm``.
+
+    ``gm`` is the joint graph from :func:`autopar.capture.joint.capture` (every node has
+    ``meta["val"]``).  The output node is not an op and gets no entry.  Identical
+    layers cost one computation: results are memoized per (op, input tensor metas,
+    input candidate placements, other arguments).
+    """
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    names = _names_for(mesh_shape, tuple(mesh_dim_names))
+    t0 = time.perf_counter()
+    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm))
+    out: dict[str, NodeStrategies] = {}
+    with _costs_off():
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            out[node.name] = enum.visit(node)
+    for op, count in sorted(enum.fallback.items()):
+        log.warning("no sharding rule for %s (%d node%s): replicated", op, count, "" if count == 1 else "s")
+    log.info(
+        "strategies: %d nodes on mesh %s in %.2f s (%d computed, %d memo hits)",
+        len(out),
+        mesh_shape,
+        time.perf_counter() - t0,
+        enum.misses,
+        enum.hits,
+    )
+    return out
+
+
+def _with_rule(op: torch._ops.OpOverload, prop: Any) -> torch._ops.OpOverload:
+    """``op``, or its in-place twin when only the twin has a DTensor rule (``copy`` → ``copy_``).
+
+    Functionalization turns a model's in-place ops into their functional forms,
+    for some of which DTensor registers only the in-place op.  Both compute the
+    same values, so the in-place op's placements hold for the functional one.
+    """
+    ruled = (prop.op_single_dim_strategy_funcs, prop.op_strategy_funcs)
+    if any(op in r for r in ruled):
+        return op
+    packet = getattr(torch.ops.aten, f"{op._schema.name.split('::')[-1]}_", None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    return twin if twin is not None and any(twin in r for r in ruled) else op
+
+
+@functools.cache
+def decomposition(op: Any) -> Any:
+    """The decomposition ``op``'s strategies come from, when neither DTensor (for it or its in-place twin) nor
+    autopar has a rule for it; else None.
+
+    Those strategies hold for the decomposition run on DTensors, whose ops see
+    the whole tensor's sizes (``mse_loss_backward``'s ``2 / numel``), not for
+    ``op`` run on each shard as DTensor's dispatch then does: the sharding
+    interpreter runs the decomposition.
+    """
+    from torch._decomp import decomposition_table
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    if not isinstance(op, torch._ops.OpOverload) or strategy_rules.rule_for(op) is not None:
+        return None
+    prop = DTensor._op_dispatcher.sharding_propagator
+    twin = _with_rule(op, prop)
+    if twin in prop.op_single_dim_strategy_funcs or twin in prop.op_strategy_funcs:
+        return None
+    if not DecompShardingStrategy.has_decomp(op):
+        return None
+    return decomposition_table.get(op, op.decompose)
+
+
+class _Enumerator:
+    """State of one enumeration: the strategies so far and the memo."""
+
+    def __init__(self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey]) -> None:
+        self.mesh = mesh
+        self.mesh_shape = mesh_shape
+        self.keys = keys
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.done: dict[fx.Node, NodeStrategies] = {}
+        self.memo: dict[Any, tuple[str, list[Strategy]]] = {}
+        self.fallback: Counter[str] = Counter()
+        self.hits = 0
+        self.misses = 0
+        self._cands: dict[fx.Node, tuple[Placements, ...]] = {}
+        self.constant: set[fx.Node] = set()  # nodes computed from no graph input: the model's constants
+
+    # -- candidates of a producer, as DTensor input ----------------------------------
+
+    def candidates(self, node: fx.Node) -> tuple[Placements, ...]:
+        """The distinct placements ``node``'s (single) output can have."""
+        got = self._cands.get(node)
+        if got is None:
+            ns = self.done[node]
+            seen: dict[Placements, None] = {}
+            for s in ns.strategies:
+                p = s.outputs[0] if s.outputs else None
+                if p is not None:
+                    seen.setdefault(p, None)
+            if not seen:  # a producer whose output the rules never placed: treat as replicated
+                seen[("R",) * len(self.mesh_shape)] = None
+            got = tuple(seen)
+            self._cands[node] = got
+        return got
+
+    def op_strategy(
+        self, node: fx.Node, pad: int = 0, only: dict[fx.Node, Placements] | None = None
+    ) -> OpStrategy:
+        """``node``'s candidates as a DTensor input.
+
+        ``pad`` repeats them up to that many: some DTensor rules (nll_loss) read input
+        *i*'s strategy at the index of input 0's, assuming one runtime placement each;
+        they only take shapes or replicate from those partners, so repeating the list
+        keeps them in range and changes nothing.  ``only`` pins some nodes to one
+        placement (see :meth:`_dtensor`).
+        """
+        tm = tensor_meta(node.meta["val"])
+        cands = (only[node],) if only and node in only else self.candidates(node)
+        if pad > len(cands):
+            cands = tuple(itertools.islice(itertools.cycle(cands), pad))
+        return OpStrategy(
+            [
+                OpSpec(DTensorSpec(self.mesh, tuple(to_dtensor(s) for s in p), tensor_meta=tm))
+                for p in cands
+            ]
+        )
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def visit(self, node: fx.Node) -> NodeStrategies:
+        if node.op == "get_attr" or (node.op == "call_function" and all(a in self.constant for a in node.all_input_nodes)):
+            self.constant.add(node)
+        ns = self._visit(node)
+        self.done[node] = ns
+        return ns
+
+    def _visit(self, node: fx.Node) -> NodeStrategies:
+        op_name = str(node.target) if node.op == "call_function" else node.op
+        if node.op in ("placeholder", "get_attr"):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                strats = [Strategy((p,), ()) for p in tensor_placements(val.shape, self.mesh_shape)]
+            else:
+                strats = [Strategy((None,), ())]
+            return NodeStrategies(node.name, op_name, [], strats, "placeholder")
+        if node.op != "call_function":
+            return self._replicated(node, op_name, warn=True)
+        if node.target is operator.getitem:
+            return self._follower(node)
+        nk = self.keys[node]
+        inputs = nk.inputs
+        outs = output_vals(node)
+        if not any(isinstance(v, torch.Tensor) for v in outs):
+            # Symbolic-size arithmetic and the like: nothing to place.
+            return self._replicated(node, op_name, warn=False)
+
+        # what the strategies depend on: the graph's part (node_keys), and the producers' candidates
+        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots))
+        cached = self.memo.get(key) if key is not None else None
+        if cached is not None:
+            self.hits += 1
+            rule, strats = cached
+        else:
+            self.misses += 1
+            rule, strats = self._compute(node, inputs, outs)
+            if key is not None:
+                self.memo[key] = (rule, strats)
+        if not strats:
+            # an op on the model's constants (a tensor literal copied, a mask built from shapes) computes the
+            # same whole value on every rank, as a factory does: replicated is its rule, not a fallback
+            constant = node in self.constant
+            ns = self._replicated(node, op_name, warn=not constant)
+            if constant:
+                ns.rule = "autopar"
+            return ns
+        return NodeStrategies(node.name, op_name, [a.name for a in inputs], list(strats), rule)
+
+    def _compute(
+        self, node: fx.Node, inputs: list[fx.Node], outs: tuple[Any, ...]
+    ) -> tuple[str, list[Strategy]]:
+        op = node.target
+        in_shapes = [tuple(a.meta["val"].shape) for a in inputs]
+        out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in outs]
+        own = strategy_rules.rule_for(op)
+        if own is not None:
+            single = own(node)
+            strats = self._expand_plain(single, len(outs), in_shapes, out_shapes)
+            return "autopar", self._prune(strats, inputs, in_shapes, out_shapes)
+        if not inputs:
+            # Factory ops (arange, full, zeros, scalar_tensor...): every rank makes the whole tensor.
+            r = ("R",) * len(self.mesh_shape)
+            return "autopar", [Strategy(tuple(r if s is not None else None for s in out_shapes), ())]
+        if not isinstance(op, torch._ops.OpOverload):
+            return "replicated-fallback", []
+        try:
+            strats = self._dtensor(node, inputs, outs, in_shapes, out_shapes)
+        except Exception as e:  # a rule that chokes on our inputs is a missing rule, not a crash
+            log.debug("DTensor strategy for %s (%s) failed: %s: %s", node.name, op, type(e).__name__, e)
+            return "replicated-fallback", []
+        return "dtensor", self._prune(strats, inputs, in_shapes, out_shapes)
+
+    # -- DTensor ------------------------------------------------------------------
+
+    def _schema(
+        self,
+        node: fx.Node,
+        op: torch._ops.OpOverload,
+        pad: int = 0,
+        only: dict[fx.Node, Placements] | None = None,
+    ) -> OpSchema:
+        def wrap(a: Any) -> Any:
+            if is_tensor_node(a):
+                return self.op_strategy(a, pad, only)
+            if isinstance(a, fx.Node):
+                return a.meta.get("val")
+            if isinstance(a, (list, tuple)) and a and any(is_tensor_node(e) for e in a):
+                children = [wrap(e) for e in a]
+                if all(isinstance(c, OpStrategy) for c in children):
+                    return TupleStrategy(tuple(children) if isinstance(a, tuple) else children)
+                return children
+            if isinstance(a, (list, tuple)):
+                return type(a)(wrap(e) for e in a)
+            return a
+
+        args = tuple(wrap(a) for a in node.args)
+        kwargs = {k: wrap(v) for k, v in node.kwargs.items()}
+        info = self.prop.op_to_schema_info.get(op) or self.prop.op_to_schema_info_for_single_dim_strategy.get(
+            op
+        )
+        return OpSchema(op, args, kwargs, schema_info=info)
+
+    def _dtensor(
+        self,
+        node: fx.Node,
+        inputs: list[fx.Node],
+        outs: tuple[Any, ...],
+        in_shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...] | None],
+    ) -> list[Strategy]:
+        prop = self.prop
+        op = _with_rule(node.target, prop)
+        schema = self._schema(node, op)
+        single = prop.op_single_dim_strategy_funcs.get(op)
+        if single is not None:
+            metas = tuple(tensor_meta(v) for v in outs)
+            out_meta: Any = metas[0] if len(metas) == 1 else metas
+            rules = single.func(op, schema.args_meta, schema.kwargs_meta)
+            n_out = len(rules[0]) - len(inputs) if rules else len(outs)
+            rules = _insert_single_dim_replication_strategy(rules, n_out, len(inputs), out_meta)
+            rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+            plain: list[list[str | None]] = []
+            for r in rules:
+                row = [None if p is None else from_dtensor(p, j >= n_out) for j, p in enumerate(r)]
+                if any(s is None and p is not None for s, p in zip(row, r, strict=True)):
+                    continue  # a strided shard: no plain form
+                plain.append(row)
+            return self._expand_plain(plain, n_out, in_shapes, out_shapes)
+        func = prop.op_strategy_funcs.get(op)
+        if func is None:
+            found = self._decomp_rules(schema, op, inputs)
+            if found is None:
+                return []
+            rows, n_out = found
+            return self._expand_plain(rows, n_out, in_shapes, out_shapes)
+        try:
+            results = [func(schema)]
+        except IndexError:
+            pad = max(len(self.candidates(a)) for a in inputs)
+            results = [func(self._schema(node, op, pad))]
+        except Exception as e:
+            # Rules loop over input 0's placements and raise on the first they cannot
+            # take (a view that would unflatten an uneven shard): one bad candidate
+            # sinks all.  Ask again one candidate of input 0 at a time.
+            log.debug("%s: %s; retrying per candidate of %s", node.name, e, inputs[0].name)
+            results = []
+            for c in self.candidates(inputs[0]):
+                try:
+                    results.append(func(self._schema(node, op, 0, {inputs[0]: c})))
+                except Exception:
+                    continue
+            if not results:
+                raise
+        strats: list[Strategy] = []
+        for result in results:
+            if not isinstance(result, OpStrategy):
+                raise TypeError(f"{type(result).__name__} result")
+            strats += self._from_op_strategy(result, op, len(inputs), in_shapes, out_shapes)
+        return strats
+
+    def _decomp_rules(
+        self, schema: OpSchema, op: torch._ops.OpOverload, inputs: list[fx.Node]
+    ) -> tuple[list[list[str | None]], int] | None:
+        """DTensor's decomposition path: trace the op's decomposition per input placement.
+
+        Its public entry wants one runtime placement per input; we give each input a
+        spec whose placements seed the option set it explores (R, P and every shard).
+        """
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+        if not DecompShardingStrategy.has_decomp(op):
+            return None
+        decomp = self.prop.decomp_strategy
+        decomp.ensure_schema_info(op)
+        fake = decomp._get_fake_mesh("cpu")
+        metas = [tensor_meta(a.meta["val"]) for a in inputs]
+
+        def spec_of(a: Any) -> Any:
+            if isinstance(a, OpStrategy):
+                return DTensorSpec(
+                    self.mesh,
+                    (Replicate(),) * self.mesh.ndim,
+                    tensor_meta=a.strategies[0].output_spec.tensor_meta,
+                )
+            if isinstance(a, TupleStrategy):
+                return [spec_of(c) for c in a.children]
+            if isinstance(a, list):
+                return [spec_of(c) for c in a]
+            return a
+
+        spec_schema = OpSchema(
+            op,
+            tuple(spec_of(a) for a in schema.args_schema),
+            {k: spec_of(v) for k, v in schema.kwargs_schema.items()},
+            schema_info=self.prop.op_to_schema_info.get(op),
+        )
+        options: list[list[Placement]] = []
+        for m in metas:
+            opts: list[Placement] = [Replicate(), Partial()]
+            opts += [Shard(d) for d in range(len(m.shape)) if m.shape[d] > 1]
+            options.append(opts)
+        # DTensor reads one placement per argument leaf, tensor or not (``floor_divide(x, 2)``): None for the rest
+        leaves = pytree.tree_leaves((spec_schema.args_schema, spec_schema.kwargs_schema))
+        is_spec = [isinstance(leaf, DTensorSpec) for leaf in leaves]
+        if sum(is_spec) != len(metas):
+            return None
+        rows: list[list[str | None]] = []
+        for combo in itertools.product(*options):
+            tensors = iter(combo)
+            per_leaf = tuple(next(tensors) if s else None for s in is_spec)
+            try:
+                res = decomp._propagate_through_decomp(spec_schema, per_leaf, fake)
+            except NotImplementedError:
+                return None
+            except Exception:
+                continue
+            res_t = res if isinstance(res, tuple) else (res,)
+            n_res = len(res_t)
+            row = [
+                from_dtensor(p, j >= n_res) if p is not None else None
+                for j, p in enumerate((*res_t, *combo))
+            ]
+            if any(r is None and p is not None for r, p in zip(row, (*res_t, *combo), strict=True)):
+                continue
+            rows.append(row)
+        if not rows:
+            return None
+        return rows, len(rows[0]) - len(metas)
+
+    # -- conversion -----------------------------------------------------------------
+
+    def _from_op_strategy(
+        self,
+        result: OpStrategy,
+        op: torch._ops.OpOverload,
+        n_in: int,
+        in_shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...] | None],
+    ) -> list[Strategy]:
+        n_out = len(out_shapes)
+        strats: list[Strategy] = []
+        for spec in result.strategies:
+            o = spec.output_specs
+            if isinstance(o, DTensorSpec):
+                o_list: list[Any] = [o] * n_out if n_out > 1 else [o]
+            elif isinstance(o, (tuple, list)):
+                o_list = list(o)
+            else:
+                o_list = [None] * n_out
+            if len(o_list) < n_out:
+                o_list += [None] * (n_out - len(o_list))
+            outs: list[Placements | None] = []
+            ok = True
+            for s, shape in zip(o_list, out_shapes, strict=False):
+                if shape is None:
+                    outs.append(None)
+                    continue
+                if not isinstance(s, DTensorSpec):
+                    ok = False
+                    break
+                p = self._plain(s.placements)
+                if p is None:
+                    ok = False
+                    break
+                outs.append(p)
+            if not ok:
+                continue
+            i_specs = spec.input_specs
+            if i_specs is None:
+                i_specs = [o_list[0]] * n_in
+            if len(i_specs) != n_in:
+                raise ValueError(f"{op}: {len(i_specs)} input specs for {n_in} tensor inputs")
+            ins: list[Placements | None] = []
+            for s in i_specs:
+                p = self._plain(s.placements, is_input=True) if isinstance(s, DTensorSpec) else None
+                if p is None and isinstance(s, DTensorSpec):
+                    ok = False
+                    break
+                ins.append(p)
+            if ok:
+                strats.append(Strategy(tuple(outs), tuple(ins)))
+        return strats
+
+    def _plain(self, placements: Iterable[Placement], is_input: bool = False) -> Placements | None:
+        out = []
+        for p in placements:
+            s = from_dtensor(p, is_input)
+            if s is None:
+                return None
+            out.append(s)
+        return _canon(tuple(out), self.mesh_shape)
+
+    def _product(self, rows: list[list[str | None]], n_out: int) -> Iterable[list[Placements | None]]:
+        """Per-mesh-dim rules → full-mesh rows: one rule per mesh dim, every combination."""
+        ndim = len(self.mesh_shape)
+        for combo in itertools.product(rows, repeat=ndim):
+            width = len(combo[0])
+            row: list[Placements | None] = []
+            bad = False
+            for j in range(width):
+                col = tuple(r[j] for r in combo)
+                if all(c is None for c in col):
+                    row.append(None)
+                elif any(c is None for c in col):
+                    bad = True
+                    break
+                else:
+                    kinds = {c for c in col if c.startswith("P")}  # type: ignore[union-attr]
+                    if len(kinds) > 1 and kinds != {"P", "P(avg)"}:
+                        bad = True  # DTensor has no tensor partial by max on one dim and sum on another
+                        break
+                    row.append(_canon(col, self.mesh_shape))  # type: ignore[arg-type]
+            if not bad:
+                yield row
+
+    def _expand_plain(
+        self,
+        rules: list[list[str | None]],
+        n_out: int,
+        in_shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...] | None],
+    ) -> list[Strategy]:
+        strats = []
+        for row in self._product(rules, n_out):
+            outs = tuple(row[:n_out])
+            if len(outs) < len(out_shapes):
+                outs += (None,) * (len(out_shapes) - len(outs))
+            outs = tuple(p if s is not None else None for p, s in zip(outs, out_shapes, strict=False))
+            strats.append(Strategy(outs, tuple(row[n_out:])))
+        return strats
+
+    def _prune(
+        self,
+        strats: list[Strategy],
+        inputs: list[fx.Node],
+        in_shapes: list[tuple[int, ...]],
+        out_shapes: list[tuple[int, ...] | None],
+    ) -> list[Strategy]:
+        """Drop strategies whose shards do not divide, invented partials, and exact duplicates.
+
+        An *invented partial*: on some mesh dim the strategy wants inputs as partials of
+        one kind, yet none of those inputs' producers can ever hand over that partial
+        there and no input is sharded there, so each would be cut into pieces locally
+        only for the op's result to be reduced later.  Computing on the whole inputs is never worse, so linear ops
+        (whose DTensor rules list every partial kind) stop spreading "P(avg)" over rotary
+        tables and masks.  A partial one input really brings (a row-parallel matmul's
+        output) may still pull its partners along: that is the residual add of
+        sequence parallelism.
+        """
+        ms = self.mesh_shape
+        offered = [self._partials_offered(a) for a in inputs]
+        kept: dict[Strategy, None] = {}
+        for s in strats:
+            if len(s.inputs) != len(in_shapes):
+                continue
+            if any(
+                p is not None and shape is not None and not divides(p, shape, ms)
+                for p, shape in zip(s.outputs, out_shapes, strict=False)
+            ):
+                continue
+            if any(
+                p is not None and not divides(p, shape, ms)
+                for p, shape in zip(s.inputs, in_shapes, strict=True)
+            ):
+                continue
+            if self._invents_partial(s, offered):
+                continue
+            kept.setdefault(s, None)
+        return list(kept)
+
+    def _partials_offered(self, node: fx.Node) -> set[tuple[int, str]]:
+        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.startswith("P")}
+
+    @staticmethod
+    def _invents_partial(s: Strategy, offered: list[set[tuple[int, str]]]) -> bool:
+        wanted: dict[tuple[int, str], bool] = {}
+        sharded: set[int] = set()
+        for p, have in zip(s.inputs, offered, strict=True):
+            if p is None:
+                continue
+            for d, q in enumerate(p):
+                if q.startswith("P"):
+                    wanted[(d, q)] = wanted.get((d, q), False) or (d, q) in have
+                elif q.startswith("S"):
+                    sharded.add(d)
+        # A contraction over shards (addmm's row-parallel form) makes its own partial;
+        # its bias, cut into a partial to be added once, is not an invention.
+        return any(not real and d not in sharded for (d, _), real in wanted.items())
+
+    # -- followers and fallbacks -------------------------------------------------------
+
+    def _follower(self, node: fx.Node) -> NodeStrategies:
+        src, idx = node.args[0], node.args[1]
+        op_name = str(node.target)
+        if not isinstance(src, fx.Node) or src not in self.done or not isinstance(idx, int):
+            return self._replicated(node, op_name, warn=True)
+        strats = []
+        for s in self.done[src].strategies:
+            p = s.outputs[idx] if idx < len(s.outputs) else None
+            strats.append(Strategy((p,), (p,)))
+        return NodeStrategies(node.name, op_name, [src.name], strats, "follower")
+
+    def _replicated(self, node: fx.Node, op_name: str, warn: bool) -> NodeStrategies:
+        r = ("R",) * len(self.mesh_shape)
+        inputs = tensor_inputs(node)
+        outs = tuple(r if isinstance(v, torch.Tensor) else None for v in output_vals(node))
+        if warn:
+            self.fallback[op_name] += 1
+        return NodeStrategies(
+            node.name,
+            op_name,
+            [a.name for a in inputs],
+            [Strategy(outs, (r,) * len(inputs))],
+            "replicated-fallback",
+        )

@@ -1,0 +1,230 @@
+"""autopar's own sharding rules, for ops DTensor has no (useful) rule for.
+
+A rule takes the fx node and returns *single-mesh-dim* rows in plain form: each
+row lists a placement ("R", "S(d)", "P", or None for a non-tensor slot) for every
+output, then for every tensor input in the order :func:`node_keys.tensor_inputs`
+gives them.  :mod:`autopar.search.sharding.strategies` expands the rows across the mesh
+(one row per mesh dim, every combination) and drops those whose shards do not
+divide, exactly as it does for DTensor's single-dim rules.  The all-"R" row must
+be listed: nothing is added implicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.ops import batch_norm  # noqa: F401  (registers torch.ops.autopar.batch_norm_*)
+from autopar.search.sharding import random_ops
+
+aten = torch.ops.aten
+
+Row = list[str | None]
+
+
+def _mask_placement(mask: object, dim: int) -> str:
+    """Placement of an attention mask when q/k/v are sharded on ``dim``.
+
+    A mask broadcast along that dim (size 1 there) stays whole on every rank.
+    """
+    if isinstance(mask, fx.Node):
+        v = mask.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[dim] != 1:
+            return f"S({dim})"
+    return "R"
+
+
+def _masks(node: fx.Node) -> list[object]:
+    m = node.kwargs.get("attn_mask")
+    return [m] if isinstance(m, fx.Node) else []
+
+
+def sdpa_flash_cpu(node: fx.Node) -> list[Row]:
+    """``_scaled_dot_product_flash_attention_for_cpu(q, k, v, ...) -> (out, logsumexp)``.
+
+    q/k/v/out are (batch, heads, seq, head_dim) and logsumexp (batch, heads, seq):
+    attention is independent per batch element and per head, so both shard on
+    dim 0 or dim 1 with no communication (heads on dim 1 is Megatron's attention
+    split).  Sharding seq would break the causal mask, so it is not offered.
+    """
+    masks = _masks(node)
+    rows: list[Row] = [["R", "R", "R", "R", "R"] + ["R"] * len(masks)]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s, s, s, s, s] + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
+    """``..._for_cpu_backward(grad_out, q, k, v, out, logsumexp, ...) -> (dq, dk, dv)``.
+
+    Same independence as the forward: batch or heads sharded throughout, or all "R".
+    """
+    masks = _masks(node)
+    rows: list[Row] = [["R"] * (3 + 6 + len(masks))]
+    for d in (0, 1):
+        s = f"S({d})"
+        rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+def _positional_mask(node: fx.Node, index: int) -> list[object]:
+    m = node.args[index] if len(node.args) > index else None
+    return [m] if isinstance(m, fx.Node) else []
+
+
+def _batch_or_heads(node: fx.Node, tensors: int, mask_at: int) -> list[Row]:
+    """All "R", or ``tensors`` outputs and inputs sharded on batch (dim 0) or heads (dim 1), then the mask."""
+    masks = _positional_mask(node, mask_at)
+    rows: list[Row] = [["R"] * (tensors + len(masks))]
+    for d in (0, 1):
+        rows.append([f"S({d})"] * tensors + [_mask_placement(m, d) for m in masks])
+    return rows
+
+
+def dropout_attention(node: fx.Node) -> list[Row]:
+    """``autopar::dropout_attention(q, k, v, mask, ...) -> (out, logsumexp)``: as flash attention.
+
+    Independent per batch element and per head, and its dropout mask is
+    drawn per element of the score tensor by the shard that computes it.
+    """
+    return _batch_or_heads(node, 5, 3)
+
+
+def dropout_attention_backward(node: fx.Node) -> list[Row]:
+    """``autopar::dropout_attention_backward(grad_out, q, k, v, out, logsumexp, mask, ...) -> (dq, dk, dv)``."""
+    return _batch_or_heads(node, 9, 6)
+
+
+def batch_norm_sums(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_sums(x) -> (Σx, Σx²)`` per channel (dim 1 of x).
+
+    A split of any other dim of x (batch, space) makes partial sums, which the
+    statistics all-reduce: SyncBatchNorm's 2·C numbers.  A channel split keeps
+    the sums split.
+    """
+    dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
+    return [["R", "R", "R"], ["S(0)", "S(0)", "S(1)"]] + [["P", "P", f"S({d})"] for d in dims]
+
+
+def _tensors_at(node: fx.Node, *indices: int) -> int:
+    """How many of the optional arguments at ``indices`` are tensors (weight, bias)."""
+    return sum(isinstance(node.args[i], fx.Node) for i in indices)
+
+
+def batch_norm_apply(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_apply(x, mean, invstd, weight?, bias?, n) -> y``: element-wise, per channel.
+
+    A split of a non-channel dim of x with the per-channel vectors whole, or a
+    channel split with the vectors split alike.
+    """
+    dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
+    vectors = 2 + _tensors_at(node, 3, 4)
+    rows: list[Row] = [["R", "R"] + ["R"] * vectors, ["S(1)", "S(1)"] + ["S(0)"] * vectors]
+    return rows + [[f"S({d})", f"S({d})"] + ["R"] * vectors for d in dims]
+
+
+def batch_norm_backward_reduce(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_backward_reduce(grad, x, mean) -> (Σgrad, Σgrad·(x − mean))`` per channel.
+
+    Partial sums under a split of a non-channel dim of grad and x, split sums under a channel split.
+    """
+    dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
+    rows: list[Row] = [["R"] * 5, ["S(0)", "S(0)", "S(1)", "S(1)", "S(0)"]]
+    return rows + [["P", "P", f"S({d})", f"S({d})", "R"] for d in dims]
+
+
+def batch_norm_backward_elemt(node: fx.Node) -> list[Row]:
+    """``autopar::batch_norm_backward_elemt(grad, x, mean, invstd, weight?, Σgrad, Σgrad·(x − mean), n) -> dx``.
+
+    Element-wise in grad and x given the whole batch's sums: as :func:`batch_norm_apply`.
+    """
+    dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
+    vectors = 4 + _tensors_at(node, 4)
+    rows: list[Row] = [["R"] * (3 + vectors), ["S(1)", "S(1)", "S(1)"] + ["S(0)"] * vectors]
+    return rows + [[f"S({d})"] * 3 + ["R"] * vectors for d in dims]
+
+
+def copy(node: fx.Node) -> list[Row]:
+    """``aten.copy(self, src) -> out``: ``src``'s values in ``self``'s shape, what an in-place ``copy_``
+    into a buffer becomes once functionalized.  Element-wise when the shapes agree; else whole.
+    """
+    out, src = node.meta["val"], node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+    rows: list[Row] = [["R", "R", "R"]]
+    if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(out.shape):
+        rows += [[f"S({d})"] * 3 for d in range(out.dim())]
+    return rows
+
+
+def fill_tensor(node: fx.Node) -> list[Row]:
+    """``fill.Tensor(self, value) -> out``: ``self``'s shape, every element ``value`` (a 0-dim tensor).
+
+    The functional form of ``x[..., 0] = t`` (T5's and BART's shift of the labels
+    into decoder inputs). Each shard of ``self`` is filled whole from the replicated
+    value, so the output takes any placement of ``self`` (DTensor has a rule for
+    ``fill_.Scalar`` only, and ``fill.Tensor``'s decomposition goes through ``copy``).
+    """
+    dims = node.args[0].meta["val"].dim()
+    return [["R", "R", "R"]] + [[f"S({d})", f"S({d})", "R"] for d in range(dims)]
+
+
+def grouped_mm(node: fx.Node) -> list[Row]:
+    """A grouped matmul ``(input (S, K), weight (E, K, N), offs (E,)) -> (S, N)``: ``input``'s rows, grouped
+    by the cumulative counts ``offs``, each times its expert's ``weight[e]``.
+
+    HuggingFace's mixture-of-experts layers run it as ``transformers::grouped_mm_fallback``
+    when traced in fp32. DTensor's rule for ``aten._grouped_mm`` (2-D x 3-D), which
+    computes the same: whole; ``N`` split (column parallel); ``K`` split (a partial
+    sum); a partial input or weight (linear in each). The rows (tokens) cannot be split:
+    ``offs`` counts them over the whole input.
+    """
+    return [
+        ["R", "R", "R", "R"],
+        ["S(1)", "R", "S(2)", "R"],
+        ["P", "S(1)", "S(1)", "R"],
+        ["P", "P", "R", "R"],
+        ["P", "R", "P", "R"],
+    ]
+
+
+def grouped_mm_backward(node: fx.Node) -> list[Row]:
+    """``(input, weight, offs, grad_out) -> (grad_input (S, K), grad_weight (E, K, N))`` of :func:`grouped_mm`.
+
+    ``N`` split: ``grad_input = grad_out · weightᵀ`` sums over ``N`` (a partial) and
+    ``grad_weight`` is split on ``N``; ``K`` split: both split on ``K``; a partial
+    ``grad_out`` gives partial gradients (linear in it).
+    """
+    return [
+        ["R", "R", "R", "R", "R", "R"],
+        ["P", "S(2)", "R", "S(2)", "R", "S(1)"],
+        ["S(1)", "S(1)", "S(1)", "S(1)", "R", "R"],
+        ["P", "P", "R", "R", "R", "P"],
+    ]
+
+
+RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
+    aten.copy.default: copy,
+    torch.ops.autopar.batch_norm_sums.default: batch_norm_sums,
+    torch.ops.autopar.batch_norm_apply.default: batch_norm_apply,
+    torch.ops.autopar.batch_norm_backward_reduce.default: batch_norm_backward_reduce,
+    torch.ops.autopar.batch_norm_backward_elemt.default: batch_norm_backward_elemt,
+    torch.ops.autopar.dropout_attention.default: dropout_attention,
+    torch.ops.autopar.dropout_attention_backward.default: dropout_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
+    aten.fill.Tensor: fill_tensor,
+}
+# random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
+RULES.update({op: random_ops.rule_rows for op in random_ops.RANDOM_OPS})
+# ops of libraries that register them when imported, by name: (node target's str) -> rule
+NAMED_RULES: dict[str, Callable[[fx.Node], list[Row]]] = {
+    "transformers.grouped_mm_fallback.default": grouped_mm,
+    "transformers.grouped_mm_fallback_backward.default": grouped_mm_backward,
+}
+
+
+def rule_for(op: object) -> Callable[[fx.Node], list[Row]] | None:
+    """autopar's rule for ``op``, if it has one."""
+    return RULES.get(op) or NAMED_RULES.get(str(op))

@@ -1,0 +1,231 @@
+"""The marginal-form MILP of a reduced strategy problem, built as arrays.
+
+Split from :mod:`autopar.solver.solve` (whose docstring states the formulation): the
+model is assembled with numpy into CSR arrays, so building a model of millions of
+nonzeros costs array time rather than one Python call per coefficient, and the same
+arrays feed every backend (:mod:`autopar.solver.backends`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.solver.reduce import CoreProblem, range_sums
+
+
+@dataclass
+class Milp:
+    """A MILP as arrays (rows in CSR, sorted by column), so building it costs numpy time."""
+
+    lb: np.ndarray
+    ub: np.ndarray
+    obj: np.ndarray
+    integer: np.ndarray
+    row_lb: np.ndarray
+    row_ub: np.ndarray
+    indptr: np.ndarray
+    indices: np.ndarray
+    data: np.ndarray
+    offset: float = 0.0
+    scale: float = 1.0  # objective coefficients are costs times this
+    memory_scale: float = 1.0  # memory rows are bytes divided by this
+    n_x: int = 0
+    memory_form: str = "none"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.row_lb), len(self.lb), len(self.data)
+
+
+def merge_coo(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, n_cols: int) -> tuple[np.ndarray, ...]:
+    """Sum duplicate (row, col) entries; returns them sorted by row, then column."""
+    key = rows.astype(np.int64) * n_cols + cols
+    uniq, inv = np.unique(key, return_inverse=True)
+    summed = np.bincount(inv, vals, minlength=len(uniq))
+    return uniq // n_cols, uniq % n_cols, summed
+
+
+def _objective_scale(values: np.ndarray) -> float:
+    """A factor that brings typical costs near 1 for the solvers' absolute tolerances.
+
+    The median non-zero magnitude rather than the largest, so that large "avoid this"
+    penalties (finite stand-ins for forbidden pairs) do not shrink every real cost below
+    the tolerances.
+    """
+    mags = np.abs(values[np.isfinite(values) & (values != 0)])
+    return 1.0 / float(np.median(mags)) if len(mags) else 1.0
+
+
+def _factor_rows(core: CoreProblem, x0: np.ndarray, first_row: int, first_col: int) -> tuple[list, ...]:
+    """Marginal rows tying each factor's continuous ``y`` to the ``x`` of its scope.
+
+    For every variable of the scope and each of its strategies ``s``: the ``y`` entries whose
+    assignment gives that variable ``s`` sum to ``x_{v,s}``. For all but the first variable
+    the last strategy's row is implied and left out. Factors of the same shape are built
+    together with array arithmetic.
+    """
+    sizes = core.sizes
+    shapes = [tuple(sizes[list(scope)].tolist()) for scope, _ in core.factors]
+    n_entries = np.array([int(np.prod(s)) for s in shapes], dtype=np.int64)
+    n_rows = np.array([s[0] + sum(d - 1 for d in s[1:]) for s in shapes], dtype=np.int64)
+    y0 = first_col + np.concatenate([[0], np.cumsum(n_entries)]).astype(np.int64)
+    base = first_row + np.concatenate([[0], np.cumsum(n_rows)]).astype(np.int64)
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for f, shape in enumerate(shapes):
+        by_shape.setdefault(shape, []).append(f)
+    for shape, fs in by_shape.items():
+        sel = np.array(fs, dtype=np.int64)
+        scopes = np.array([core.factors[f][0] for f in fs], dtype=np.int64)
+        coords = np.unravel_index(np.arange(int(np.prod(shape))), shape)
+        offset = 0
+        for axis, d in enumerate(shape):
+            kept = d if axis == 0 else d - 1
+            mask = coords[axis] < kept
+            entries = np.nonzero(mask)[0]
+            rows.append((base[sel][:, None] + offset + coords[axis][mask][None, :]).ravel())
+            cols.append((y0[sel][:, None] + entries[None, :]).ravel())
+            vals.append(np.ones(len(sel) * len(entries)))
+            s = np.arange(kept)
+            rows.append((base[sel][:, None] + offset + s[None, :]).ravel())
+            cols.append((x0[scopes[:, axis]][:, None] + s[None, :]).ravel())
+            vals.append(-np.ones(len(sel) * kept))
+            offset += kept
+    return rows, cols, vals, int(base[-1]), int(y0[-1])
+
+
+def milp_nonzeros_at_least(core: CoreProblem) -> int:
+    """The nonzeros :func:`build_milp` writes before any memory row: one per ``x`` in the
+    one-strategy rows, and the factors' marginal rows as :func:`_factor_rows` writes them."""
+    sizes = core.sizes
+    total = int(sizes.sum())
+    for scope, table in core.factors:
+        dims = sizes[list(scope)].tolist()
+        entries = int(table.size)
+        total += entries + dims[0]  # the first variable: every entry once, one x per strategy
+        for d in dims[1:]:  # the others: all but the last strategy's row
+            total += entries // d * (d - 1) + d - 1
+    return total
+
+
+def build_milp(core: CoreProblem, memory_scale: float, memory_form: str) -> Milp:
+    """The marginal-form MILP of the core problem (see the module docstring)."""
+    sizes = core.sizes
+    n = core.n
+    x0 = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    n_x = int(x0[-1])
+    cost = np.concatenate(core.costs + [t.ravel() for _, t in core.factors])
+    scale = _objective_scale(cost)
+    finite = np.isfinite(cost)
+
+    # One strategy per variable, then the factors' marginals.
+    rows = [np.repeat(np.arange(n), sizes)]
+    cols = [np.arange(n_x)]
+    vals = [np.ones(n_x)]
+    f_rows, f_cols, f_vals, n_rows, n_cols = _factor_rows(core, x0, n, n_x)
+    rows += f_rows
+    cols += f_cols
+    vals += f_vals
+    lb = [np.zeros(n_cols)]
+    ub = [np.where(finite, 1.0, 0.0)]
+    obj = [np.where(finite, cost * scale, 0.0)]
+    integer = [np.arange(n_cols) < n_x]
+    row_lb = [np.ones(n), np.zeros(n_rows - n)]
+    row_ub = [np.ones(n), np.zeros(n_rows - n)]
+
+    form = "none"
+    n_mem = len(core.cap)
+    if n_mem and len(core.item_coef):
+        # (item, strategy) pairs with memory above the item's minimum
+        lengths = np.array([len(c) for c in core.item_coef], dtype=np.int64)
+        pi = np.repeat(np.arange(len(lengths)), lengths)
+        ps = np.arange(len(pi)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        pval = np.concatenate(core.item_coef) / memory_scale
+        nonzero = pval > 0
+        pi, ps, pval = pi[nonzero], ps[nonzero], pval[nonzero]
+        pcol = x0[core.item_var[pi]] + ps
+        r0, r1 = core.item_r0[pi], core.item_r1[pi]
+        span = r1 - r0
+        direct_nnz = int(span.sum())
+        form = memory_form
+        if form == "auto":
+            # entries of one variable in one row merge, so a row holds at most one per column
+            merged = min(direct_nnz, n_mem * len(np.unique(pcol)))
+            form = "direct" if merged <= 3 * (2 * len(pi) + 2 * n_mem) else "cumulative"
+        cap = core.cap / memory_scale
+        if form == "direct" and n_mem * n_x <= direct_nnz:
+            # many items per variable (grouped layers): sum them densely with a difference array
+            delta = np.zeros((n_mem + 1, n_x))
+            np.add.at(delta, (r0, pcol), pval)
+            np.add.at(delta, (r1, pcol), -pval)
+            dense = np.cumsum(delta[:-1], axis=0)
+            mr, mc = np.nonzero(dense > 1e-12 * pval.max())
+            mv = dense[mr, mc]
+        elif form == "direct":
+            offs = np.arange(direct_nnz) - np.repeat(np.cumsum(span) - span, span)
+            mr, mc, mv = merge_coo(
+                np.repeat(r0, span) + offs, np.repeat(pcol, span), np.repeat(pval, span), n_cols
+            )
+        if form == "direct":
+            row_lb.append(np.full(n_mem, -np.inf))
+            row_ub.append(cap)
+        else:
+            # u_r - u_{r-1} - (entering) + (leaving) = 0, with 0 <= u_r <= cap_r
+            u = n_cols + np.arange(n_mem)
+            leaves = r1 < n_mem
+            mr = np.concatenate([r0, r1[leaves], np.arange(n_mem), np.arange(1, n_mem)])
+            mc = np.concatenate([pcol, pcol[leaves], u, u[:-1]])
+            mv = np.concatenate([-pval, pval[leaves], np.ones(n_mem), -np.ones(n_mem - 1)])
+            mr, mc, mv = merge_coo(mr, mc, mv, n_cols + n_mem)
+            lb.append(np.zeros(n_mem))
+            ub.append(np.maximum(cap, 0.0))
+            obj.append(np.zeros(n_mem))
+            integer.append(np.zeros(n_mem, dtype=bool))
+            row_lb.append(np.zeros(n_mem))
+            row_ub.append(np.zeros(n_mem))
+        keep = mv != 0
+        rows.append(mr[keep] + n_rows)
+        cols.append(mc[keep])
+        vals.append(mv[keep])
+        n_rows += n_mem
+
+    all_rows = np.concatenate(rows)
+    all_cols = np.concatenate(cols)
+    order = np.lexsort((all_cols, all_rows))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(all_rows, minlength=n_rows))]).astype(np.int64)
+    return Milp(
+        lb=np.concatenate(lb),
+        ub=np.concatenate(ub),
+        obj=np.concatenate(obj),
+        integer=np.concatenate(integer),
+        row_lb=np.concatenate(row_lb),
+        row_ub=np.concatenate(row_ub),
+        indptr=indptr,
+        indices=all_cols[order].astype(np.int64),
+        data=np.concatenate(vals)[order].astype(float),
+        offset=core.constant * scale,
+        scale=scale,
+        memory_scale=memory_scale,
+        n_x=n_x,
+        memory_form=form,
+    )
+
+
+def hint_values(milp: Milp, core: CoreProblem, local: np.ndarray) -> np.ndarray:
+    """A full assignment of the MILP's columns from a core choice (x, y, and u if present)."""
+    values = np.zeros(len(milp.lb))
+    x0 = np.concatenate([[0], np.cumsum(core.sizes)]).astype(np.int64)
+    values[x0[:-1] + local] = 1.0
+    col = milp.n_x
+    for scope, table in core.factors:
+        values[col + np.ravel_multi_index(tuple(local[list(scope)]), table.shape)] = 1.0
+        col += table.size
+    if milp.memory_form == "cumulative" and len(core.cap):
+        picked = np.array([core.item_coef[t][local[i]] for t, i in enumerate(core.item_var.tolist())])
+        usage = range_sums(core.item_r0, core.item_r1, picked, len(core.cap))
+        values[col : col + len(core.cap)] = usage / milp.memory_scale
+    return values

@@ -1,0 +1,739 @@
+"""Exact reductions of a strategy graph before the MILP of :mod:`autopar.solver.solve`.
+
+Every reduction here keeps the optimum *exactly*: it only removes choices that
+some other choice is at least as good as in every completion, or it solves a
+piece of the graph in closed form and remembers how to extend the answer.
+That is what lets the MILP see a few hundred or thousand variables where the
+captured graph has tens of thousands of nodes.
+
+The reduced problem is over *variables* ``k``: one per group of nodes that
+must share a strategy index (a node outside every group is its own variable).
+A variable has costs ``c_k`` (the sum of its members' costs) and the list of
+original strategy indices still allowed (``keep[k]``). Interactions are
+*factors*: a table over the joint strategies of a few variables (its scope).
+The edges of the original graph are factors of two variables, summed per
+unordered pair (parallel edges merged; edges inside a group land on the
+diagonal of the variable's costs; direction does not matter to the cost).
+Eliminating a variable can create a factor over more than two.
+
+Memory enters through *rows* (time steps, see :class:`MemoryRows`) and
+*items* (one per node, with its memory vector and the range of rows where it
+is live). An item matters only if its memory differs across the variable's
+remaining strategies and it is live in a *binding* row: one whose worst case
+(every live item at its largest memory) exceeds the limit. Rows that cannot
+bind are implied, so a variable with no relevant item is as free as one with
+no memory at all. Binding rows only become fewer as strategies are removed,
+so that classification, once made, stays valid.
+
+Reductions, applied from a work list until none fires:
+
+* **forbidden**: a strategy with infinite cost, or whose slice of a factor is
+  all infinite, can never be chosen.
+* **dominance**: strategy ``a`` is dropped when some ``b`` is no worse in the
+  variable's cost, in every relevant item's memory and in every entry of every
+  factor it is in (equal strategies keep the lowest index). Any solution
+  using ``a`` can switch to ``b`` without raising cost or memory anywhere.
+* **separable pairs**: ``E[s, t] = r[s] + q[t]`` (a constant or zero matrix is
+  the common case) moves into the two variables' costs and the factor vanishes.
+* **subsumed factors**: a factor whose scope lies inside another's is added
+  into it, so the MILP links each set of variables once.
+* **fixing**: a variable with one strategy left is sliced out of its factors.
+* **elimination** (variables with no relevant memory): ``k`` is minimised out,
+  ``F(N) = min_s c_k[s] + sum_{f containing k} f(N, s)`` over its neighbours
+  ``N``, and the argmin table is kept to recover ``s`` once ``N`` is decided.
+  With two neighbours this is the min-plus matrix product of a chain; with one,
+  a leaf folded into its neighbour's costs; with none, the cheapest strategy.
+  Variables are eliminated smallest resulting table first and only while that
+  table stays small (bucket elimination, at most ``ELIMINATION_LIMIT`` entries),
+  and, when the table would stay in the MILP because a neighbour's memory is
+  relevant, only if it is no bigger than what it replaces. On the fwd/bwd
+  "ladder" of a training graph this solves the whole problem when there is no
+  memory limit. Dominance is checked only for variables that are not about to
+  be eliminated (elimination subsumes it).
+
+Memory rows left for the MILP are thinned by :func:`prune_rows` (a row implied
+by another is dropped).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# A pair factor counts as separable when its residual is below this fraction of its largest entry.
+_SEPARABLE_RTOL = 1e-12
+# Eliminations whose new factor table would exceed this many entries are not done.
+ELIMINATION_LIMIT = 4096
+
+
+class InfeasibleError(Exception):
+    """No assignment satisfies the problem; the message says why in one line."""
+
+
+@dataclass
+class MemoryRows:
+    """The time steps whose memory rows can matter, and where each node's live interval falls.
+
+    Only segments of the time axis on which the live set is locally maximal are kept:
+    something starts at the segment's first step and something ends right after its last.
+    Any other segment's live set is a subset of a neighbouring segment's, and memory is
+    non-negative, so its row is implied by that neighbour's.
+    """
+
+    times: np.ndarray  # first time step of each kept row, increasing
+    r0: np.ndarray  # per node: first kept row at which it is live
+    r1: np.ndarray  # per node: one past the last such row (r0 == r1: live at no kept row)
+
+    @property
+    def count(self) -> int:
+        return len(self.times)
+
+
+def memory_rows(intervals: np.ndarray, all_segments: bool = False) -> MemoryRows:
+    """Rows for live intervals ``[start, end)`` given as an (N, 2) integer array.
+
+    ``all_segments`` keeps every segment between consecutive interval boundaries (no
+    implied-row removal), which the unreduced formulation uses as a reference.
+    """
+    starts, ends = intervals[:, 0], intervals[:, 1]
+    live = ends > starts
+    if not live.any():
+        zero = np.zeros(len(starts), dtype=np.int64)
+        return MemoryRows(np.zeros(0, dtype=np.int64), zero, zero.copy())
+    s, e = starts[live], ends[live]
+    bounds = np.unique(np.concatenate([s, e]))
+    if all_segments:
+        times = bounds[:-1]
+    else:
+        times = bounds[:-1][np.isin(bounds[:-1], s) & np.isin(bounds[1:], e)]
+    r0 = np.searchsorted(times, starts, "left")
+    r1 = np.where(live, np.searchsorted(times, ends, "left"), r0)
+    return MemoryRows(times, r0.astype(np.int64), r1.astype(np.int64))
+
+
+def range_sums(r0: np.ndarray, r1: np.ndarray, weights: np.ndarray, n_rows: int) -> np.ndarray:
+    """Per row, the sum of ``weights[i]`` over items ``i`` whose range ``[r0, r1)`` covers it."""
+    if n_rows == 0:
+        return np.zeros(0)
+    delta = np.bincount(r0, weights, minlength=n_rows + 1) - np.bincount(r1, weights, minlength=n_rows + 1)
+    return np.cumsum(delta[:n_rows])
+
+
+@dataclass
+class Record:
+    """How to recover an eliminated variable's strategy from its neighbours' final strategies.
+
+    ``table`` holds original strategy indices of ``var``, indexed by the positions of the
+    neighbours' strategies in ``snaps`` (their allowed strategies when ``var`` was removed).
+    """
+
+    var: int
+    nbrs: tuple[int, ...]
+    snaps: tuple[np.ndarray, ...]
+    table: np.ndarray
+
+
+@dataclass
+class CoreProblem:
+    """What is left for the MILP: variables that no reduction could settle.
+
+    Indices here are local (0..n-1); ``var_ids`` maps them back to reducer variables and
+    strategy ``s`` of core variable ``i`` is original strategy ``keep[i][s]``.
+    """
+
+    var_ids: np.ndarray
+    keep: list[np.ndarray]
+    costs: list[np.ndarray]
+    factors: list[tuple[tuple[int, ...], np.ndarray]]  # (increasing local scope, table over it)
+    constant: float  # cost already settled by the reductions
+    # Memory: rows that can bind, each with its capacity (limit minus what is live regardless of
+    # choices), and items with non-constant memory live in them. coef[t] is an item's memory above
+    # its minimum, per local strategy; its range [r0, r1) indexes the binding rows.
+    cap: np.ndarray
+    row_times: np.ndarray
+    item_var: np.ndarray
+    item_r0: np.ndarray
+    item_r1: np.ndarray
+    item_coef: list[np.ndarray]
+
+    @property
+    def n(self) -> int:
+        return len(self.var_ids)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.array([len(c) for c in self.costs], dtype=np.int64)
+
+
+def align(scope: tuple[int, ...], table: np.ndarray, target: list[int]) -> np.ndarray:
+    """View of ``table`` (axes in ``scope`` order) broadcastable over axes in ``target`` order."""
+    where = {v: i for i, v in enumerate(target)}
+    shape = [1] * len(target)
+    for v, n in zip(scope, table.shape, strict=True):
+        shape[where[v]] = n
+    pos = [where[v] for v in scope]
+    order = sorted(range(len(pos)), key=pos.__getitem__)
+    if order != list(range(len(pos))):
+        table = table.transpose(order)
+    return table.reshape(shape)
+
+
+class Reducer:
+    """Holds the variable-level problem and applies the reductions in place.
+
+    Built from per-variable costs, factors ``(scope, table)`` (the merged edges: scopes of two
+    variables with ``|S_a| x |S_b|`` tables), and per-node memory items (``item_var[v]`` is
+    node v's variable). Without memory items it is an exact solver for the cost alone.
+    """
+
+    def __init__(
+        self,
+        costs: list[np.ndarray],
+        factors: Iterable[tuple[tuple[int, ...], np.ndarray]],
+        item_var: np.ndarray,
+        item_mem: list[np.ndarray],
+        rows: MemoryRows | None,
+        memory_limit: float | None,
+        tol: float,
+        describe: Callable[[int], str],
+    ) -> None:
+        n = len(costs)
+        self.keep = [np.arange(len(c)) for c in costs]
+        self.cost = [np.asarray(c, dtype=float) for c in costs]
+        self.scope: dict[int, tuple[int, ...]] = {}
+        self.table: dict[int, np.ndarray] = {}
+        self.of_var: list[set[int]] = [set() for _ in range(n)]
+        self.by_scope: dict[tuple[int, ...], int] = {}
+        self.unchecked: set[int] = set()  # pair factors not yet tested for separability since they changed
+        self._next_id = 0
+        self.alive = np.ones(n, dtype=bool)
+        self.records: list[Record] = []
+        self.constant = 0.0
+        self.counts = {"separable": 0, "pruned": 0, "fixed": 0, "eliminated": 0, "merged": 0}
+        for scope, table in factors:
+            if len(scope) == 2 and scope[0] < scope[1] and scope not in self.by_scope:
+                self._new_factor(scope, table)
+            else:
+                self._add(scope, table, lambda v: None)
+        self.describe = describe
+        self.limit = memory_limit
+        self.tol = tol
+        self.rows = rows
+        self.item_var = item_var
+        self.item_mem = item_mem
+        self.item_min = np.array([float(m.min()) for m in item_mem]) if item_mem else np.zeros(0)
+        self.item_max = np.array([float(m.max()) for m in item_mem]) if item_mem else np.zeros(0)
+        self.items_of: list[list[int]] = [[] for _ in range(n)]
+        self.active = np.zeros(0, dtype=np.int64)
+        if memory_limit is not None and rows is not None and rows.count:
+            self.active = np.nonzero(rows.r1 > rows.r0)[0]
+            for i in self.active.tolist():
+                self.items_of[item_var[i]].append(i)
+        self.relevant_item = np.zeros(len(item_mem), dtype=bool)
+        self.relevant_var = np.zeros(n, dtype=bool)
+        self.binding = np.zeros(rows.count if rows is not None else 0, dtype=bool)
+        self.row_min = np.zeros_like(self.binding, dtype=float)
+
+    # -- factors ---------------------------------------------------------------------------------
+
+    def _new_factor(self, scope: tuple[int, ...], table: np.ndarray) -> int:
+        fid = self._next_id
+        self._next_id += 1
+        self.scope[fid] = scope
+        self.table[fid] = table
+        self.unchecked.add(fid)
+        self.by_scope[scope] = fid
+        for v in scope:
+            self.of_var[v].add(fid)
+        return fid
+
+    def _set_table(self, fid: int, table: np.ndarray) -> None:
+        self.table[fid] = table
+        self.unchecked.add(fid)
+
+    def _drop_factor(self, fid: int) -> None:
+        scope = self.scope.pop(fid)
+        del self.table[fid]
+        self.unchecked.discard(fid)
+        del self.by_scope[scope]
+        for v in scope:
+            self.of_var[v].discard(fid)
+
+    def _add(self, scope: tuple[int, ...], table: np.ndarray, push: Callable[[int], None]) -> None:
+        """Add a table over ``scope`` (any order) into the factors, merging where scopes nest."""
+        if len(scope) == 0:
+            self.constant += float(table)
+            return
+        if len(scope) == 1:
+            self.cost[scope[0]] = self.cost[scope[0]] + table
+            push(scope[0])
+            return
+        key = tuple(sorted(scope))
+        if key != scope:
+            table = align(scope, table, list(key))
+        for v in key:
+            push(v)
+        fid = self.by_scope.get(key)
+        if fid is not None:
+            self._set_table(fid, self.table[fid] + table)
+            self.counts["merged"] += 1
+            return
+        members = set(key)
+        pivot = min(key, key=lambda v: len(self.of_var[v]))
+        for g in self.of_var[pivot]:
+            if members <= set(self.scope[g]):
+                self._set_table(g, self.table[g] + align(key, table, list(self.scope[g])))
+                self.counts["merged"] += 1
+                for v in self.scope[g]:
+                    push(v)
+                return
+        inner = {g for v in key for g in self.of_var[v] if set(self.scope[g]) < members}
+        for g in inner:
+            table = table + align(self.scope[g], self.table[g], list(key))
+            self._drop_factor(g)
+            self.counts["merged"] += 1
+        self._new_factor(key, np.ascontiguousarray(table))
+
+    def neighbours(self, k: int) -> list[int]:
+        return sorted({v for f in self.of_var[k] for v in self.scope[f]} - {k})
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def refresh_memory(self, all_binding: bool = False) -> list[int]:
+        """Recompute which rows can bind and which variables carry relevant memory.
+
+        Raises :class:`InfeasibleError` when a row exceeds the limit even with every live
+        item at its smallest memory. Returns the live variables that have just lost all
+        relevance (they may now be eliminated).
+        """
+        if self.limit is None or self.rows is None or not self.rows.count:
+            return []
+        act, rows = self.active, self.rows
+        n_rows = rows.count
+        r0, r1 = rows.r0[act], rows.r1[act]
+        lo = range_sums(r0, r1, self.item_min[act], n_rows)
+        worst = int(np.argmax(lo))
+        if lo[worst] > self.limit + self.tol:
+            raise InfeasibleError(
+                f"at time step {int(rows.times[worst])} the live nodes need at least {lo[worst]:.6g} "
+                f"bytes, over the memory limit of {self.limit:.6g}"
+            )
+        if all_binding:
+            binding = np.ones(n_rows, dtype=bool)
+        else:
+            binding = range_sums(r0, r1, self.item_max[act], n_rows) > self.limit + self.tol
+        prefix = np.concatenate([[0], np.cumsum(binding)])
+        touches = prefix[r1] > prefix[r0]
+        rel = touches & (self.item_max[act] > self.item_min[act])
+        relevant_item = np.zeros_like(self.relevant_item)
+        relevant_item[act[rel]] = True
+        relevant_var = np.zeros_like(self.relevant_var)
+        relevant_var[self.item_var[act[rel]]] = True
+        freed = np.nonzero(self.relevant_var & ~relevant_var & self.alive)[0].tolist()
+        self.relevant_item, self.relevant_var = relevant_item, relevant_var
+        self.binding, self.row_min = binding, lo
+        return freed
+
+    def _update_items(self, k: int) -> None:
+        for i in self.items_of[k]:
+            m = self.item_mem[i][self.keep[k]]
+            self.item_min[i] = m.min()
+            self.item_max[i] = m.max()
+
+    # -- the work list ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Apply every reduction until none fires."""
+        n = len(self.cost)
+        queue = deque(range(n))
+        queued = np.ones(n, dtype=bool)
+        heap: list[tuple[int, int]] = []
+
+        def push(k: int) -> None:
+            if not queued[k] and self.alive[k]:
+                queued[k] = True
+                queue.append(k)
+
+        self.refresh_memory()
+        while True:
+            while queue or heap:
+                while queue:
+                    k = queue.popleft()
+                    queued[k] = False
+                    self._process(k, push, heap)
+                while heap and not queue:
+                    size, k = heapq.heappop(heap)
+                    if self.alive[k] and not self.relevant_var[k] and self._elimination_size(k) == size > 0:
+                        self._eliminate(k, push)
+            freed = self.refresh_memory()
+            if not freed:
+                break
+            for k in freed:  # they, and neighbours they blocked, may now be eliminated
+                push(k)
+                for v in self.neighbours(k):
+                    push(v)
+        logger.debug("reduction: %s; %d variables left", self.counts, int(self.alive.sum()))
+
+    def _elimination_size(self, k: int) -> int:
+        """Entries of the table eliminating ``k`` would create; 0 when it should not be done.
+
+        Too large a table is refused outright. A table that would stay in the MILP (some
+        neighbour has relevant memory and will not be eliminated) must also not make the
+        MILP bigger than keeping ``k``: this is what keeps ``k``'s factors and strategies.
+        """
+        size = 1
+        nbrs = self.neighbours(k)
+        for v in nbrs:
+            size *= len(self.keep[v])
+        if size > ELIMINATION_LIMIT:
+            return 0
+        if any(self.relevant_var[v] for v in nbrs):
+            kept = len(self.keep[k]) + sum(self.table[f].size for f in self.of_var[k])
+            if size > kept:
+                return 0
+        return size
+
+    def _process(self, k: int, push: Callable[[int], None], heap: list[tuple[int, int]]) -> None:
+        if not self.alive[k]:
+            return
+        for f in [f for f in self.of_var[k] if f in self.unchecked]:
+            self.unchecked.discard(f)
+            if len(self.scope[f]) == 2:
+                a, b = self.scope[f]
+                if self._absorb_if_separable(f):
+                    push(b if a == k else a)
+        if not self.relevant_var[k] and len(self.keep[k]) > 1:
+            # To be minimised out, which subsumes dominance: prune only what is too big for that.
+            size = self._elimination_size(k)
+            if size:
+                heapq.heappush(heap, (size, k))
+                return
+        if self._prune(k, push):
+            for v in self.neighbours(k):
+                push(v)
+        if len(self.keep[k]) == 1:
+            self._fix(k, push)
+        elif not self.relevant_var[k]:
+            size = self._elimination_size(k)
+            if size:
+                heapq.heappush(heap, (size, k))
+
+    def _absorb_if_separable(self, f: int) -> bool:
+        m = self.table[f]
+        if not np.isfinite(m).all():
+            return False
+        r = m[:, 0]
+        q = m[0, :] - m[0, 0]
+        if np.abs(m - r[:, None] - q[None, :]).max() > _SEPARABLE_RTOL * np.abs(m).max():
+            return False
+        a, b = self.scope[f]
+        self.cost[a] = self.cost[a] + r
+        self.cost[b] = self.cost[b] + q
+        self._drop_factor(f)
+        self.counts["separable"] += 1
+        return True
+
+    def _prune(self, k: int, push: Callable[[int], None]) -> bool:
+        """Drop forbidden and dominated strategies of ``k``; True when any went."""
+        # This runs for every variable, often many times, mostly on a few strategies: it is
+        # written to make few numpy calls (their overhead, not the comparisons, is its cost).
+        c = self.cost[k]
+        n = len(c)
+        parts = [c[:, None]]
+        starts = [0]  # where each part's columns begin
+        for f in self.of_var[k]:
+            t, axis = self.table[f], self.scope[f].index(k)
+            starts.append(starts[-1] + parts[-1].shape[1])
+            parts.append((np.swapaxes(t, 0, axis) if axis else t).reshape(n, -1))
+        prof = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        # a strategy is forbidden by its own cost, or by a factor all of whose entries for it are
+        forbidden = np.logical_and.reduceat(prof == np.inf, starts, axis=1).any(axis=1)
+        if forbidden.all():
+            raise InfeasibleError(f"{self.describe(k)} has no allowed strategy (all cost infinity)")
+        if n == 1:
+            return False
+        if self.relevant_var[k]:
+            rel = [i for i in self.items_of[k] if self.relevant_item[i]]
+            if rel:
+                mems = np.array([self.item_mem[i] for i in rel])[:, self.keep[k]]
+                prof = np.concatenate([prof, mems.T], axis=1)
+        # le[a, b]: b is no worse than a everywhere; b is better somewhere exactly when not le[b, a].
+        # b dominates a when it is no worse and better somewhere, or the same with a lower index.
+        le = (prof[None, :, :] <= prof[:, None, :]).all(axis=2)
+        dom = le & (~le.T | _earlier(n))
+        drop = dom.any(axis=1) | forbidden
+        if not drop.any():
+            return False
+        mask = ~drop
+        self.counts["pruned"] += int(drop.sum())
+        self.keep[k] = self.keep[k][mask]
+        self.cost[k] = c[mask]
+        for f in self.of_var[k]:
+            self._set_table(f, np.compress(mask, self.table[f], axis=self.scope[f].index(k)))
+        self._update_items(k)
+        return True
+
+    def _fix(self, k: int, push: Callable[[int], None]) -> None:
+        for f in list(self.of_var[k]):
+            scope, table = self.scope[f], self.table[f]
+            self._drop_factor(f)
+            axis = scope.index(k)
+            self._add(scope[:axis] + scope[axis + 1 :], table.take(0, axis=axis), push)
+        self.constant += float(self.cost[k][0])
+        self.records.append(Record(k, (), (), np.array(self.keep[k][0])))
+        self.alive[k] = False
+        self.counts["fixed"] += 1
+
+    def _eliminate(self, k: int, push: Callable[[int], None]) -> None:
+        nbrs = self.neighbours(k)
+        axes = nbrs + [k]
+        total = align((k,), self.cost[k], axes)
+        for f in list(self.of_var[k]):
+            total = total + align(self.scope[f], self.table[f], axes)
+            self._drop_factor(f)
+        total = np.broadcast_to(total, tuple(len(self.keep[v]) for v in axes))
+        best = total.min(axis=-1)
+        if np.isposinf(best).all():
+            raise InfeasibleError(
+                f"{self.describe(k)} has no allowed strategy"
+                + (
+                    " (all cost infinity)"
+                    if np.isposinf(self.cost[k]).all()
+                    else " next to its neighbours' allowed ones"
+                )
+            )
+        # keep arrays are replaced, never changed in place, so holding them is a snapshot
+        self.records.append(
+            Record(k, tuple(nbrs), tuple(self.keep[v] for v in nbrs), self.keep[k][total.argmin(axis=-1)])
+        )
+        self.alive[k] = False
+        self.counts["eliminated"] += 1
+        self._add(tuple(nbrs), best, push)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def core(self) -> CoreProblem:
+        """The variables still undecided, their factors, and the memory rows that can bind."""
+        ids = np.nonzero(self.alive)[0]
+        local = np.full(len(self.cost), -1, dtype=np.int64)
+        local[ids] = np.arange(len(ids))
+        factors = [(tuple(int(local[v]) for v in self.scope[f]), self.table[f]) for f in sorted(self.scope)]
+        cap = np.zeros(0)
+        times = np.zeros(0, dtype=np.int64)
+        item_var = item_r0 = item_r1 = np.zeros(0, dtype=np.int64)
+        coefs: list[np.ndarray] = []
+        if self.limit is not None and self.rows is not None and self.rows.count and self.binding.any():
+            prefix = np.concatenate([[0], np.cumsum(self.binding)])
+            cap = self.limit - self.row_min[self.binding]
+            times = self.rows.times[self.binding]
+            its = self.active[self.relevant_item[self.active] & self.alive[self.item_var[self.active]]]
+            item_var = local[self.item_var[its]]
+            item_r0 = prefix[self.rows.r0[its]]
+            item_r1 = prefix[self.rows.r1[its]]
+            coefs = [
+                self.item_mem[i][self.keep[v]] - self.item_min[i]
+                for i, v in zip(its.tolist(), self.item_var[its].tolist(), strict=True)
+            ]
+        return CoreProblem(
+            var_ids=ids,
+            keep=[self.keep[k] for k in ids.tolist()],
+            costs=[self.cost[k] for k in ids.tolist()],
+            factors=factors,
+            constant=self.constant,
+            cap=cap,
+            row_times=times,
+            item_var=item_var,
+            item_r0=item_r0,
+            item_r1=item_r1,
+            item_coef=coefs,
+        )
+
+    def expand(self, core: CoreProblem, local_choice: np.ndarray) -> np.ndarray:
+        """Original strategy index per reducer variable, from local choices of the core."""
+        choice = np.full(len(self.cost), -1, dtype=np.int64)
+        for i, k in enumerate(core.var_ids.tolist()):
+            choice[k] = core.keep[i][local_choice[i]]
+        for rec in reversed(self.records):
+            pos = tuple(
+                int(np.searchsorted(snap, choice[b])) for b, snap in zip(rec.nbrs, rec.snaps, strict=True)
+            )
+            choice[rec.var] = rec.table[pos]
+        return choice
+
+
+@functools.cache
+def _earlier(n: int) -> np.ndarray:
+    """``[a, b]``: strategy ``b`` comes before ``a`` (ties in dominance keep the lowest index)."""
+    return np.tri(n, k=-1, dtype=bool)
+
+
+def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``min(values[lo:hi])`` per query (inf for an empty range), with a sparse table."""
+    out = np.full(len(lo), np.inf)
+    if not len(values):
+        return out
+    levels = [values]
+    while 2 ** len(levels) <= len(values):
+        prev, step = levels[-1], 2 ** (len(levels) - 1)
+        levels.append(np.minimum(prev[:-step], prev[step:]))
+    ok = hi > lo
+    length = (hi - lo)[ok]
+    k = np.floor(np.log2(length)).astype(np.int64)
+    table_lo = np.empty(len(length))
+    table_hi = np.empty(len(length))
+    for level in np.unique(k).tolist():
+        sel = k == level
+        table_lo[sel] = levels[level][lo[ok][sel]]
+        table_hi[sel] = levels[level][hi[ok][sel] - 2**level]
+    out[ok] = np.minimum(table_lo, table_hi)
+    return out
+
+
+def _running_sums(
+    prefix: np.ndarray,
+    r0: np.ndarray,
+    r1: np.ndarray,
+    col: np.ndarray,
+    val: np.ndarray,
+    used: np.ndarray,
+    n_rows: int,
+) -> np.ndarray:
+    """Per kept row and used column, the sum of the (item, strategy) entries live there.
+
+    Built in place (at 10^7 entries a fresh array costs more in page faults than the sums);
+    entries are added in their given order, zeros left out, so every sum is the one a
+    full-width matrix holds.
+    """
+    nonzero = val != 0
+    where = np.searchsorted(used, col[nonzero])
+    dense = np.zeros((n_rows + 1, len(used)))
+    np.add.at(dense, (prefix[r0[nonzero]], where), val[nonzero])
+    np.add.at(dense, (prefix[r1[nonzero]], where), -val[nonzero])
+    return np.cumsum(dense[:-1], axis=0, out=dense[:-1])
+
+
+def prune_rows(core: CoreProblem, dense_budget: float = 2e8) -> CoreProblem:
+    """Drop memory rows implied by another row, and re-index the items' row ranges.
+
+    Row ``j`` is implied by row ``i`` when every item live at ``j`` is live at ``i`` and
+    ``cap_i <= cap_j`` (coefficients are non-negative). Items are intervals of rows, so the
+    rows whose live set contains ``j``'s form the range ``[max r0, min r1)`` over ``j``'s
+    items, and a range minimum of ``cap`` finds a dominating row. When few variables remain
+    (repeated layers grouped into one variable), rows are also compared as dense vectors
+    of per-variable coefficients, each shifted so its smallest entry is zero (valid because
+    every variable takes exactly one strategy): this catches rows with different items but
+    the same totals, the usual case once the layers share variables.
+    """
+    n_rows = len(core.cap)
+    if n_rows <= 1:
+        return core
+    order = np.argsort(core.item_r0, kind="stable")
+    starts, ends = core.item_r0[order].tolist(), core.item_r1[order].tolist()
+    first_end = np.full(n_rows, n_rows + 1, dtype=np.int64)
+    last_start = np.full(n_rows, -1, dtype=np.int64)
+    by_end: list[tuple[int, int]] = []  # (r1, r0) of items started
+    by_start: list[tuple[int, int]] = []  # (-r0, r1)
+    t = 0
+    for j in range(n_rows):
+        while t < len(starts) and starts[t] <= j:
+            heapq.heappush(by_end, (ends[t], starts[t]))
+            heapq.heappush(by_start, (-starts[t], ends[t]))
+            t += 1
+        while by_end and by_end[0][0] <= j:
+            heapq.heappop(by_end)
+        while by_start and by_start[0][1] <= j:
+            heapq.heappop(by_start)
+        if by_end:
+            first_end[j] = by_end[0][0]
+            last_start[j] = -by_start[0][0]
+    empty = last_start < 0
+    rows = np.arange(n_rows)
+    lo = np.where(empty, 0, last_start)
+    hi = np.where(empty, n_rows, first_end)
+    # a strictly smaller cap anywhere in the range, or an equal one at a smaller index
+    before = _range_min(core.cap, lo, np.maximum(rows, lo))
+    after = _range_min(core.cap, np.minimum(rows + 1, hi), hi)
+    keep = ~empty & ~(before <= core.cap) & ~(after < core.cap)
+
+    sizes = core.sizes
+    x0 = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    kept = np.nonzero(keep)[0]
+    if len(kept) > 1 and float(len(kept)) * x0[-1] <= 2e7:
+        prefix = np.concatenate([[0], np.cumsum(keep)])
+        # per row and column, the items' coefficients: a difference array over the rows
+        lengths = np.array([len(c) for c in core.item_coef], dtype=np.int64)
+        item = np.repeat(np.arange(len(lengths)), lengths)
+        col = (
+            x0[core.item_var[item]] + np.arange(len(item)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        )
+        val = np.concatenate(core.item_coef)
+        # Only the columns some item touches can be non-zero: the matrix keeps those (in order,
+        # so each variable's stay together), and is built in place, as at 10^7 entries a fresh
+        # array costs more in page faults than the sums themselves.
+        used = np.unique(col[val != 0])
+        dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
+        if (dense < 0).any():
+            # rounding left a negative sum, so a variable's minimum may be below its untouched
+            # columns' zero: keep every column, as the subtraction below will touch them all
+            used = np.arange(int(x0[-1]))
+            dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
+        cap = core.cap[kept].copy()
+        # Per row, each variable's smallest coefficient is subtracted; a variable with an untouched
+        # (zero) column has a zero minimum (sums are non-negative now), and subtracting zero does nothing.
+        var_of_used = np.searchsorted(x0, used, side="right") - 1
+        full = np.bincount(var_of_used, minlength=core.n) == sizes
+        seg = np.searchsorted(var_of_used, np.arange(core.n + 1))
+        for i in np.nonzero(full)[0].tolist():
+            low = dense[:, seg[i] : seg[i + 1]].min(axis=1)
+            if low.any():
+                dense[:, seg[i] : seg[i + 1]] -= low[:, None]
+                cap -= low
+        # Row totals over all the columns, zeros included, summed as one row-major matrix would be.
+        totals = np.empty(len(kept))
+        block = np.zeros((min(256, len(kept)), int(x0[-1])))
+        for a in range(0, len(kept), 256):
+            rows_ = dense[a : a + 256]
+            block[: len(rows_), used] = rows_
+            totals[a : a + 256] = block[: len(rows_)].sum(axis=1)
+        alive = np.ones(len(kept), dtype=bool)
+        budget = dense_budget
+        for r in np.argsort(cap - totals).tolist():
+            if budget <= 0:
+                break
+            if alive[r]:
+                dominated = np.zeros(len(kept), dtype=bool)
+                for a in range(0, len(kept), 256):  # in blocks: small temporaries stay in cache
+                    dominated[a : a + 256] = (dense[a : a + 256] <= dense[r]).all(axis=1)
+                dominated &= cap >= cap[r]
+                dominated[r] = False
+                alive &= ~dominated
+                budget -= len(kept) * int(x0[-1])  # as if all the columns were kept
+        kept = kept[alive]
+        keep = np.zeros(n_rows, dtype=bool)
+        keep[kept] = True
+    if keep.all():
+        return core
+    prefix = np.concatenate([[0], np.cumsum(keep)])
+    r0, r1 = prefix[core.item_r0], prefix[core.item_r1]
+    live = r1 > r0
+    return CoreProblem(
+        var_ids=core.var_ids,
+        keep=core.keep,
+        costs=core.costs,
+        factors=core.factors,
+        constant=core.constant,
+        cap=core.cap[keep],
+        row_times=core.row_times[keep],
+        item_var=core.item_var[live],
+        item_r0=r0[live],
+        item_r1=r1[live],
+        item_coef=[c for c, ok in zip(core.item_coef, live.tolist(), strict=True) if ok],
+    )

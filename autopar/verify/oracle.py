@@ -1,0 +1,435 @@
+"""The correctness oracle: a plan trains like the single-device model, or it is wrong.
+
+``check_plan`` runs a few AdamW steps of the model twice — once eagerly on
+one device, once under the plan on local processes — and compares, per step,
+the loss, the gathered gradients of the first step and the parameters after
+the last step.
+
+An error is measured per group of tensors (gradients, parameters) as the
+relative L2 error of the whole group, ``‖parallel − single‖ / ‖single‖``
+over every element of every tensor: the usual relative error of a vector.
+Not per tensor and not in the max norm, because Adam turns round-off into
+steps of size ~lr wherever the true gradient is zero (GPT-2's key bias, GELU
+units that never fire): such an element differs by up to lr·steps in *any*
+two runs that sum in a different order — plain data parallelism with an
+all-reduce included — so a max-norm or per-tensor measure reports the
+optimizer's noise, not the plan's correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autopar.api.parallelizer import layout_placements, parallelize
+from autopar.capture.joint import CapturedGraph, capture, model_loss
+from autopar.core.errors import LaunchError
+from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
+from autopar.hardware.cluster import Cluster
+from autopar.plans.plan import Plan
+from autopar.runtime.launch import launch
+from autopar.search.pipeline.stages import forward_segments
+from autopar.search.sharding.random_ops import is_random
+from autopar.search.sharding.strategies import enumerate_strategies
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Check:
+    """How far a parallel run drifted from the single-device run."""
+
+    losses: list[float]
+    reference_losses: list[float]
+    loss_error: float
+    grad_error: float
+    param_error: float
+    worst: str  # the tensor with the largest error
+    collectives: dict[str, int] = field(default_factory=dict)
+
+    def ok(self, tolerance: float = 1e-5) -> bool:
+        return max(self.loss_error, self.grad_error, self.param_error) <= tolerance
+
+    def __str__(self) -> str:
+        return (
+            f"loss {self.loss_error:.1e}, gradients {self.grad_error:.1e}, parameters {self.param_error:.1e} "
+            f"(relative L2 error; largest difference: {self.worst})"
+        )
+
+
+def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """‖ours − ref‖ / ‖ref‖ over all tensors of ``ref`` together, and the tensor with the largest difference."""
+    diff2 = ref2 = 0.0
+    worst, name = -1.0, ""
+    for key, b in ref.items():
+        a = ours.get(key)
+        if a is None or a.shape != b.shape:
+            return float("inf"), key
+        d = (a.detach().double() - b.detach().double()).norm().item() ** 2
+        diff2 += d
+        ref2 += b.detach().double().norm().item() ** 2
+        if d > worst:
+            worst, name = d, key
+    return (diff2**0.5) / (ref2**0.5 or 1.0), name
+
+
+def _train(model, inputs, step: Callable[[], torch.Tensor], opt, steps: int, grads: Callable) -> tuple:
+    losses, first = [], None
+    for s in range(steps):
+        losses.append(float(step()))
+        if s == 0:
+            first = grads()
+        opt.step()
+        opt.zero_grad()
+    return losses, first
+
+
+def single_device_run(
+    factory: Callable, steps: int, lr: float, seed: int, loss_fn=None, microbatches: int = 1
+) -> tuple:
+    """``steps`` AdamW steps of ``factory()``'s model on one device: losses, first gradients, final state.
+
+    ``microbatches`` > 1: each step accumulates the gradients of that many equal
+    slices of the batch, each loss weighted 1/m (gradient accumulation).  A model
+    whose forward couples the samples of a batch (BatchNorm in training) computes
+    another function per micro-batch, so a plan with micro-batches is compared
+    with this; for any other model, and losses that are means over equal
+    micro-batches, it is the global batch's step.
+    """
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> torch.Tensor:
+        total = torch.zeros(())
+        for k in range(microbatches):
+            part = _slice(inputs, k, microbatches)
+            loss = model_loss(model, part, loss_fn) / microbatches
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def grads() -> dict:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    losses, first = _train(model, inputs, step, opt, steps, grads)
+    return losses, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _slice(inputs: Any, k: int, parts: int) -> Any:
+    """Slice ``k`` of ``parts`` of every batched tensor of ``inputs`` (dim 0): a micro-batch, or a
+    data-parallel rank's part of the batch."""
+    if parts == 1:
+        return inputs
+    return pytree.tree_map(lambda t: t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
+
+
+def random_placements(
+    captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int, flowing: bool = False
+) -> dict[str, dict]:
+    """A random valid plan: one strategy per node drawn at random (followers follow their source).
+
+    Not the solver's choice: the oracle must hold for every plan the strategies
+    allow, including the odd ones no cost model would pick.  ``flowing``: each
+    op's strategy is drawn among those that take its inputs as their producers
+    left them, where there are any, so that shardings run on through the graph
+    (a placement change where none fits) instead of one between almost every
+    two ops: a layout as varied, several times cheaper to trace and run.
+    """
+    rng = random.Random(seed)
+    strategies = enumerate_strategies(captured.gm, mesh_shape)
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    params = {p.placeholder: p.name for p in captured.params}
+    picked: dict[str, int] = {}
+    out = {}
+    for name, ns in strategies.items():
+        if ns.rule == "follower" and ns.inputs and ns.inputs[0] in picked:
+            k = picked[ns.inputs[0]]
+        else:
+            fits = [
+                i
+                for i, s in enumerate(ns.strategies)
+                if flowing and all(p is None or _made(out, a) == p for p, a in zip(s.inputs, ns.inputs, strict=True))
+            ]
+            k = rng.choice(fits) if fits else rng.randrange(len(ns.strategies))
+        picked[name] = k
+        s = ns.strategies[k]
+        node = by_name[name]
+        out[name] = {
+            "op": str(node.target) if node.op == "call_function" else node.op,
+            "outputs": [list(p) if p is not None else None for p in s.outputs],
+            "inputs": [list(p) if p is not None else None for p in s.inputs],
+        }
+        if name in params:
+            out[name]["param"] = params[name]
+    return out
+
+
+def _made(placements: dict[str, dict], node: str) -> tuple[str, ...] | None:
+    """The placement ``node``'s (first) output was given."""
+    p = placements[node]["outputs"][0] if node in placements and placements[node]["outputs"] else None
+    return tuple(p) if p is not None else None
+
+
+def plan_with_layout(
+    plan: Plan, model, inputs, cluster: Cluster, layout: str, seed: int = 0, loss_fn=None
+) -> Plan:
+    """``plan`` with its placements replaced by a hand-set layout ("dp", "zero3", "megatron"), "random" or
+    "flowing" (random, following producers' placements: :func:`random_placements`).
+
+    Hand-set layouts split the batch over the data-parallel axis, so that they
+    exercise gradient synchronisation even on models too small for the cost
+    model to want it.
+    """
+    micro = plan.global_batch_size // max(plan.microbatches, 1)
+    captured, _ = captured_with_stats(model, inputs, loss_fn, batch=micro)  # the plan's own capture, if it was last
+    shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
+    if layout in ("random", "flowing"):
+        chosen = random_placements(captured, shape, seed, flowing=layout == "flowing")
+    else:
+        chosen = layout_placements(captured, plan, cluster, layout, split_batch=True)
+    return dataclasses.replace(
+        plan, placements=chosen, solver={**plan.solver, "status": f"{layout} layout (for testing)"}
+    )
+
+
+def loss_split_layout(make_plan: Callable[[int], Plan], tries: int = 50) -> Plan:
+    """``make_plan(seed)`` (a random layout) for the first seed whose class loss splits its targets on every
+    mesh dim of size > 1.
+
+    For tests of padded batches: the shards of the loss then keep different
+    numbers of labels, which an average of per-shard means gets wrong.
+    """
+    for seed in range(tries):
+        plan = make_plan(seed)
+        nll = next(v for v in plan.placements.values() if v["op"] == "aten.nll_loss_forward.default")
+        sizes = [plan.mesh["dp"], plan.mesh.get("tp", 1)]
+        if all(p.startswith("S(") for p, n in zip(nll["inputs"][1], sizes, strict=True) if n > 1):
+            return plan
+    raise ValueError(f"none of {tries} random layouts splits the loss's targets")
+
+
+def plan_with_pipeline(
+    plan: Plan,
+    model,
+    inputs,
+    cluster: Cluster,
+    pp: int,
+    *,
+    schedule: str = "1F1B",
+    microbatches: int | None = None,
+    layout: str = "dp",
+    chunks: int = 1,
+    seed: int = 0,
+) -> Plan:
+    """``plan`` made a pipeline by hand: ``pp`` ranks of ``chunks`` stages each, cut at even layer counts.
+
+    The rest of the mesh is what ``plan`` leaves (dp shrinks by ``pp``, tp is
+    kept); placements are the hand-set ``layout`` on that dp × tp sub-mesh.
+    For tests and comparisons: ``autopar.plan`` chooses cuts itself.
+    """
+
+    tp = plan.mesh.get("tp", 1)
+    dp = cluster.world_size // (pp * tp)
+    m = microbatches or max(pp, plan.microbatches)
+    base = dataclasses.replace(
+        plan,
+        mesh={"dp": dp, "tp": tp, "pp": pp},
+        microbatches=m,
+        micro_batch_size=plan.global_batch_size // (dp * m),
+        schedule=schedule,
+        placements={},
+    )
+    laid = plan_with_layout(base, model, inputs, cluster, layout, seed=seed)
+    captured = capture(model, resize_batch(inputs, plan.global_batch_size // m))
+    segments = forward_segments(captured)
+    layers = [i for i, s in enumerate(segments) if s.name and s.name.rsplit(".", 1)[-1].isdigit()]
+    n = pp * chunks
+    if len(layers) < n:
+        raise ValueError(f"{len(layers)} layers do not make {n} stages")
+    starts = [0] + [layers[len(layers) * k // n] for k in range(1, n)]
+    stages = [{"first": segments[i].first, "segment": segments[i].name} for i in starts]
+    return dataclasses.replace(laid, stages=stages, solver={**laid.solver, "status": f"{schedule} pipeline (hand cut)"})
+
+
+def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast") -> tuple:
+
+
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
+    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn, rng=rng, seed=seed)
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
+    feed = _slice(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
+
+    def step() -> torch.Tensor:
+        return pm.train_step(feed, local_batch=local_batch)
+
+    losses, first = _train(model, inputs, step, opt, steps, pm.full_grads)
+    final = pm.full_state_dict()
+    if dist.get_rank() != 0:
+        return losses, None, None, pm.collectives()
+    return losses, first, final, pm.collectives()
+
+
+def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast") -> list[tuple]:
+    """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
+    return [
+        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng)
+        for factory, plan, *local in cases
+    ]
+
+
+def exact_rng_runs(factories: list[Callable], steps: int, lr: float, seed: int, loss_fn=None) -> list[tuple]:
+    """The reference for models that draw random numbers: each trained by autopar on one process, ``rng="exact"``.
+
+    An eager run draws its own masks; under ``rng="exact"`` every plan draws
+    the masks one device draws under it, so a parallel run under it must
+    match this one.  (Models without random ops are checked against eager
+    PyTorch itself, which also checks that one-process run.)
+    """
+    one = Cluster.local(1)
+    cases = [(factory, None, False) for factory in factories]
+    runs = launch(_rank_run_all, one, cases, one, steps, lr, seed, loss_fn, "exact")[0]
+    return [(losses, first, final) for losses, first, final, _ in runs]
+
+
+def draws_random(factory: Callable[[], tuple[Any, Any]], seed: int = 0, loss_fn: Callable | None = None) -> bool:
+    """Whether a training step of ``factory()``'s model draws random numbers (dropout, ``rand``...)."""
+    torch.manual_seed(seed)
+    model, inputs = factory()
+    return any(is_random(n) for n in capture(model, inputs, loss_fn=loss_fn).gm.graph.nodes)
+
+
+def _is_maker(plan: Any) -> bool:
+    return plan is not None and not isinstance(plan, Plan) and callable(plan)
+
+
+def _reference_runs(
+    keys: list[tuple[Callable, int]], steps: int, lr: float, seed: int, loss_fn, rng: str | None
+) -> list:
+    """Every (model, micro-batches) reference, in one launched process: see :func:`check_plans`."""
+    one = Cluster.local(1)
+    out = []
+    for factory, microbatches in keys:
+        if rng == "exact" and draws_random(factory, seed, loss_fn):
+            losses, first, final, _ = _rank_run(factory, one, None, False, steps, lr, seed, loss_fn, "exact")
+            out.append((losses, first, final))
+        else:
+            out.append(single_device_run(factory, steps, lr, seed, loss_fn, microbatches))
+    return out
+
+
+def check_plans(
+    cases: list[tuple[Callable[[], tuple[Any, Any]], Plan | Callable[[], Plan] | None]],
+    cluster: Cluster,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    loss_fn: Callable | None = None,
+    local_batch: bool | list[bool] = False,
+    crash_retries: int = 1,
+    rng: str | None = None,
+    accumulate: bool = False,
+) -> list[Check]:
+    """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes.
+
+    ``accumulate``: each plan's reference runs its micro-batches one after another on
+    one device (gradient accumulation), for models whose forward couples the samples
+    of a batch (:func:`single_device_run`).
+
+    ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")``, and
+    the reference of a model that draws random numbers is the model trained by
+    autopar on one process under it (:func:`exact_rng_runs`), so models with
+    dropout on are checked exactly; the reference of any other model (and of
+    every model without ``rng="exact"``) is eager PyTorch on one device.
+
+    A case's plan may be given as a function that makes it: the references
+    then run in a process of their own while the plans are made.
+
+    ``local_batch`` (for all cases, or per case): each rank passes only its
+    data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
+    a job with a sampler per rank does.  A launch whose rank is killed by a
+    signal runs again, up to ``crash_retries`` times, with a warning: torch's
+    gloo backend on rare occasions corrupts its heap in a collective's worker
+    thread (``scripts/gloo_inflight_repro.py`` shows it without autopar).  A
+    rank that raises, and every mismatch, fails at once.
+    """
+    local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
+    factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
+    def key(factory: Callable, plan: Plan | None) -> tuple[Callable, int]:  # (model, micro-batches) of a reference
+        return factory, plan.microbatches if accumulate and plan is not None else 1
+
+    makers = any(_is_maker(plan) for _, plan in cases)
+    if makers and not accumulate:
+        # the references run in a process of their own while this one makes the plans: two cores busy
+        keys = [(factory, 1) for factory in factories]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(launch, _reference_runs, Cluster.local(1), keys, steps, lr, seed, loss_fn, rng)
+            plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
+            runs = dict(zip(keys, pending.result()[0], strict=True))
+    else:
+        plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
+        keys = list(dict.fromkeys(key(factory, plan) for (factory, _), plan in zip(cases, plans, strict=True)))
+        drawing = [k for k in keys if rng == "exact" and draws_random(k[0], seed, loss_fn)]
+        exact = dict(zip(drawing, exact_rng_runs([k[0] for k in drawing], steps, lr, seed, loss_fn), strict=True))
+        runs = {k: exact.get(k) or single_device_run(k[0], steps, lr, seed, loss_fn, k[1]) for k in keys}
+    refs = [runs[key(factory, plan)] for (factory, _), plan in zip(cases, plans, strict=True)]
+    wire = [
+        (factory, plan.to_dict() if plan is not None else None, flag)
+        for (factory, _), plan, flag in zip(cases, plans, local, strict=True)
+    ]
+    for attempt in range(crash_retries + 1):
+        try:
+            per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast")
+            break
+        except LaunchError as exc:
+            if exc.signal is None or attempt == crash_retries:
+                raise
+            log.warning("%s; running the check again (%d of %d)", exc, attempt + 1, crash_retries)
+    return [_compare([r[k] for r in per_rank], refs[k]) for k in range(len(cases))]
+
+
+def check_plan(
+    factory: Callable[[], tuple[Any, Any]],
+    cluster: Cluster,
+    plan: Plan | None = None,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    loss_fn: Callable | None = None,
+    rng: str | None = None,
+) -> Check:
+    """Train ``factory()``'s model under ``plan`` on ``cluster``'s local processes and on one device; compare.
+
+    ``factory`` returns ``(model, inputs)`` with real weights; it must be
+    picklable (a module-level function) and seeded calls must agree.
+    """
+    return check_plans([(factory, plan)], cluster, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn, rng=rng)[0]
+
+
+def _compare(per_rank: list[tuple], ref: tuple) -> Check:
+    ref_losses, ref_grads, ref_params = ref
+    losses, grads, params, collectives = per_rank[0]
+    loss_err = 0.0
+    for other, *_ in per_rank:  # every rank's loss against the reference
+        for a, b in zip(other, ref_losses, strict=True):
+            loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
+    grad_err, grad_worst = group_error(grads, ref_grads)
+    param_err, param_worst = group_error(params, ref_params)
+    worst = max(
+        [(loss_err, "loss"), (grad_err, f"grad of {grad_worst}"), (param_err, param_worst)],
+        key=lambda e: e[0],
+    )[1]
+    return Check(losses, ref_losses, loss_err, grad_err, param_err, worst, collectives)
