@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.10+ and make:
 #   make demo   -- plan HuggingFace GPT-2 for a GPU cluster, then train one on 4 local processes under its plan
-#   make test   -- ruff, then the test suite
+#   make test   -- ruff, the import layers (import-linter), then the test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -22,6 +22,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 clean:
