@@ -36,19 +36,19 @@ def run(layers: int, gpus: int, time_limit: float, flat: bool = False) -> dict:
     fixed = {"pp": 1} if flat else None
     plan = autopar.plan(model, inputs, cluster, global_batch_size=512, time_limit_s=time_limit, fixed=fixed)
     total = time.perf_counter() - t
-    meshes = plan.solver.get("meshes", [])
+    meshes = plan.solver.meshes
     return {
         "layers": layers,
         "gpus": cluster.world_size,
-        "capture": plan.solver.get("capture_s", 0.0),
-        "strategies": sum(m.get("strategies_s", 0.0) for m in meshes),
-        "build": sum(m.get("build_s", 0.0) for m in meshes),
+        "capture": plan.solver.capture_s or 0.0,
+        "strategies": sum(m.timings.get("strategies_s", 0.0) for m in meshes),
+        "build": sum(m.timings.get("build_s", 0.0) for m in meshes),
         # a pipeline mesh's solves and stage cuts are its pipeline_s
-        "solve": sum(m.get("solve_s", 0.0) + m.get("pipeline_s", 0.0) for m in meshes),
+        "solve": sum(m.timings.get("solve_s", 0.0) + m.timings.get("pipeline_s", 0.0) for m in meshes),
         "meshes": len(meshes),
         "total": total,
-        "status": plan.solver.get("status"),
-        "gap": plan.solver.get("gap"),
+        "status": plan.solver.status,
+        "gap": plan.solver.gap,
         "mesh": plan.mesh_str(),
     }
 

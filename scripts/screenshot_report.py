@@ -68,7 +68,7 @@ def small_plan():
     finally:
         api.search_meshes = search
     if caught.get("ops") and "ops" not in plan.solver:
-        plan.solver["ops"] = caught["ops"]
+        plan.solver.ops = caught["ops"]
     return plan
 
 

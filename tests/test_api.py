@@ -43,7 +43,7 @@ def test_search_trades_speed_for_memory_as_the_limit_tightens():
     cluster = Cluster.preset("dgx-a100", nodes=1)
     flat = {"pp": 1}  # the dp x tp meshes; pipelines are tested in test_pipeline.py
     roomy = autopar.plan(model, inputs, cluster, global_batch_size=64, fixed=flat)
-    assert roomy.estimate.fits and roomy.solver["status"] == "optimal"
+    assert roomy.estimate.fits and roomy.solver.status == "optimal"
     need = roomy.estimate.memory.peak
     tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5, fixed=flat)
     assert tight.estimate.fits and tight.estimate.memory.peak <= need * 0.5
@@ -52,9 +52,9 @@ def test_search_trades_speed_for_memory_as_the_limit_tightens():
     # backward, so a plan found under a tighter limit may score a hair better: within 1%, never more
     assert tight.estimate.step_time_s >= roomy.estimate.step_time_s * (1 - 0.01)
     # every mesh was solved, and the chosen one is the fastest of those that fit
-    meshes = roomy.solver["meshes"]
+    meshes = roomy.solver.meshes
     assert len(meshes) == 4  # dp x tp = 8 with dp dividing the batch: 8x1, 4x2, 2x4, 1x8
-    assert min(r["step_time_s"] for r in meshes if r["fits"]) == roomy.estimate.step_time_s
+    assert min(r.step_time_s for r in meshes if r.fits) == roomy.estimate.step_time_s
 
 
 def test_memory_limit_nothing_meets_names_the_smallest():

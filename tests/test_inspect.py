@@ -9,12 +9,13 @@ import autopar
 import autopar.api.planner as api
 from autopar.plans.inspection import UnknownNameError, diff, explain_plan, record_of
 from autopar.plans.plan import Plan
+from autopar.plans.records import SearchRecord
 from autopar.search.sharding.explain_records import explain_records
 from examples.models import gpt2_tiny
 
 
 def plan_with_ops(factory, cluster, **kwargs):
-    """``autopar.plan`` with the search's per-op records in ``solver["ops"]``.
+    """``autopar.plan`` with the search's per-op records in ``solver.ops``.
 
     Catches the search's best result on its way out of ``search_meshes`` (what api.py does
     once it stores the records itself); also returns the records built with a small limit.
@@ -31,7 +32,7 @@ def plan_with_ops(factory, cluster, **kwargs):
         mp.setattr(api, "search_meshes", keep)
         model, batch = factory()
         plan = autopar.plan(model, batch, cluster, **kwargs)
-    plan.solver["ops"] = explain_records(*caught["args"])
+    plan.solver.ops = explain_records(*caught["args"])
     small = explain_records(*caught["args"], limit=5, alternatives=2)
     return plan, small
 
@@ -51,7 +52,7 @@ def plan(planned, tmp_path_factory):
 
 def test_records_are_compact_json_and_bounded(planned):
     plan, small = planned
-    ops = plan.solver["ops"]
+    ops = plan.solver.ops
     text = json.dumps(ops)
     assert len(text) < 200_000
     recs = ops["records"]
@@ -77,7 +78,7 @@ def test_records_are_compact_json_and_bounded(planned):
 
 
 def test_explain_an_op(plan):
-    ops = plan.solver["ops"]["records"]
+    ops = plan.solver.ops["records"]
     name = max(ops, key=lambda n: ops[n].get("flops", 0))
     text = plan.explain(name)
     assert name in text and ops[name]["op"] in text
@@ -113,7 +114,7 @@ def test_unknown_name_is_one_line_with_close_matches(plan):
 
 def test_explain_without_records_falls_back_to_placements(plan):
     bare = copy.deepcopy(plan)
-    del bare.solver["ops"]
+    bare.solver.ops = None
     node = next(n for n, e in bare.placements.items() if e.get("param") == "transformer.wte.weight")
     bare.placements[node]["zero"] = 2
     text = explain_plan(bare, "transformer.wte.weight")
@@ -123,7 +124,7 @@ def test_explain_without_records_falls_back_to_placements(plan):
 
 def test_recompute_and_zero_keys_are_shown(plan):
     p = copy.deepcopy(plan)
-    ops = p.solver["ops"]["records"]
+    ops = p.solver.ops["records"]
     name = next(n for n in ops if "param" not in ops[n] and ops[n].get("flops"))
     p.placements[name]["recompute"] = "selective"
     assert "recompute: selective" in p.explain(name)
@@ -210,6 +211,6 @@ def test_why_names_the_reason(kwargs, copies, needle):
 
 def test_explain_a_data_parallel_plan_says_there_are_no_ops(plan):
     bare = copy.deepcopy(plan)
-    bare.placements, bare.solver = {}, {"status": "optimal (exhaustive)"}
+    bare.placements, bare.solver = {}, SearchRecord(status="optimal (exhaustive)")
     with pytest.raises(UnknownNameError, match="no per-op placements"):
         bare.explain("transformer.h.0.mlp")

@@ -276,7 +276,7 @@ def _searched(factory, n: int, **fixed):
 
 def _assert_all_match(cases, checks) -> None:
     bad = [
-        f"{f.__name__} {p.mesh} {p.schedule} ({p.solver.get('status')}): {c}"
+        f"{f.__name__} {p.mesh} {p.schedule} ({p.solver.status}): {c}"
         for (f, p), c in zip(cases, checks, strict=True)
         if not c.ok(TOL)
     ]

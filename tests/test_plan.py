@@ -7,6 +7,7 @@ import pytest
 from autopar import Cluster, Plan, PlanFormatError
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.data import FORMAT_VERSION
+from autopar.plans.records import SearchRecord
 
 
 def _plan() -> Plan:
@@ -32,7 +33,7 @@ def _plan() -> Plan:
         global_batch_size=512,
         micro_batch_size=8,
         estimate=est,
-        solver={"status": "optimal", "gap": 0.0, "candidates": 4},
+        solver=SearchRecord(status="optimal", gap=0.0, candidates=4),
     )
 
 
@@ -45,6 +46,36 @@ def test_json_round_trip(tmp_path):
     assert loaded.estimate.memory.model_states == 6e9
     assert Cluster.from_dict(loaded.cluster) == Cluster.preset("dgx-h100", nodes=8)
     assert json.loads(path.read_text())["format_version"] == FORMAT_VERSION
+
+
+def test_a_format_1_plan_still_loads_with_its_search_record(tmp_path):
+    """Format 1 kept the search record as a loose dict, each mesh's phase timings flattened into it."""
+    data = _plan().to_dict()
+    data["format_version"] = 1
+    data["solver"] = {
+        "status": "optimal",
+        "gap": 0.01,
+        "meshes": [
+            {"mesh": {"dp": 64, "tp": 1, "pp": 1}, "microbatches": 2, "status": "optimal", "source": "dp seed",
+             "step_time_s": 1.5, "peak_bytes": 1e10, "fits": True, "strategies_s": 0.25, "solve_s": 1.0},
+        ],
+        "alternatives": [
+            {"mesh": {"dp": 64, "tp": 1, "pp": 1}, "zero": 3, "microbatches": 2, "step_time_s": 1.5,
+             "peak_bytes": 1e10, "fits": True},
+        ],
+        "charged": [{"from": "a", "to": "b", "kind": "all_gather"}],
+        "retired_key": 1,
+    }
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    plan = Plan.load(path)
+    assert plan.format_version == FORMAT_VERSION
+    record = plan.solver.mesh_record({"dp": 64, "tp": 1, "pp": 1})
+    assert record.source == "dp seed" and record.timings == {"strategies_s": 0.25, "solve_s": 1.0}
+    assert plan.solver.alternatives[0].zero == 3 and plan.solver.charged[0]["kind"] == "all_gather"
+    assert "found by the dp seed seed" in plan.summary() or "found by the dp seed" in plan.summary()
+    plan.save(path)
+    assert Plan.load(path) == plan
 
 
 @pytest.mark.parametrize(

@@ -338,7 +338,7 @@ def _recompute(plan: Plan, factory, how: str) -> Plan:
     placements = with_recompute(plan.placements, selective, full, c)
     assert sum("recompute" in e for e in placements.values()) > 10
     return dataclasses.replace(
-        plan, placements=placements, solver={**plan.solver, "status": f"recompute {how}"}
+        plan, placements=placements, solver=dataclasses.replace(plan.solver, status=f"recompute {how}")
     )
 
 
@@ -362,7 +362,7 @@ def _searched(factory, fraction: float) -> Plan:
     limit = fraction * roomy.estimate.memory.peak
     plan = autopar.plan(model, inputs, two, fixed=fixed, precision="fp32", memory_limit=limit)
     assert plan.recompute == "op-level" and plan.microbatches == 1
-    return dataclasses.replace(plan, solver={**plan.solver, "status": "searched recompute"})
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, status="searched recompute"))
 
 
 def _fixed(factory, n: int, **fixed) -> Plan:
@@ -377,12 +377,12 @@ def _fixed(factory, n: int, **fixed) -> Plan:
     assert marks == {fixed["recompute"]}, marks
     # the replays are charged: HFU counts them, MFU does not
     assert plan.estimate.hfu > plan.estimate.mfu and plan.estimate.recompute_s > 0
-    return dataclasses.replace(plan, solver={**plan.solver, "status": f"fixed {fixed}"})
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, status=f"fixed {fixed}"))
 
 
 def _assert_all_match(cases, checks) -> None:
     bad = [
-        f"{f.__name__} {p.mesh} zero={p.zero} ({p.solver['status']}): {c}"
+        f"{f.__name__} {p.mesh} zero={p.zero} ({p.solver.status}): {c}"
         for (f, p), c in zip(cases, checks, strict=True)
         if not c.ok(TOL)
     ]

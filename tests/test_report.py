@@ -12,6 +12,7 @@ import autopar
 from autopar import Cluster, Plan
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.pictures import all_pngs, pipeline_schedule, save_pictures
+from autopar.plans.records import SearchRecord
 from autopar.plans.report import report_html, write_report
 from examples.models import mlp_tiny
 
@@ -94,7 +95,7 @@ def _plan(pp: int = 1, microbatches: int = 1, model: str = "GPT2LMHeadModel") ->
         micro_batch_size=64 // microbatches,
         estimate=est,
         placements=placements,
-        solver={"status": "optimal", "gap": 0.0, "candidates": 3, "ops": ops},
+        solver=SearchRecord(status="optimal", gap=0.0, candidates=3, ops=ops),
         warnings=["the fixed configuration needs a lot of memory"],
     )
 

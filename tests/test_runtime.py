@@ -42,7 +42,7 @@ def _plan(factory, n: int, dp: int, tp: int, layout: str | None = None) -> autop
 
 def _assert_all_match(cases, checks) -> None:
     bad = [
-        f"{f.__name__} {p.mesh} ({p.solver['status']}): {c}"
+        f"{f.__name__} {p.mesh} ({p.solver.status}): {c}"
         for (f, p), c in zip(cases, checks, strict=True)
         if not c.ok(TOL)
     ]

@@ -34,7 +34,7 @@ def _forward_activation_collectives(plan, module_prefix, min_bytes):
 
     return [
         c
-        for c in plan.solver["charged"]
+        for c in plan.solver.charged
         if c["reason"] == "data"
         and inside(c["from_module"])
         and inside(c["to_module"])
@@ -85,7 +85,7 @@ def test_narrow_layer_large_batch_is_data_parallel():
             # weight-gradient matmuls contract over the batch: partial sums, reduced once per step
             assert all(o == "P" for o in e["outputs"][0] if o != "R"), e
     # the forward moves parameters (when they are stored sharded), never activations
-    forward = [c for c in plan.solver["charged"] if c["phase"] == "forward" and c["bytes"] > 1e4]
+    forward = [c for c in plan.solver.charged if c["phase"] == "forward" and c["bytes"] > 1e4]
     assert all(c["from_param"] for c in forward), forward[:3]
 
 

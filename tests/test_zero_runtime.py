@@ -62,7 +62,7 @@ def _mixed_stages(plan: Plan) -> Plan:
 
 def _assert_all_match(cases, checks) -> None:
     bad = [
-        f"{p.mesh} zero={p.zero} ({p.solver.get('status')}): {c}"
+        f"{p.mesh} zero={p.zero} ({p.solver.status}): {c}"
         for (_, p), c in zip(cases, checks, strict=True)
         if not c.ok(TOL)
     ]

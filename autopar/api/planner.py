@@ -28,6 +28,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.format import GB
 from autopar.plans.plan import Plan
+from autopar.plans.records import Alternative, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines
 from autopar.search.pipeline.preview import Preview
@@ -102,9 +103,9 @@ def plan(
             sharded.warnings.append(msg)
         if coupling_note:
             sharded.warnings.append(coupling_note)
-        sharded.solver["sharding"] = sharding_facts(captured, sharded.placements)  # what the summary says
-        sharded.solver["capture_s"] = round(t_capture, 3)
-        sharded.solver["time_s"] = round(time.perf_counter() - t0, 3)
+        sharded.solver.sharding = sharding_facts(captured, sharded.placements)  # what the summary says
+        sharded.solver.capture_s = round(t_capture, 3)
+        sharded.solver.time_s = round(time.perf_counter() - t0, 3)
         return _make_plan(
             stats,
             cluster,
@@ -140,14 +141,14 @@ def plan(
         log.warning(msg)
         warnings.append(msg)
 
-    solver = {
-        "status": "optimal (exhaustive)",
-        "alternatives": _alternatives(costed),
-        "candidates": len(costed),
-        "gap": 0.0,
-        "capture_s": round(t_capture, 3),
-        "time_s": round(time.perf_counter() - t0, 3),
-    }
+    solver = SearchRecord(
+        status="optimal (exhaustive)",
+        alternatives=_alternatives(costed),
+        candidates=len(costed),
+        gap=0.0,
+        capture_s=round(t_capture, 3),
+        time_s=round(time.perf_counter() - t0, 3),
+    )
     return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
 
 
@@ -187,7 +188,7 @@ def _choose(fitting: list[tuple[Config, Estimate]]) -> tuple[Config, Estimate]:
     return min(close, key=lambda ce: (ce[0].zero, ce[0].microbatches, ce[1].step_time_s))
 
 
-def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]:
+def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[Alternative]:
     """The best configuration of each ZeRO stage: what the chosen plan won against."""
     best: dict[int, tuple[Config, Estimate]] = {}
     for cfg, est in costed:
@@ -195,14 +196,14 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
         if cfg.zero not in best or key < (not best[cfg.zero][1].fits, best[cfg.zero][1].step_time_s):
             best[cfg.zero] = (cfg, est)
     return [
-        {
-            "mesh": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
-            "zero": cfg.zero,
-            "microbatches": cfg.microbatches,
-            "step_time_s": est.step_time_s,
-            "peak_bytes": est.memory.peak,
-            "fits": est.fits,
-        }
+        Alternative(
+            mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+            zero=cfg.zero,
+            microbatches=cfg.microbatches,
+            step_time_s=est.step_time_s,
+            peak_bytes=est.memory.peak,
+            fits=est.fits,
+        )
         for _, (cfg, est) in sorted(best.items())
     ]
 
@@ -210,7 +211,7 @@ def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[dict[str, Any]]
 @dataclass
 class _Sharded:
     args: tuple  # (Config, Estimate) for _make_plan
-    solver: dict[str, Any]
+    solver: SearchRecord
     placements: dict[str, Any]
     warnings: list[str]
     stages: list[dict[str, Any]] = field(default_factory=list)
@@ -345,39 +346,39 @@ def _pipelined(
         )
         log.warning(msg)
         warnings.append(msg)
-    solver = {
-        "status": sol.status,
-        "gap": sol.gap,
-        "objective": sol.objective,
-        "backend": sol.backend,
-        "source": pipe.source,
-        "pipeline": {
-            "schedule": pipe.schedule,
-            "chunks": pipe.chunks,
-            "exact": pipe.choice.exact,
-            "bubble_fraction": (mesh.pp - 1) / (m * pipe.chunks),
-        },
-        "meshes_left_out": flat.solver.get("meshes_left_out", 0) if flat else 0,
-        "meshes": (flat.solver.get("meshes", []) if flat else [])
+    solver = SearchRecord(
+        status=sol.status,
+        gap=sol.gap,
+        objective=sol.objective,
+        backend=sol.backend,
+        source=pipe.source,
+        pipeline=PipelineRecord(
+            schedule=pipe.schedule,
+            chunks=pipe.chunks,
+            exact=pipe.choice.exact,
+            bubble_fraction=(mesh.pp - 1) / (m * pipe.chunks),
+        ),
+        meshes_left_out=flat.solver.meshes_left_out if flat else 0,
+        meshes=(flat.solver.meshes if flat else [])
         + [
-            {
-                "mesh": r.mesh.to_dict(),
-                "microbatches": r.microbatches,
-                "schedule": r.schedule,
-                "status": r.sharding.solution.status,
-                "source": r.source,
-                "step_time_s": r.estimate.step_time_s,
-                "peak_bytes": r.estimate.memory.peak,
-                "fits": r.estimate.fits,
-                **{k: round(v, 3) for k, v in r.timings.items()},
-            }
+            MeshRecord(
+                mesh=r.mesh.to_dict(),
+                microbatches=r.microbatches,
+                schedule=r.schedule,
+                status=r.sharding.solution.status,
+                source=r.source,
+                step_time_s=r.estimate.step_time_s,
+                peak_bytes=r.estimate.memory.peak,
+                fits=r.estimate.fits,
+                timings={k: round(v, 3) for k, v in r.timings.items()},
+            )
             for r in pipes
         ],
-        "charged": res.charged,
-        "graph_nodes": sol.stats.get("nodes"),
-        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
-        "ops": explain_records(captured, res),
-    }
+        charged=res.charged,
+        graph_nodes=sol.stats.get("nodes"),
+        nodes_after_reduction=sol.stats.get("nodes_after_reduction"),
+        ops=explain_records(captured, res),
+    )
     stages = pipe.stages()
     return _Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
 
@@ -463,36 +464,36 @@ def _plan_flat(
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
-    solver = {
-        "status": sol.status,
-        "gap": sol.gap,
-        "objective": sol.objective,
-        "backend": sol.backend,
-        "candidates": len(results),
-        "meshes_left_out": len(
+    solver = SearchRecord(
+        status=sol.status,
+        gap=sol.gap,
+        objective=sol.objective,
+        backend=sol.backend,
+        candidates=len(results),
+        meshes_left_out=len(
             flat_tp_sizes(
                 cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches")
             )
         )
         - len(results),
-        "meshes": [
-            {
-                "mesh": {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
-                "microbatches": r.microbatches,
-                "status": r.solution.status,
-                "source": r.source,
-                "step_time_s": r.estimate.step_time_s,
-                "peak_bytes": r.estimate.memory.peak,
-                "fits": r.estimate.fits,
-                **{k: round(v, 3) for k, v in r.timings.items()},
-            }
+        meshes=[
+            MeshRecord(
+                mesh={"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
+                microbatches=r.microbatches,
+                status=r.solution.status,
+                source=r.source,
+                step_time_s=r.estimate.step_time_s,
+                peak_bytes=r.estimate.memory.peak,
+                fits=r.estimate.fits,
+                timings={k: round(v, 3) for k, v in r.timings.items()},
+            )
             for r in results
         ],
-        "charged": best.charged,
-        "graph_nodes": sol.stats.get("nodes"),
-        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
-        "ops": explain_records(captured, best),
-    }
+        charged=best.charged,
+        graph_nodes=sol.stats.get("nodes"),
+        nodes_after_reduction=sol.stats.get("nodes_after_reduction"),
+        ops=explain_records(captured, best),
+    )
     return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
 
 
@@ -566,7 +567,7 @@ def _make_plan(
     est: Estimate,
     precision: str,
     optimizer: str,
-    solver: dict[str, Any],
+    solver: SearchRecord,
     warnings: list[str],
     placements: dict[str, Any] | None = None,
     stages: list[dict[str, Any]] | None = None,

@@ -18,8 +18,10 @@ from typing import Any
 from autopar.core.errors import PlanFormatError
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.format import GB, count, secs
+from autopar.plans.records import SearchRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: ``solver`` is a :class:`~autopar.plans.records.SearchRecord` (1: a loose dict, still read)."""
 
 
 @dataclass
@@ -46,7 +48,7 @@ class PlanData:
     stages: list[Any] = field(default_factory=list)  # pipeline stages: {"first": forward node, ...} each
     schedule: str = ""  # pipeline schedule ("1F1B", "GPipe", "interleaved"); "" without a pipeline
     estimate: Estimate = field(default_factory=Estimate)
-    solver: dict[str, Any] = field(default_factory=dict)  # status, objective, gap, candidates, time_s
+    solver: SearchRecord = field(default_factory=SearchRecord)  # how the search found it
     warnings: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
@@ -75,6 +77,8 @@ class PlanData:
             est.setdefault("hfu", est.get("mfu", 0.0))
             est.setdefault("hardware_flops", est.get("model_flops", 0.0))
             body["estimate"] = Estimate(memory=mem, **est)
+            body["solver"] = SearchRecord.from_dict(body.get("solver"))
+            body["format_version"] = FORMAT_VERSION  # read into this version's form
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(body) - known)
             if unknown:

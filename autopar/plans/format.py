@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 GB = 1e9
 
 
@@ -30,22 +28,3 @@ def size(b: float) -> str:
         if b >= scale:
             return f"{b / scale:.2f} {unit}"
     return f"{b:.0f} B"
-
-
-def solver_line(solver: dict[str, Any], mesh: dict[str, int] | None = None) -> str:
-    """Status, gap of the linear objective against the solver's bound, who found the answer, time."""
-    parts = [str(solver.get("status", "?"))]
-    if solver.get("gap") is not None:
-        parts.append(f"gap {solver['gap'] * 100:.2g}%")
-    chosen = [
-        r
-        for r in solver.get("meshes") or []
-        if mesh is not None and all(r["mesh"].get(k) == mesh.get(k) for k in ("dp", "tp", "pp"))
-    ]
-    if chosen and chosen[0].get("source", "milp") != "milp":
-        parts.append(f"found by the {chosen[0]['source']} seed")
-    if "candidates" in solver:
-        parts.append(f"{solver['candidates']} configurations costed")
-    if "time_s" in solver:
-        parts.append(f"{solver['time_s']:.2f} s")
-    return ", ".join(parts)

@@ -4,7 +4,7 @@ A plan states what was chosen; a person deciding whether to trust it asks
 why this op is split that way, what it costs, and what changed between two
 plans (another cluster, another batch, another autopar). ``explain`` answers
 the first from the per-op records the search leaves in
-``plan.solver["ops"]`` (see :mod:`autopar.search.sharding.explain_records`), falling
+``plan.solver.ops`` (see :mod:`autopar.search.sharding.explain_records`), falling
 back to the placements and charged collectives where a plan has none;
 ``diff`` answers the second from the plain data of both plans.
 
@@ -93,7 +93,7 @@ def _unknown_message(plan: PlanData, name: str) -> str:
 
 
 def _ops(plan: PlanData) -> dict[str, Any]:
-    ops = plan.solver.get("ops") if isinstance(plan.solver, dict) else None
+    ops = plan.solver.ops
     return ops if isinstance(ops, dict) else {}
 
 
@@ -199,7 +199,7 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
 
 
 def _collectives_of(plan: PlanData, node: str, rec: dict | None, rep: str) -> list[dict[str, Any]]:
-    charged = [c for c in plan.solver.get("charged") or [] if node in (c.get("from"), c.get("to"))]
+    charged = [c for c in plan.solver.charged if node in (c.get("from"), c.get("to"))]
     if charged:
         return charged
     if rec is not None and rep == node:
@@ -264,7 +264,7 @@ def _explain_module(plan: PlanData, name: str, console) -> None:
         _module_placements(plan, members, console)
     charged = [
         c
-        for c in plan.solver.get("charged") or []
+        for c in plan.solver.charged
         if pattern.match(c.get("from_module", "")) or pattern.match(c.get("to_module", ""))
     ]
     if charged:
@@ -289,8 +289,8 @@ def _module_placements(plan: PlanData, members: list[tuple[str, dict[str, Any]]]
     """A module's op placements from the plan alone (no search records): heavy ops and those that communicate."""
     from rich.table import Table
 
-    talking = {c.get("from") for c in plan.solver.get("charged") or []}
-    talking |= {c.get("to") for c in plan.solver.get("charged") or []}
+    talking = {c.get("from") for c in plan.solver.charged}
+    talking |= {c.get("to") for c in plan.solver.charged}
     rows = [
         (n, e)
         for n, e in members
@@ -437,10 +437,10 @@ def diff(a: PlanData, b: PlanData, a_name: str = "a", b_name: str = "b") -> Plan
         if fx != fy:
             d.rows.append(("collectives per step", f"{key[0]} on {key[1]}", fx, fy))
 
-    sa, sb = a.solver or {}, b.solver or {}
-    row("solver", "status", sa.get("status"), sb.get("status"))
-    row("solver", "gap", sa.get("gap"), sb.get("gap"), lambda g: f"{g * 100:.2g}%")
-    row("solver", "configurations costed", sa.get("candidates"), sb.get("candidates"))
+    sa, sb = a.solver, b.solver
+    row("solver", "status", sa.status or None, sb.status or None)
+    row("solver", "gap", sa.gap, sb.gap, lambda g: f"{g * 100:.2g}%")
+    row("solver", "configurations costed", sa.candidates, sb.candidates)
     for w in a.warnings:
         if w not in b.warnings:
             d.rows.append(("warnings", "only in " + a_name, w, "-"))

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.plans.data import PlanData
-from autopar.plans.format import count, secs, size, solver_line
+from autopar.plans.format import count, secs, size
 from autopar.plans.pictures import all_pngs
+from autopar.plans.records import mesh_text, solver_line
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def _cards(plan: PlanData) -> str:
         ("peak memory / device", size(est.memory.peak), fit_cls),
         ("memory limit", size(est.memory_limit), ""),
         ("mesh", plan.mesh_str(), ""),
-        ("solver", str(plan.solver.get("status", "-")) if plan.solver else "-", ""),
+        ("solver", plan.solver.status or "-", ""),
     ]
     return (
         '<div class="cards">'
@@ -265,7 +266,7 @@ def placement_or_dash(p: Any) -> str:
 
 
 def _ops_table(plan: PlanData) -> str:
-    ops = plan.solver.get("ops") if isinstance(plan.solver, dict) else None
+    ops = plan.solver.ops
     records = (ops or {}).get("records") or {}
     if not records:
         recompute = [(n, e) for n, e in plan.placements.items() if "recompute" in e]
@@ -320,23 +321,23 @@ def _ops_table(plan: PlanData) -> str:
 
 
 def _search(plan: PlanData) -> str:
-    s = plan.solver or {}
+    s = plan.solver
     if not s:
         return "<p>No search record.</p>"
     kv = [
-        (k, str(s[k]))
+        (k, str(getattr(s, k)))
         for k in ("status", "backend", "candidates", "graph_nodes", "nodes_after_reduction")
-        if s.get(k) is not None
+        if getattr(s, k) not in (None, "")
     ]
-    if s.get("gap") is not None:
-        kv.insert(1, ("gap", f"{s['gap'] * 100:.3g}%"))
-    if s.get("objective") is not None:
-        kv.append(("objective (s)", f"{s['objective']:.6g}"))
-    for k in ("capture_s", "time_s"):
-        if k in s:
-            kv.append(({"capture_s": "capture", "time_s": "planning time"}[k], f"{s[k]:.2f} s"))
+    if s.gap is not None:
+        kv.insert(1, ("gap", f"{s.gap * 100:.3g}%"))
+    if s.objective is not None:
+        kv.append(("objective (s)", f"{s.objective:.6g}"))
+    for name, value in (("capture", s.capture_s), ("planning time", s.time_s)):
+        if value is not None:
+            kv.append((name, f"{value:.2f} s"))
     out = [_kv_table(kv)]
-    meshes = s.get("meshes") or []
+    meshes = s.meshes
     if meshes:
         out.append("<h3>Meshes searched</h3>")
         out.append(
@@ -344,20 +345,20 @@ def _search(plan: PlanData) -> str:
                 ["mesh", "micro-batches", "status", "found by", "step", "peak memory", "fits"],
                 [
                     [
-                        " x ".join(f"{k}={r['mesh'][k]}" for k in ("dp", "tp", "pp")),
-                        str(r.get("microbatches", 1)),
-                        r.get("status", ""),
-                        r.get("source", "milp"),
-                        secs(r["step_time_s"]),
-                        size(r["peak_bytes"]),
-                        "yes" if r["fits"] else "no",
+                        mesh_text(r.mesh),
+                        str(r.microbatches),
+                        r.status,
+                        r.source,
+                        secs(r.step_time_s),
+                        size(r.peak_bytes),
+                        "yes" if r.fits else "no",
                     ]
                     for r in meshes
                 ],
                 numeric=(1, 4, 5),
             )
         )
-    alts = s.get("alternatives") or []
+    alts = s.alternatives
     if alts:
         out.append("<h3>Best configuration per ZeRO stage</h3>")
         out.append(
@@ -365,12 +366,12 @@ def _search(plan: PlanData) -> str:
                 ["mesh", "ZeRO", "micro-batches", "step", "peak memory", "fits"],
                 [
                     [
-                        " x ".join(f"{k}={a['mesh'][k]}" for k in ("dp", "tp", "pp")),
-                        str(a["zero"]),
-                        str(a["microbatches"]),
-                        secs(a["step_time_s"]),
-                        size(a["peak_bytes"]),
-                        "yes" if a["fits"] else "no",
+                        mesh_text(a.mesh),
+                        str(a.zero),
+                        str(a.microbatches),
+                        secs(a.step_time_s),
+                        size(a.peak_bytes),
+                        "yes" if a.fits else "no",
                     ]
                     for a in alts
                 ],

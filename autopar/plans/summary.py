@@ -1,7 +1,7 @@
 """Why a plan fits: what it shards, what it recomputes, and what is live at its peak, in words.
 
 Planning records, per plan, the facts a reader needs to see why its memory
-comes out as it does (:func:`sharding_facts`, kept in ``plan.solver["sharding"]``
+comes out as it does (:func:`sharding_facts`, kept in ``plan.solver.sharding``
 as plain data: parameter elements by placement and ZeRO stage, the recompute
 marks by layer and op); :func:`summary_rows` and :func:`peak_line` turn them
 and the estimate into the lines ``Plan.summary`` prints.
@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.plans.data import PlanData
-from autopar.plans.format import GB, secs, size, solver_line
+from autopar.plans.format import GB, secs, size
+from autopar.plans.records import mesh_text, solver_line
 
 _STATES = {
     0: "replicated",
@@ -90,7 +91,7 @@ def _share(part: float, total: float) -> str:
 
 def summary_rows(plan) -> list[tuple[str, str]]:
     """(key, value) rows for the summary's configuration table: how it shards, ZeRO, recompute."""
-    facts = plan.solver.get("sharding")
+    facts = plan.solver.sharding
     mesh = plan.mesh
     if not facts:
         return [("ZeRO stage", str(plan.zero)), ("recompute", plan.recompute)]
@@ -221,9 +222,9 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
         for (name, placement), count in params.items():
             pt.add_row(name, str(count), *placement)
         console.print(pt)
-    meshes = plan.solver.get("meshes") or []
+    meshes = plan.solver.meshes
     if len(meshes) > 1:
-        left = plan.solver.get("meshes_left_out") or 0
+        left = plan.solver.meshes_left_out
         mt = Table(
             title="meshes searched",
             caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
@@ -232,29 +233,29 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
             mt.add_column(col, justify="right")
         for r in meshes:
             mt.add_row(
-                " x ".join(f"{k}={r['mesh'][k]}" for k in ("dp", "tp", "pp")),
-                str(r.get("microbatches", 1)),
-                r["status"],
-                r.get("source", "milp"),
-                secs(r["step_time_s"]),
-                f"{r['peak_bytes'] / GB:.2f}",
-                "yes" if r["fits"] else "no",
+                mesh_text(r.mesh),
+                str(r.microbatches),
+                r.status,
+                r.source,
+                secs(r.step_time_s),
+                f"{r.peak_bytes / GB:.2f}",
+                "yes" if r.fits else "no",
             )
         console.print(mt)
-    alts = plan.solver.get("alternatives") or []
+    alts = plan.solver.alternatives
     if len(alts) > 1:
         alt_t = Table(title="best configuration per ZeRO stage")
         for col in ("mesh", "ZeRO", "micro-batches", "step", "peak memory (GB)", "fits"):
             alt_t.add_column(col, justify="right")
         for a in alts:
-            mesh = " x ".join(f"{k}={a['mesh'][k]}" for k in ("dp", "tp", "pp"))
+            mesh = mesh_text(a.mesh)
             alt_t.add_row(
                 mesh,
-                str(a["zero"]),
-                str(a["microbatches"]),
-                secs(a["step_time_s"]),
-                f"{a['peak_bytes'] / GB:.2f}",
-                "yes" if a["fits"] else "no",
+                str(a.zero),
+                str(a.microbatches),
+                secs(a.step_time_s),
+                f"{a.peak_bytes / GB:.2f}",
+                "yes" if a.fits else "no",
             )
         console.print(alt_t)
     for w in plan.warnings:

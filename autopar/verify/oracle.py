@@ -198,7 +198,7 @@ def plan_with_layout(
     else:
         chosen = layout_placements(captured, plan, cluster, layout, split_batch=True)
     return dataclasses.replace(
-        plan, placements=chosen, solver={**plan.solver, "status": f"{layout} layout (for testing)"}
+        plan, placements=chosen, solver=dataclasses.replace(plan.solver, status=f"{layout} layout (for testing)")
     )
 
 
@@ -258,7 +258,7 @@ def plan_with_pipeline(
         raise ValueError(f"{len(layers)} layers do not make {n} stages")
     starts = [0] + [layers[len(layers) * k // n] for k in range(1, n)]
     stages = [{"first": segments[i].first, "segment": segments[i].name} for i in starts]
-    return dataclasses.replace(laid, stages=stages, solver={**laid.solver, "status": f"{schedule} pipeline (hand cut)"})
+    return dataclasses.replace(laid, stages=stages, solver=dataclasses.replace(laid.solver, status=f"{schedule} pipeline (hand cut)"))
 
 
 def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast") -> tuple:

@@ -66,7 +66,7 @@ def explain_records(
     limit: int = 2000,
     alternatives: int = 5,
 ) -> dict[str, Any]:
-    """Compact per-op records of ``res``'s search on ``captured``'s graph, for ``plan.solver["ops"]``.
+    """Compact per-op records of ``res``'s search on ``captured``'s graph, for ``plan.solver.ops``.
 
     Returns ``{"format", "axes", "mesh", "source", "status", "memory_limit", "peak",
     "records": {node: record}, "same_as": {node: node recorded}, "dropped": int}``.

@@ -1,0 +1,134 @@
+"""What the search did to reach a plan, as typed records the plan keeps (``plan.solver``).
+
+The planner writes a :class:`SearchRecord`; the summary, the report, ``explain``
+and ``diff`` read its fields. Its JSON form is its fields; plans of format 1 kept
+the same facts as a loose dict (each mesh's phase timings flattened into its
+entry), which :meth:`SearchRecord.from_dict` still reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from autopar.core.mesh import MESH_AXES
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    """``dp=4 x tp=2 x pp=1``."""
+    return " x ".join(f"{k}={mesh.get(k, 1)}" for k in MESH_AXES)
+
+
+@dataclass
+class MeshRecord:
+    """One mesh (and micro-batch count) the search costed, and what it found there."""
+
+    mesh: dict[str, int]
+    microbatches: int = 1
+    status: str = ""
+    source: str = "milp"  # who found the answer: the MILP, or a hand-set seed layout
+    step_time_s: float = 0.0
+    peak_bytes: float = 0.0
+    fits: bool = True
+    schedule: str = ""  # the pipeline schedule on a pipeline mesh
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per search phase on this mesh
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MeshRecord:
+        known = {f.name for f in fields(cls)}
+        body = {k: v for k, v in data.items() if k in known}
+        timings = {k: v for k, v in data.items() if k not in known and isinstance(v, (int, float))}
+        return cls(**{**body, "timings": {**timings, **(body.get("timings") or {})}})
+
+
+@dataclass
+class Alternative:
+    """The best configuration of one ZeRO stage: what the chosen plan won against."""
+
+    mesh: dict[str, int]
+    zero: int
+    microbatches: int
+    step_time_s: float
+    peak_bytes: float
+    fits: bool
+
+
+@dataclass
+class PipelineRecord:
+    """The chosen pipeline: its schedule, stages per device, whether its cuts were solved exactly."""
+
+    schedule: str
+    chunks: int
+    exact: bool
+    bubble_fraction: float
+
+
+@dataclass
+class SearchRecord:
+    """How the plan was found: the solver's verdict on the chosen mesh and every mesh costed.
+
+    ``gap`` is the solver's proven relative gap on the chosen mesh (None: no bound);
+    ``charged`` the collectives the chosen placements cause (dicts with "from", "to",
+    "kind", ...); ``ops`` the per-op records ``explain`` reads
+    (:mod:`autopar.search.sharding.explain_records`); ``sharding`` the facts the
+    summary's memory lines read (:func:`autopar.plans.summary.sharding_facts`).
+    """
+
+    status: str = ""
+    gap: float | None = None
+    objective: float | None = None
+    backend: str = ""
+    source: str = ""
+    candidates: int | None = None  # configurations costed (the data-parallel path)
+    meshes_left_out: int = 0  # meshes not reached within the time limit
+    meshes: list[MeshRecord] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
+    pipeline: PipelineRecord | None = None
+    charged: list[dict[str, Any]] = field(default_factory=list)
+    graph_nodes: int | None = None
+    nodes_after_reduction: int | None = None
+    ops: dict[str, Any] | None = None
+    sharding: dict[str, Any] | None = None
+    capture_s: float | None = None
+    time_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.status)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SearchRecord:
+        """A record from its JSON form, or from format 1's loose dict (unknown keys dropped)."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        body = {k: v for k, v in data.items() if k in known}
+        body["meshes"] = [MeshRecord.from_dict(m) for m in body.get("meshes") or []]
+        body["alternatives"] = [Alternative(**a) for a in body.get("alternatives") or []]
+        if body.get("pipeline"):
+            body["pipeline"] = PipelineRecord(**body["pipeline"])
+        body["charged"] = list(body.get("charged") or [])
+        return cls(**body)
+
+    def mesh_record(self, mesh: dict[str, int]) -> MeshRecord | None:
+        """The record of ``mesh`` (the chosen one, for a plan's own mesh), if it was searched."""
+        for r in self.meshes:
+            if all(r.mesh.get(k, 1) == mesh.get(k, 1) for k in MESH_AXES):
+                return r
+        return None
+
+
+def solver_line(record: SearchRecord, mesh: dict[str, int] | None = None) -> str:
+    """Status, gap of the linear objective against the solver's bound, who found the answer, time."""
+    parts = [record.status or "?"]
+    if record.gap is not None:
+        parts.append(f"gap {record.gap * 100:.2g}%")
+    chosen = record.mesh_record(mesh) if mesh is not None else None
+    if chosen is not None and chosen.source != "milp":
+        parts.append(f"found by the {chosen.source} seed")
+    if record.candidates is not None:
+        parts.append(f"{record.candidates} configurations costed")
+    if record.time_s is not None:
+        parts.append(f"{record.time_s:.2f} s")
+    return ", ".join(parts)
