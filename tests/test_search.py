@@ -7,6 +7,7 @@ import autopar
 from autopar import Cluster
 from autopar.capture.joint import capture
 from autopar.cost_models.memory import precision_spec
+from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from examples.models import llama, llama_tiny
@@ -94,7 +95,7 @@ def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():
     assert flat_tp_sizes(Cluster.preset("dgx-h100", nodes=8), 512) == [8, 4, 2, 1, 16, 32, 64]
     assert flat_tp_sizes(Cluster.preset("dgx-h100", nodes=8), 512, tp=2) == [2]
     # tensor parallel inside a pipeline stays on a node's devices: no tp of 3 or 6 on 8-GPU nodes
-    tps = {m.tp for m in pipeline_meshes(Cluster.preset("dgx-a100", nodes=96), 1536, 62, {})}
+    tps = {m.tp for m in pipeline_meshes(Cluster.preset("dgx-a100", nodes=96), 1536, 62, Fixed())}
     assert tps == {1, 2, 4, 8}
 
     model, inputs = llama_tiny()

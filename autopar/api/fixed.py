@@ -17,15 +17,16 @@ from typing import Any
 from autopar.core.errors import PlanError
 from autopar.cost_models.pipeline import schedule_name
 from autopar.hardware.cluster import Cluster
+from autopar.plans.records import Fixed
 from autopar.search.sharding.recompute_settings import NONE, OP_LEVEL, SETTINGS
 
 FIXED_KEYS = ("dp", "tp", "pp", "zero", "recompute", "microbatches", "schedule")
 
 
-def check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of ``fixed`` with its schedule's name normalised; a one-line PlanError for what cannot be built."""
+def check_fixed(fixed: dict[str, Any] | None) -> Fixed:
+    """The user's ``fixed`` as a record, its schedule's name normalised; a one-line PlanError for what cannot be built."""
     if fixed is None:
-        return {}
+        return Fixed()
     if not isinstance(fixed, dict):
         raise PlanError(f"fixed must be a dict such as {{'dp': 8, 'zero': 1}}, not {type(fixed).__name__}")
     fixed = dict(fixed)  # the caller's dict is left as it was
@@ -54,10 +55,10 @@ def check_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
             f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer) or 'full' "
             f"(every layer), not {fixed['recompute']!r}; leave it out to let the search choose op by op"
         )
-    return fixed
+    return Fixed(**fixed)
 
 
-def searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
+def searches_sharding(cluster: Cluster, fixed: Fixed) -> bool:
     """Whether the sharding MILP plans (per-op placements), not the analytic data-parallel model.
 
     The analytic model costs what leaves no sharding to decide and recomputes nothing: one
@@ -66,16 +67,16 @@ def searches_sharding(cluster: Cluster, fixed: dict[str, Any]) -> bool:
     than "none" (costed on the graph that runs it), is the MILP's, with the micro-batch
     count fixed where ``fixed`` says.
     """
-    if fixed.get("recompute", NONE) != NONE:
+    if (fixed.recompute or NONE) != NONE:
         return True
     if cluster.world_size == 1:
         return False
-    pinned_dp = fixed.get("tp") == 1 or fixed.get("dp") == cluster.world_size
-    return not ("microbatches" in fixed and fixed.get("pp", 1) == 1 and pinned_dp)
+    pinned_dp = fixed.tp == 1 or fixed.dp == cluster.world_size
+    return not (fixed.microbatches is not None and (fixed.pp or 1) == 1 and pinned_dp)
 
 
-def recompute_label(fixed: dict[str, Any], placements: dict[str, Any]) -> str:
+def recompute_label(fixed: Fixed, placements: dict[str, Any]) -> str:
     """Plan.recompute: the fixed setting, or "op-level" when the MILP marked ops, or "none"."""
-    if fixed.get("recompute", NONE) != NONE:
-        return fixed["recompute"]
+    if (fixed.recompute or NONE) != NONE:
+        return fixed.recompute
     return OP_LEVEL if any("recompute" in e for e in placements.values()) else NONE

@@ -11,6 +11,7 @@ exhaustively (``_candidates``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -28,7 +29,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.format import GB
 from autopar.plans.plan import Plan
-from autopar.plans.records import Alternative, MeshRecord, PipelineRecord, SearchRecord
+from autopar.plans.records import Alternative, Fixed, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines
 from autopar.search.pipeline.preview import Preview
@@ -73,7 +74,7 @@ def plan(
     prec = precision_spec(precision)
     optimizer_states(optimizer)
     fixed = check_fixed(fixed)
-    cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))  # before any capture
+    cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
@@ -93,12 +94,12 @@ def plan(
 
     if sharding:
         # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
-        captured, marks = apply_setting(captured, fixed.get("recompute", NONE))
+        captured, marks = apply_setting(captured, fixed.recompute or NONE)
         sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
         sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
-        if fixed.get("recompute", NONE) != NONE and not marks:
-            why = "no attention in a numbered layer" if fixed["recompute"] == "selective" else "no numbered layers"
-            msg = f"recompute {fixed['recompute']!r} finds nothing to recompute in {stats.model}: {why}"
+        if (fixed.recompute or NONE) != NONE and not marks:
+            why = "no attention in a numbered layer" if fixed.recompute == "selective" else "no numbered layers"
+            msg = f"recompute {fixed.recompute!r} finds nothing to recompute in {stats.model}: {why}"
             log.warning(msg)
             sharded.warnings.append(msg)
         if coupling_note:
@@ -152,7 +153,7 @@ def plan(
     return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
 
 
-def _keep_batches_whole(captured, fixed: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
     """``fixed`` with one micro-batch and no pipeline for a model whose forward couples the samples of a batch
     (BatchNorm in training), unless the user fixed them; and a warning when the user did.
 
@@ -162,14 +163,14 @@ def _keep_batches_whole(captured, fixed: dict[str, Any]) -> tuple[dict[str, Any]
     modules = coupling_modules(captured.gm)
     if not modules:
         return fixed, ""
-    if fixed.get("microbatches", 1) > 1 or fixed.get("pp", 1) > 1:
+    if (fixed.microbatches or 1) > 1 or (fixed.pp or 1) > 1:
         note = (
             f"BatchNorm in {modules[0]}{f' and {len(modules) - 1} more' if len(modules) > 1 else ''} normalizes "
             "each micro-batch by its own statistics, as gradient accumulation on one device does"
         )
         log.warning(note)
         return fixed, note
-    return {"microbatches": 1, "pp": 1, **fixed}, ""
+    return dataclasses.replace(fixed, microbatches=fixed.microbatches or 1, pp=fixed.pp or 1), ""
 
 
 # Configurations within this fraction of the fastest count as equally fast; the simplest of them wins.
@@ -226,11 +227,11 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     solver's time limit by their number; the fastest plan that fits wins, and a plan
     without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run).
     """
-    if "dp" in fixed and gbs % fixed["dp"]:
+    if fixed.dp is not None and gbs % fixed.dp:
         raise PlanError(
-            f"global batch {gbs} does not split over {fixed['dp']} data-parallel ranks; choose a multiple"
+            f"global batch {gbs} does not split over {fixed.dp} data-parallel ranks; choose a multiple"
         )
-    pp = fixed.get("pp")
+    pp = fixed.pp
     segments = len(forward_segments(captured))
     pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
     if pp is not None and pp > 1 and not pipe_meshes:
@@ -291,7 +292,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         raise none_fits
     if flat is None:
         raise PlanError(
-            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.items())} fits {_size(limit)} per device: "
+            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.given().items())} fits {_size(limit)} per device: "
             "raise memory_limit, use more devices, or lower the batch"
         )
     return flat
@@ -302,14 +303,14 @@ def _pipelines(
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes``; with ``fixed`` pp and none fitting, the fastest."""
     kwargs = dict(
-        schedules=(fixed["schedule"],) if "schedule" in fixed else ("1F1B", "interleaved"),
-        microbatches=fixed.get("microbatches"),
-        zero=fixed.get("zero"),
-        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
+        schedules=(fixed.schedule,) if fixed.schedule else ("1F1B", "interleaved"),
+        microbatches=fixed.microbatches,
+        zero=fixed.zero,
+        recompute=fixed.recompute is None,  # op by op only when no setting is fixed
         preview=preview,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
-    if not found and fixed.get("pp", 1) > 1:
+    if not found and (fixed.pp or 1) > 1:
         found = search_pipelines(captured, cluster, prec, optimizer, math.inf, meshes, time_limit_s, **kwargs)
         for r in found:
             r.estimate.memory_limit, r.estimate.fits = limit, r.estimate.memory.peak <= limit
@@ -322,7 +323,7 @@ def _pipelined(
     pipes: list[PipelineResult],
     gbs: int,
     flat: _Sharded | None,
-    fixed: dict[str, Any],
+    fixed: Fixed,
 ) -> _Sharded:
     """The plan pieces of a pipeline result."""
     res, est = pipe.sharding, pipe.estimate
@@ -399,20 +400,20 @@ def _plan_flat(
         optimizer,
         limit,
         time_limit_s,
-        tp=fixed.get("tp"),
-        dp=fixed.get("dp"),
-        zero=fixed.get("zero"),
-        recompute="recompute" not in fixed,  # op by op only when no setting is fixed
+        tp=fixed.tp,
+        dp=fixed.dp,
+        zero=fixed.zero,
+        recompute=fixed.recompute is None,  # op by op only when no setting is fixed
         deadline=deadline,
         require_one=not optional,
         milp=not optional,
-        microbatches=fixed.get("microbatches"),
+        microbatches=fixed.microbatches,
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
         return None
     if not results:
-        into = f" into {fixed['microbatches']} micro-batches per rank" if "microbatches" in fixed else ""
+        into = f" into {fixed.microbatches} micro-batches per rank" if fixed.microbatches is not None else ""
         raise PlanError(
             f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}{into}; "
             "use a global batch that the data-parallel size (times the micro-batches) divides"
@@ -421,7 +422,7 @@ def _plan_flat(
     if best is None:
         need = min(_least_peak(r) for r in results)
         what = ", ".join(
-            f"{k}={v}" for k, v in fixed.items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+            f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
         )
         if not what:
             raise PlanError(
@@ -439,9 +440,9 @@ def _plan_flat(
             time_limit_s,
             least.mesh.tp,
             least.mesh.dp,
-            fixed.get("zero"),
-            recompute="recompute" not in fixed,
-            microbatches=fixed.get("microbatches"),
+            fixed.zero,
+            recompute=fixed.recompute is None,
+            microbatches=fixed.microbatches,
         )
         best.estimate.memory_limit, best.estimate.fits = limit, False
         msg = (
@@ -472,7 +473,7 @@ def _plan_flat(
         candidates=len(results),
         meshes_left_out=len(
             flat_tp_sizes(
-                cluster, captured.batch_size, fixed.get("tp"), fixed.get("dp"), fixed.get("microbatches")
+                cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches
             )
         )
         - len(results),
@@ -532,26 +533,26 @@ def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
     return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
 
 
-def _candidates(cluster: Cluster, gbs: int, fixed: dict[str, Any]) -> list[Config]:
+def _candidates(cluster: Cluster, gbs: int, fixed: Fixed) -> list[Config]:
     """Every configuration of the (data-parallel) search space that ``fixed`` allows."""
-    mesh = cluster.check_mesh(dp=fixed.get("dp"), tp=fixed.get("tp", 1), pp=fixed.get("pp", 1))
+    mesh = cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)
     dp = mesh.dp
     if gbs % dp:
         raise PlanError(
             f"global batch {gbs} does not split over {dp} data-parallel ranks; choose a multiple of {dp}"
         )
     local = gbs // dp
-    if "microbatches" in fixed:
-        if local % fixed["microbatches"]:
+    if fixed.microbatches is not None:
+        if local % fixed.microbatches:
             raise PlanError(
                 f"the local batch {local} (global {gbs} / dp {dp}) does not split into "
-                f"{fixed['microbatches']} micro-batches; choose a divisor of {local}"
+                f"{fixed.microbatches} micro-batches; choose a divisor of {local}"
             )
-        counts = [fixed["microbatches"]]
+        counts = [fixed.microbatches]
     else:
         counts = [m for m in range(1, local + 1) if local % m == 0]
-    zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
-    if dp == 1 and "zero" not in fixed:
+    zeros = [fixed.zero] if fixed.zero is not None else [0, 1, 2, 3]
+    if dp == 1 and fixed.zero is None:
         zeros = [0]  # ZeRO shards over data-parallel ranks; with one rank every stage is the same
     return [
         Config(dp=dp, tp=mesh.tp, pp=mesh.pp, zero=z, microbatches=m, micro_batch_size=local // m)

@@ -132,3 +132,27 @@ def solver_line(record: SearchRecord, mesh: dict[str, int] | None = None) -> str
     if record.time_s is not None:
         parts.append(f"{record.time_s:.2f} s")
     return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The part of the answer a user forces with ``autopar.plan(..., fixed=...)``; None: searched.
+
+    Made once, by :func:`autopar.api.fixed.check_fixed`, from the user's dict; every
+    layer below reads its fields.
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    zero: int | None = None
+    recompute: str | None = None  # "none", "selective" or "full"; None: op by op
+    microbatches: int | None = None
+    schedule: str | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The keys the user fixed, with their values (for messages)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def __bool__(self) -> bool:
+        return bool(self.given())

@@ -39,6 +39,7 @@ from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time, stage_figures
 from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.plans.records import Fixed
 from autopar.search.pipeline.cuts import CutChoice, best_cuts
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.segments import (
@@ -452,7 +453,7 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
     )
 
 
-def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: dict[str, Any]) -> list[MeshShape]:
+def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: Fixed) -> list[MeshShape]:
     """The pp × dp × tp meshes (pp ≥ 2) worth a pipeline search, fewest stages first.
 
     Tensor parallelism stays inside a node, its size a divisor of the node's
@@ -463,15 +464,15 @@ def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: dict[str
     world = cluster.world_size
     out = []
     for pp in range(2, world + 1):
-        if world % pp or pp > segments or ("pp" in fixed and fixed["pp"] != pp):
+        if world % pp or pp > segments or (fixed.pp is not None and fixed.pp != pp):
             continue
         for tp in range(1, world // pp + 1):
-            if (world // pp) % tp or ("tp" in fixed and fixed["tp"] != tp):
+            if (world // pp) % tp or (fixed.tp is not None and fixed.tp != tp):
                 continue
-            if cluster.gpus_per_node % tp and "tp" not in fixed:
+            if cluster.gpus_per_node % tp and fixed.tp is None:
                 continue
             dp = world // (pp * tp)
-            if batch % dp or ("dp" in fixed and fixed["dp"] != dp):
+            if batch % dp or (fixed.dp is not None and fixed.dp != dp):
                 continue
             out.append(cluster.check_mesh(dp=dp, tp=tp, pp=pp))
     return out
