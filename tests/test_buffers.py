@@ -129,9 +129,10 @@ def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatc
     cluster = autopar.Cluster.local(4)
     plan = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
     assert plan.microbatches == 1 and plan.mesh["pp"] == 1 and not plan.warnings
-    fixed = autopar.plan(model, batch, cluster, precision="fp32", fixed={"dp": 2, "tp": 2, "microbatches": 2})
-    assert fixed.microbatches == 2
-    assert any("normalizes each micro-batch by its own statistics" in w for w in fixed.warnings)
+    for ask in ({"dp": 4, "tp": 1, "microbatches": 2}, {"dp": 2, "tp": 2, "microbatches": 2}):
+        fixed = autopar.plan(model, batch, cluster, precision="fp32", fixed=ask)  # analytic, then the MILP
+        assert fixed.microbatches == 2, ask
+        assert any("normalizes each micro-batch by its own statistics" in w for w in fixed.warnings), ask
     monkeypatch.setattr(autopar.api.planner, "coupling_modules", lambda gm: [])
     unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
     assert unaware.microbatches > 1

@@ -123,7 +123,7 @@ def plan(
     candidates = _candidates(cluster, gbs, fixed)
     costed = [(cfg, estimate_config(stats, cfg, cluster, prec, optimizer, limit)) for cfg in candidates]
     fitting = [(cfg, est) for cfg, est in costed if est.fits]
-    warnings: list[str] = []
+    warnings: list[str] = [coupling_note] if coupling_note else []
     if fitting:
         cfg, est = _choose(fitting)
     else:

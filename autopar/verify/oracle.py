@@ -382,7 +382,8 @@ def check_plans(
         plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
         keys = list(dict.fromkeys(key(factory, plan) for (factory, _), plan in zip(cases, plans, strict=True)))
         drawing = [k for k in keys if rng == "exact" and draws_random(k[0], seed, loss_fn)]
-        exact = dict(zip(drawing, exact_rng_runs([k[0] for k in drawing], steps, lr, seed, loss_fn), strict=True))
+        runs_of = exact_rng_runs([k[0] for k in drawing], steps, lr, seed, loss_fn) if drawing else []
+        exact = dict(zip(drawing, runs_of, strict=True))
         runs = {k: exact.get(k) or single_device_run(k[0], steps, lr, seed, loss_fn, k[1]) for k in keys}
     refs = [runs[key(factory, plan)] for (factory, _), plan in zip(cases, plans, strict=True)]
     wire = [
