@@ -362,17 +362,7 @@ def _pipelined(
         meshes_left_out=flat.solver.meshes_left_out if flat else 0,
         meshes=(flat.solver.meshes if flat else [])
         + [
-            MeshRecord(
-                mesh=r.mesh.to_dict(),
-                microbatches=r.microbatches,
-                schedule=r.schedule,
-                status=r.sharding.solution.status,
-                source=r.source,
-                step_time_s=r.estimate.step_time_s,
-                peak_bytes=r.estimate.memory.peak,
-                fits=r.estimate.fits,
-                timings={k: round(v, 3) for k, v in r.timings.items()},
-            )
+            _mesh_record(r, r.mesh.to_dict(), r.sharding.solution.status, r.schedule)
             for r in pipes
         ],
         charged=res.charged,
@@ -478,16 +468,7 @@ def _plan_flat(
         )
         - len(results),
         meshes=[
-            MeshRecord(
-                mesh={"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1},
-                microbatches=r.microbatches,
-                status=r.solution.status,
-                source=r.source,
-                step_time_s=r.estimate.step_time_s,
-                peak_bytes=r.estimate.memory.peak,
-                fits=r.estimate.fits,
-                timings={k: round(v, 3) for k, v in r.timings.items()},
-            )
+            _mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status)
             for r in results
         ],
         charged=best.charged,
@@ -496,6 +477,21 @@ def _plan_flat(
         ops=explain_records(captured, best),
     )
     return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
+
+
+def _mesh_record(result, mesh: dict[str, int], status: str, schedule: str = "") -> MeshRecord:
+    """What the search found on one mesh (a sharding or a pipeline result), for the plan's record."""
+    return MeshRecord(
+        mesh=mesh,
+        microbatches=result.microbatches,
+        schedule=schedule,
+        status=status,
+        source=result.source,
+        step_time_s=result.estimate.step_time_s,
+        peak_bytes=result.estimate.memory.peak,
+        fits=result.estimate.fits,
+        timings={k: round(v, 3) for k, v in result.timings.items()},
+    )
 
 
 def _state_bytes(captured, prec, optimizer: str) -> float:
