@@ -41,6 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import from_dtensor, to_dtensor
 from autopar.cost_models.compute import is_view
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
@@ -89,7 +90,7 @@ class LocalGraph:
     zero_stages: list[int] = field(default_factory=list)
     updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
 
-    def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = ("dp", "tp")) -> list[dict]:
+    def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = SHARDING_AXES) -> list[dict]:
         """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
 
         Bytes follow :func:`autopar.cost_models.reshard.collectives_between`: the

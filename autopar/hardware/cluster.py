@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.core.errors import ClusterError
+from autopar.core.mesh import MESH_AXES as AXES
 from autopar.hardware.devices import (  # noqa: F401  (re-exported: cluster is where users look for devices)
     DEVICES,
     GB,
@@ -61,7 +62,6 @@ class Link:
 LOCAL_LINK = Link(bandwidth=math.inf, latency_s=0.0, name="local", intra_node=True)
 """The link of an axis of size 1: nothing to send."""
 
-AXES = ("dp", "tp", "pp")
 
 
 @dataclass(frozen=True)

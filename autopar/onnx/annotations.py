@@ -22,11 +22,11 @@ from typing import Any
 import onnx
 
 from autopar.core.errors import AutoparError, PlanFormatError
+from autopar.core.mesh import SHARDING_AXES as AXES
 from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
-AXES = ("dp", "tp")  # mesh axes of a placement list: the order of autopar.search.sharding.mesh.AXES
 CONFIGURATION = "autopar"  # name of the DeviceConfigurationProto autopar writes
 PLAN_KEY = "autopar.plan"  # ModelProto.metadata_props: the plan's JSON
 NODE_KEY = "autopar.sharding"  # NodeProto.metadata_props: {tensor: {"placements", "plan_node"}}

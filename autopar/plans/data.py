@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import PlanFormatError
+from autopar.core.mesh import MESH_AXES, SHARDING_AXES
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.format import GB, count, secs
 from autopar.plans.records import SearchRecord
@@ -86,7 +87,7 @@ class PlanData:
             plan = cls(**body)
         except TypeError as err:
             raise PlanFormatError(f"{source} is malformed: {_short_type_error(err)}") from None
-        for key in ("dp", "tp", "pp"):
+        for key in MESH_AXES:
             if not isinstance(plan.mesh.get(key), int) or plan.mesh[key] < 1:
                 raise PlanFormatError(f"{source} is malformed: mesh needs a positive integer '{key}'")
         return plan
@@ -110,7 +111,7 @@ class PlanData:
     # ---- reading ------------------------------------------------------------------------------
 
     def mesh_str(self) -> str:
-        return " x ".join(f"{k}={self.mesh[k]}" for k in ("dp", "tp", "pp"))
+        return " x ".join(f"{k}={self.mesh[k]}" for k in MESH_AXES)
 
     def stage_rows(self) -> list[dict[str, str]]:
         """Each pipeline stage as text: stage, device, what it holds, params, forward, backward, peak memory."""
@@ -138,7 +139,7 @@ class PlanData:
 
     def mesh_axes(self) -> tuple[str, ...]:
         """The mesh dims placements are written over (pipeline stages are not a placement dim)."""
-        return ("dp", "tp")
+        return SHARDING_AXES
 
     def param_placements(self) -> dict[tuple[str, tuple[str, ...]], int]:
         """(parameter name with layer numbers folded to '*', placement per mesh dim) -> how many parameters."""

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.core.mesh import SHARDING_AXES
 from autopar.plans.data import PlanData
 from autopar.plans.format import GB, secs, size
 from autopar.plans.records import mesh_text, solver_line
@@ -45,7 +46,7 @@ def _op_name(op: str) -> str:
     return parts[1] if len(parts) > 2 else parts[-1]
 
 
-def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = ("dp", "tp")) -> dict:
+def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES) -> dict:
     """Parameter elements by ZeRO stage and by the mesh axes that split them (placements hold no shapes)."""
     zero: Counter = Counter()
     split: Counter = Counter()

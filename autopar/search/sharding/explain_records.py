@@ -29,13 +29,13 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autopar.capture.joint import CapturedGraph, node_module
+from autopar.core.mesh import SHARDING_AXES as AXES
 from autopar.core.module_paths import layer_key
 
 if TYPE_CHECKING:
     from autopar.search.sharding.mesh import ShardingResult
 
 RECORDS_FORMAT = 1
-AXES = ("dp", "tp")
 # the sharding problem marks a forbidden resharding with this cost (seconds); see sharding_problem.FORBIDDEN_S
 _FORBIDDEN_S = 1e6
 # a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain

@@ -27,6 +27,7 @@ import torch
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
 from autopar.core.errors import PlanError
 from autopar.core.heap import long_lived_heap
+from autopar.core.mesh import SHARDING_AXES as AXES
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import ComputeEfficiency, is_view
 from autopar.cost_models.estimate import Estimate
@@ -50,7 +51,6 @@ from autopar.solver import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, 
 
 log = logging.getLogger(__name__)
 
-AXES = ("dp", "tp")
 
 
 @dataclass

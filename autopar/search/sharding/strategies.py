@@ -57,7 +57,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.core.mesh import fake_mesh
+from autopar.core.mesh import SHARDING_AXES, fake_mesh
 from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
 from autopar.search.sharding import strategy_rules
 from autopar.search.sharding.node_keys import (
@@ -105,7 +105,6 @@ class NodeStrategies:
     rule: str  # "dtensor", "autopar", "follower", "placeholder", "replicated-fallback"
 
 
-_DEFAULT_NAMES = ("dp", "tp")
 
 
 # ---------------------------------------------------------------------------- placements
@@ -159,9 +158,9 @@ def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[P
 def _names_for(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> tuple[str, ...]:
     if len(mesh_dim_names) == len(mesh_shape):
         return tuple(mesh_dim_names)
-    if tuple(mesh_dim_names) == _DEFAULT_NAMES:
+    if tuple(mesh_dim_names) == SHARDING_AXES:
         return (
-            _DEFAULT_NAMES[: len(mesh_shape)]
+            SHARDING_AXES[: len(mesh_shape)]
             if len(mesh_shape) <= 2
             else tuple(f"d{i}" for i in range(len(mesh_shape)))
         )
@@ -215,7 +214,7 @@ def _costs_off() -> Iterator[None]:
 def enumerate_strategies(
     gm: fx.GraphModule,
     mesh_shape: tuple[int, ...],
-    mesh_dim_names: tuple[str, ...] = _DEFAULT_NAMES,
+    mesh_dim_names: tuple[str, ...] = SHARDING_AXES,
 ) -> dict[str, NodeStrategies]:
     """Candidate strategies for every placeholder, constant and call node of ``gm``.
 
