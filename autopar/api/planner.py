@@ -19,17 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
-from autopar.cost_models.step import Config, GraphStats, estimate_config
+from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.format import GB
 from autopar.plans.plan import Plan
-from autopar.plans.records import Alternative, Fixed, MeshRecord, PipelineRecord, SearchRecord
+from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines
 from autopar.search.pipeline.preview import Preview
@@ -67,23 +68,9 @@ def plan(
     chooses op by op (:mod:`autopar.search.sharding.recompute_settings`).
     """
     t0 = time.perf_counter()
-    if not isinstance(cluster, Cluster):
-        raise PlanError(
-            f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()"
-        )
-    prec = precision_spec(precision)
-    optimizer_states(optimizer)
-    fixed = check_fixed(fixed)
-    cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
-    limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
-    if limit <= 0:
-        raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
-
-    gbs = example_batch(example_inputs) if global_batch_size is None else global_batch_size
-    if gbs is None:
-        raise PlanError("example_inputs hold no tensor with a batch dimension; pass a batch of inputs")
-    if not isinstance(gbs, int) or gbs < 1:
-        raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
+    prec, fixed, limit, gbs = _checked_request(
+        cluster, example_inputs, optimizer, precision, global_batch_size, memory_limit, fixed
+    )
     # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
     sharding = searches_sharding(cluster, fixed)
     captured, stats = captured_with_stats(
@@ -91,20 +78,10 @@ def plan(
     )
     t_capture = time.perf_counter() - t0
     fixed, coupling_note = _keep_batches_whole(captured, fixed)
-
+    warnings = [coupling_note] if coupling_note else []
     if sharding:
-        # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
-        captured, marks = apply_setting(captured, fixed.recompute or NONE)
-        sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
-        sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
-        if (fixed.recompute or NONE) != NONE and not marks:
-            why = "no attention in a numbered layer" if fixed.recompute == "selective" else "no numbered layers"
-            msg = f"recompute {fixed.recompute!r} finds nothing to recompute in {stats.model}: {why}"
-            log.warning(msg)
-            sharded.warnings.append(msg)
-        if coupling_note:
-            sharded.warnings.append(coupling_note)
-        sharded.solver.sharding = sharding_facts(captured, sharded.placements)  # what the summary says
+        sharded = _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        sharded.warnings += warnings
         sharded.solver.capture_s = round(t_capture, 3)
         sharded.solver.time_s = round(time.perf_counter() - t0, 3)
         return _make_plan(
@@ -119,38 +96,46 @@ def plan(
             stages=sharded.stages,
             schedule=sharded.schedule,
         )
-
-    candidates = _candidates(cluster, gbs, fixed)
-    costed = [(cfg, estimate_config(stats, cfg, cluster, prec, optimizer, limit)) for cfg in candidates]
-    fitting = [(cfg, est) for cfg, est in costed if est.fits]
-    warnings: list[str] = [coupling_note] if coupling_note else []
-    if fitting:
-        cfg, est = _choose(fitting)
-    else:
-        cfg, est = min(costed, key=lambda ce: ce[1].memory.peak)
-        need = est.memory.peak
-        where = f"dp={cfg.dp}, ZeRO-{cfg.zero}, {cfg.microbatches} micro-batch(es)"
-        if not fixed:
-            raise PlanError(
-                f"no configuration fits {limit / GB:.1f} GB per device; the smallest needs {need / GB:.1f} GB "
-                f"({where}): raise memory_limit, use more devices, or lower the batch"
-            )
-        msg = (
-            f"the fixed configuration needs {need / GB:.2f} GB per device, {(need - limit) / GB:.2f} GB over "
-            f"the {limit / GB:.1f} GB limit"
-        )
-        log.warning(msg)
-        warnings.append(msg)
-
-    solver = SearchRecord(
-        status="optimal (exhaustive)",
-        alternatives=_alternatives(costed),
-        candidates=len(costed),
-        gap=0.0,
-        capture_s=round(t_capture, 3),
-        time_s=round(time.perf_counter() - t0, 3),
-    )
+    cfg, est, solver = data_parallel_plan(stats, cluster, gbs, prec, optimizer, limit, fixed, warnings)
+    solver.capture_s = round(t_capture, 3)
+    solver.time_s = round(time.perf_counter() - t0, 3)
     return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
+
+
+def _checked_request(cluster, example_inputs, optimizer, precision, global_batch_size, memory_limit, fixed):
+    """The request's values, each checked with a one-line PlanError: (precision, Fixed, memory limit, batch)."""
+    if not isinstance(cluster, Cluster):
+        raise PlanError(
+            f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()"
+        )
+    prec = precision_spec(precision)
+    optimizer_states(optimizer)
+    fixed = check_fixed(fixed)
+    cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
+    limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
+    if limit <= 0:
+        raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
+    gbs = example_batch(example_inputs) if global_batch_size is None else global_batch_size
+    if gbs is None:
+        raise PlanError("example_inputs hold no tensor with a batch dimension; pass a batch of inputs")
+    if not isinstance(gbs, int) or gbs < 1:
+        raise PlanError(f"global_batch_size must be a positive integer, not {global_batch_size!r}")
+    return prec, fixed, limit, gbs
+
+
+def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed, time_limit_s) -> _Sharded:
+    """Per-op sharding (and pipelines) searched on the graph, a fixed recompute setting carried out first."""
+    # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
+    captured, marks = apply_setting(captured, fixed.recompute or NONE)
+    sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+    sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
+    if (fixed.recompute or NONE) != NONE and not marks:
+        why = "no attention in a numbered layer" if fixed.recompute == "selective" else "no numbered layers"
+        msg = f"recompute {fixed.recompute!r} finds nothing to recompute in {stats.model}: {why}"
+        log.warning(msg)
+        sharded.warnings.append(msg)
+    sharded.solver.sharding = sharding_facts(captured, sharded.placements)  # what the summary says
+    return sharded
 
 
 def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
@@ -171,42 +156,6 @@ def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
         log.warning(note)
         return fixed, note
     return dataclasses.replace(fixed, microbatches=fixed.microbatches or 1, pp=fixed.pp or 1), ""
-
-
-# Configurations within this fraction of the fastest count as equally fast; the simplest of them wins.
-TIE_TOLERANCE = 0.01
-
-
-def _choose(fitting: list[tuple[Config, Estimate]]) -> tuple[Config, Estimate]:
-    """The fastest configuration; among those within TIE_TOLERANCE of it, the simplest.
-
-    Analytic estimates are not exact to 1%, and a lower ZeRO stage or fewer
-    micro-batches is easier to run and debug (DeepSpeed's defaults make the
-    same choice), so a saving smaller than the model's error buys nothing.
-    """
-    best = min(est.step_time_s for _, est in fitting)
-    close = [ce for ce in fitting if ce[1].step_time_s <= best * (1 + TIE_TOLERANCE)]
-    return min(close, key=lambda ce: (ce[0].zero, ce[0].microbatches, ce[1].step_time_s))
-
-
-def _alternatives(costed: list[tuple[Config, Estimate]]) -> list[Alternative]:
-    """The best configuration of each ZeRO stage: what the chosen plan won against."""
-    best: dict[int, tuple[Config, Estimate]] = {}
-    for cfg, est in costed:
-        key = (not est.fits, est.step_time_s)
-        if cfg.zero not in best or key < (not best[cfg.zero][1].fits, best[cfg.zero][1].step_time_s):
-            best[cfg.zero] = (cfg, est)
-    return [
-        Alternative(
-            mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
-            zero=cfg.zero,
-            microbatches=cfg.microbatches,
-            step_time_s=est.step_time_s,
-            peak_bytes=est.memory.peak,
-            fits=est.fits,
-        )
-        for _, (cfg, est) in sorted(best.items())
-    ]
 
 
 @dataclass
@@ -410,38 +359,49 @@ def _plan_flat(
         )
     warnings: list[str] = []
     if best is None:
-        need = min(_least_peak(r) for r in results)
-        what = ", ".join(
-            f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+        best = _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed, time_limit_s, results, warnings)
+    return _flat_result(captured, cluster, gbs, fixed, best, results, warnings)
+
+
+def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, results, warnings):
+    """No mesh fits: a PlanError naming the smallest memory that would, or, when the user fixed part of
+    the answer, the fastest plan of it with no limit, marked as not fitting and warned about."""
+    need = min(_least_peak(r) for r in results)
+    what = ", ".join(
+        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+    )
+    if not what:
+        raise PlanError(
+            f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
+            f"{_size(need)}: raise memory_limit, use more devices, or lower the batch"
         )
-        if not what:
-            raise PlanError(
-                f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
-                f"{_size(need)}: raise memory_limit, use more devices, or lower the batch"
-            )
-        # what the user fixed is kept: the fastest plan of it, with how far it is over the limit
-        least = min(results, key=_least_peak)
-        best, _ = search_meshes(
-            captured,
-            cluster,
-            prec,
-            optimizer,
-            math.inf,
-            time_limit_s,
-            least.mesh.tp,
-            least.mesh.dp,
-            fixed.zero,
-            recompute=fixed.recompute is None,
-            microbatches=fixed.microbatches,
-        )
-        best.estimate.memory_limit, best.estimate.fits = limit, False
-        msg = (
-            f"no plan with {what} fits {_size(limit)} per device (the smallest would need {_size(need)}); the "
-            f"fastest one needs {_size(best.estimate.memory.peak)}, over the limit by "
-            f"{_size(best.estimate.memory.peak - limit)}"
-        )
-        log.warning(msg)
-        warnings.append(msg)
+    least = min(results, key=_least_peak)
+    best, _ = search_meshes(
+        captured,
+        cluster,
+        prec,
+        optimizer,
+        math.inf,
+        time_limit_s,
+        least.mesh.tp,
+        least.mesh.dp,
+        fixed.zero,
+        recompute=fixed.recompute is None,
+        microbatches=fixed.microbatches,
+    )
+    best.estimate.memory_limit, best.estimate.fits = limit, False
+    msg = (
+        f"no plan with {what} fits {_size(limit)} per device (the smallest would need {_size(need)}); the "
+        f"fastest one needs {_size(best.estimate.memory.peak)}, over the limit by "
+        f"{_size(best.estimate.memory.peak - limit)}"
+    )
+    log.warning(msg)
+    warnings.append(msg)
+    return best
+
+
+def _flat_result(captured, cluster, gbs, fixed: Fixed, best, results, warnings) -> _Sharded:
+    """The chosen dp x tp answer as a configuration, an estimate and the search's record."""
     sol = best.solution
     est = best.estimate
     est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
@@ -455,22 +415,15 @@ def _plan_flat(
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
+    meshes = flat_tp_sizes(cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches)
     solver = SearchRecord(
         status=sol.status,
         gap=sol.gap,
         objective=sol.objective,
         backend=sol.backend,
         candidates=len(results),
-        meshes_left_out=len(
-            flat_tp_sizes(
-                cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches
-            )
-        )
-        - len(results),
-        meshes=[
-            _mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status)
-            for r in results
-        ],
+        meshes_left_out=len(meshes) - len(results),
+        meshes=[_mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status) for r in results],
         charged=best.charged,
         graph_nodes=sol.stats.get("nodes"),
         nodes_after_reduction=sol.stats.get("nodes_after_reduction"),
@@ -527,34 +480,6 @@ def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
         stage = 3 if entry.get("outputs", [["R"]])[0][0] != "R" else int(entry.get("zero", 0))
         weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
     return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
-
-
-def _candidates(cluster: Cluster, gbs: int, fixed: Fixed) -> list[Config]:
-    """Every configuration of the (data-parallel) search space that ``fixed`` allows."""
-    mesh = cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)
-    dp = mesh.dp
-    if gbs % dp:
-        raise PlanError(
-            f"global batch {gbs} does not split over {dp} data-parallel ranks; choose a multiple of {dp}"
-        )
-    local = gbs // dp
-    if fixed.microbatches is not None:
-        if local % fixed.microbatches:
-            raise PlanError(
-                f"the local batch {local} (global {gbs} / dp {dp}) does not split into "
-                f"{fixed.microbatches} micro-batches; choose a divisor of {local}"
-            )
-        counts = [fixed.microbatches]
-    else:
-        counts = [m for m in range(1, local + 1) if local % m == 0]
-    zeros = [fixed.zero] if fixed.zero is not None else [0, 1, 2, 3]
-    if dp == 1 and fixed.zero is None:
-        zeros = [0]  # ZeRO shards over data-parallel ranks; with one rank every stage is the same
-    return [
-        Config(dp=dp, tp=mesh.tp, pp=mesh.pp, zero=z, microbatches=m, micro_batch_size=local // m)
-        for z in zeros
-        for m in counts
-    ]
 
 
 def _make_plan(
