@@ -6,7 +6,7 @@ dp × tp mesh and pipeline search on pp × dp × tp meshes → choose.
 What leaves no sharding to decide (one device, or a pinned data-parallel mesh
 with a fixed micro-batch count and no recompute setting) is costed by the
 analytic data-parallel model instead: ZeRO stage × micro-batch count,
-exhaustively (``_candidates``).
+exhaustively (:mod:`autopar.api.data_parallel`).
 """
 
 from __future__ import annotations
