@@ -18,7 +18,7 @@ from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
-from autopar.search.sharding.problem import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:

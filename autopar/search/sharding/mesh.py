@@ -33,16 +33,15 @@ from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Cluster, MeshShape
-from autopar.search.sharding.coarsen import repeated_groups
+from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.problem import (
-    ShardingProblem,
     build_problem,
     charged_collectives,
+    repeated_layer_groups,
     restrict,
     with_microbatches,
 )
-from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -131,16 +130,7 @@ def prepare_mesh(
         microbatches=1,
         recompute=recompute,
     )
-    index = {name: i for i, name in enumerate(sp.nodes)}
-    options = {name: sp.strategies[i] for name, i in index.items()}
-    groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
-    # a replayed op runs as its original is placed (the runtime copies the original's entry): one choice
-    groups += [
-        [clone, source]
-        for clone, source in recomputed(captured).items()
-        if clone in index and source in index and options[clone] == options[source]
-    ]
-    sp.problem.groups = [[index[n] for n in g] for g in groups] or None
+    sp.problem.groups = repeated_layer_groups(captured.gm, sp)
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
     return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
@@ -474,7 +464,7 @@ def evaluate(
         c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
         if e in grad:
             grad_comm += c
-            grad_bytes += sp.edge_info[e][3]
+            grad_bytes += sp.edge_info[e].nbytes
         else:
             data_comm += c
     tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
