@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 RECORDS_FORMAT = 1
 AXES = ("dp", "tp")
-# the sharding problem marks a forbidden resharding with this cost (seconds); see sharding_problem.FORBIDDEN_S
+# the sharding problem marks a forbidden resharding with this cost (seconds); see autopar.search.sharding.problem.FORBIDDEN_S
 _FORBIDDEN_S = 1e6
 # a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain
 _TIE_RTOL = 1e-6

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from autopar.core.placements import Placements
+from autopar.cost_models.reshard import grad_sync_steps
 from autopar.search.sharding.graph_facts import GraphFacts
 from autopar.search.sharding.strategies import Strategy
 from autopar.solver import StrategyProblem
@@ -71,3 +72,35 @@ class ShardingProblem:
     # nodes that replay a forward op in the backward (made by autopar.search.sharding.recompute): hardware FLOPs,
     # not model FLOPs
     replayed: list[int] = field(default_factory=list)
+
+
+def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]) -> list[dict]:
+    """Every collective the chosen strategies imply, one record per edge that communicates."""
+    out = []
+    for e, (iu, iv) in enumerate(sp.problem.edges):
+        info = sp.edge_info[e]
+        b = sp.strategies[iv][choice[iv]]
+        have, need = info.have(sp.strategies[iu][choice[iu]]), info.need(b)
+        if have is None or need is None:
+            continue
+        zero = b.zero if info.input_pos < 0 else 0
+        for coll, d, size in grad_sync_steps(have, need, zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
+            out.append(
+                {"kind": coll, "mesh_dim": d, "bytes": size, "from": info.src, "to": info.dst, "reason": info.kind}
+            )
+    for i in sp.param_nodes:
+        s = sp.strategies[i][choice[i]]
+        if s.zero:
+            local = sp.state_parts[i][choice[i]][0]
+            name = sp.nodes[i]
+            out.append(
+                {
+                    "kind": "all_gather",
+                    "mesh_dim": sp.dp_dim,
+                    "bytes": local,
+                    "from": name,
+                    "to": name,
+                    "reason": "zero",
+                }
+            )
+    return out

@@ -81,7 +81,7 @@ Gradient accumulation over k_mb micro-batches runs the graph k_mb times on
 1/k_mb of the batch: compute and activation traffic add up to the same,
 gradient synchronisation happens once, and 1/k_mb of the activations are
 live at a time; so k_mb divides the activation memory terms and leaves the
-rest (:func:`with_microbatches` derives one count's problem from another's).
+rest (:func:`autopar.search.sharding.derived.with_microbatches` derives one count's problem from another's).
 
 The solver core sees numbers only; :class:`ShardingProblem` keeps the map back
 to node names and placements.
@@ -608,97 +608,3 @@ def repeated_layer_groups(gm: fx.GraphModule, sp: ShardingProblem) -> list[list[
 
 def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
-
-
-def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]) -> list[dict]:
-    """Every collective the chosen strategies imply, one record per edge that communicates."""
-    out = []
-    for e, (iu, iv) in enumerate(sp.problem.edges):
-        info = sp.edge_info[e]
-        b = sp.strategies[iv][choice[iv]]
-        have, need = info.have(sp.strategies[iu][choice[iu]]), info.need(b)
-        if have is None or need is None:
-            continue
-        zero = b.zero if info.input_pos < 0 else 0
-        for coll, d, size in grad_sync_steps(have, need, zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
-            out.append(
-                {"kind": coll, "mesh_dim": d, "bytes": size, "from": info.src, "to": info.dst, "reason": info.kind}
-            )
-    for i in sp.param_nodes:
-        s = sp.strategies[i][choice[i]]
-        if s.zero:
-            local = sp.state_parts[i][choice[i]][0]
-            name = sp.nodes[i]
-            out.append(
-                {
-                    "kind": "all_gather",
-                    "mesh_dim": sp.dp_dim,
-                    "bytes": local,
-                    "from": name,
-                    "to": name,
-                    "reason": "zero",
-                }
-            )
-    return out
-
-
-def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem:
-    """``sp`` (built for one micro-batch) for ``microbatches``: its activation memory divided by that.
-
-    Exactly what :func:`build_problem` computes with ``microbatches`` (the same floating-point
-    operations), without building again: only the memory of non-parameter nodes depends on it.
-    """
-    if microbatches == 1:
-        return sp
-    params = set(sp.param_nodes)
-    memory = [
-        row if i in params else [x / microbatches for x in row]
-        for i, row in enumerate(sp.problem.node_memory)
-    ]
-    # ZeRO-2 reduce-scatters each micro-batch's gradient (ZeRO-1 and plain data parallelism once a step)
-    edge_costs = list(sp.problem.edge_costs)
-    for e in sp.grad_edges:
-        v = sp.problem.edges[e][1]
-        cols = [j for j, s in enumerate(sp.strategies[v]) if s.zero == 2]
-        if cols:
-            n_v = len(sp.strategies[v])
-            row = list(edge_costs[e])
-            for a in range(len(row) // n_v):
-                for j in cols:
-                    row[a * n_v + j] *= microbatches
-            edge_costs[e] = row
-    # gradients are sized by the parameters, not the batch, and accumulate over the micro-batches
-    grads = set(sp.grad_items)
-    items = [
-        (v, iv, row if k in grads else [x / microbatches for x in row])
-        for k, (v, iv, row) in enumerate(sp.problem.memory_items or [])
-    ]
-    grad_items = accumulated(items, sp.grad_items)
-    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items or None)
-    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items)
-
-
-def restrict(problem: StrategyProblem, sp: ShardingProblem, allowed) -> StrategyProblem:
-    """``problem`` with the strategies ``allowed(node name, strategy)`` rejects forbidden (infinite cost).
-
-    A node none of whose strategies is allowed keeps them all. Repeated-layer groups are
-    split where their members' restrictions differ, so tying them never forbids more.
-    Indices stay those of ``sp``: an answer reads back through ``sp`` as it is.
-    """
-    costs = list(problem.node_costs)
-    masks: dict[int, tuple[bool, ...]] = {}
-    for i, name in enumerate(sp.nodes):
-        mask = tuple(bool(allowed(name, s)) for s in sp.strategies[i])
-        if all(mask) or not any(mask):
-            continue
-        masks[i] = mask
-        costs[i] = [c if ok else math.inf for c, ok in zip(costs[i], mask, strict=True)]
-    groups = None
-    if problem.groups:
-        groups = []
-        for group in problem.groups:
-            parts: dict[tuple[bool, ...] | None, list[int]] = {}
-            for v in group:
-                parts.setdefault(masks.get(v), []).append(v)
-            groups += [g for g in parts.values() if len(g) > 1]
-    return replace(problem, node_costs=costs, groups=groups or None)
