@@ -20,7 +20,7 @@ Strategies S_v (:func:`candidate_strategies`)
     S_v    = v's placements (:mod:`autopar.search.sharding.strategies`); a user input
              keeps those sharded on dim 0 (the batch) over d: that is what makes d
              the data-parallel dim
-    S_p   ∪= {(s, z) : s ∈ S_p replicated over d, z ∈ {1, 2}}     ZeRO-1/2 (:func:`zero_variants`)
+    S_p   ∪= {(s, z) : s ∈ S_p replicated over d, z ∈ {1, 2}}     ZeRO-1/2, when D > 1 (:func:`zero_variants`)
     S_v   ∪= {(s, r) : s ∈ S_v}                                    recomputed in the backward, for v
              recomputable and only under a memory limit (:func:`recompute_variants`)
 
@@ -115,13 +115,29 @@ FORBIDDEN_S = 1e6
 
 
 @dataclass
-class BuildContext:
-    """What every step of :func:`build_problem` reads: the graph, the mesh, the device and the set-up.
+class Memo:
+    """Answers the steps of one build share.
 
-    The memo tables exist because the nodes of repeated layers share their strategy
-    objects and sizes: each question (a placement's shard factor, a row of costs, a
-    resharding matrix) is answered once and the answer object shared.
+    The nodes of repeated layers share their strategy objects and sizes: each question
+    (a placement's shard factor, a row of terms, a resharding matrix) is answered once
+    and the answer object shared, so repeated layers cost one layer's work.
     """
+
+    shard_factors: dict[tuple[str, ...], int] = field(default_factory=dict)
+    splits: dict[tuple, int] = field(default_factory=dict)
+    variants: dict[tuple[int, int], Strategy] = field(default_factory=dict)  # (id(s), zero or -1: recompute)
+    rows: dict[tuple, NodeRow] = field(default_factory=dict)
+    list_numbers: dict[tuple[int, ...], int] = field(default_factory=dict)  # distinct strategy lists
+    matrices: dict[tuple, list[float]] = field(default_factory=dict)
+    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero) -> seconds
+    # the placements an edge's ends have and need, per strategy, numbered once per strategy list
+    haves: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
+    needs: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
+
+
+@dataclass
+class BuildContext:
+    """What every step of :func:`build_problem` reads: the graph, the mesh, the device and the set-up."""
 
     captured: CapturedGraph
     facts: GraphFacts
@@ -142,30 +158,21 @@ class BuildContext:
     b_opt: float  # optimizer-state bytes per parameter element
     b_copy: float  # the ZeRO-stepped chunk's own fp32 copy, per element
     opt_traffic: float  # bytes per parameter element one optimizer update reads and writes
-    shard_factors: dict[tuple[str, ...], int] = field(default_factory=dict)
-    splits: dict[tuple, int] = field(default_factory=dict)
-    variants: dict[tuple[int, int], Strategy] = field(default_factory=dict)
-    rows: dict[tuple, NodeRow] = field(default_factory=dict)
-    list_numbers: dict[tuple[int, ...], int] = field(default_factory=dict)  # distinct strategy lists
-    matrices: dict[tuple, list[float]] = field(default_factory=dict)
-    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero) -> seconds
-    # the placements an edge's ends have and need, per strategy, numbered once per strategy list
-    haves: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
-    needs: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
+    memo: Memo = field(default_factory=Memo)
 
     def pieces(self, p: tuple[str, ...]) -> int:
         """How many pieces placement ``p`` cuts a tensor into on this mesh."""
-        f = self.shard_factors.get(p)
+        f = self.memo.shard_factors.get(p)
         if f is None:
-            f = self.shard_factors[p] = shard_factor(p, self.mesh_shape)
+            f = self.memo.shard_factors[p] = shard_factor(p, self.mesh_shape)
         return f
 
     def split(self, s: Strategy) -> int:
         """W(s): the number of pieces the work is cut into, the mesh dims where any placement is not "R"."""
         key = (s.outputs, s.inputs)
-        n = self.splits.get(key)
+        n = self.memo.splits.get(key)
         if n is None:
-            n = self.splits[key] = math.prod(
+            n = self.memo.splits[key] = math.prod(
                 n
                 for d, n in enumerate(self.mesh_shape)
                 if any(p is not None and p[d] != "R" for p in (*s.outputs, *s.inputs))
@@ -235,9 +242,18 @@ def build_problem(
     strategies again, recomputed in the backward.
     """
     ctx = _context(
-        captured, strategies, mesh_shape, links, device, precision, optimizer, efficiency, dp_dim, microbatches
+        captured,
+        strategies,
+        mesh_shape,
+        links,
+        device,
+        precision,
+        optimizer,
+        efficiency,
+        dp_dim,
+        microbatches,
+        recompute=recompute and memory_limit is not None,  # a variant only pays off under a limit
     )
-    ctx.recompute = recompute and memory_limit is not None  # a variant only pays off under a limit
     terms = Terms()
     for step in (
         node_terms,
@@ -262,6 +278,7 @@ def _context(
     efficiency: ComputeEfficiency | None,
     dp_dim: int | None,
     microbatches: int,
+    recompute: bool,
 ) -> BuildContext:
     """The constants every step reads, derived once per build."""
     traced = max((p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4)
@@ -277,7 +294,7 @@ def _context(
         efficiency=efficiency,
         dp_dim=dp_dim,
         microbatches=microbatches,
-        recompute=False,
+        recompute=recompute,
         params={p.placeholder for p in captured.params},
         inputs={t.placeholder for t in captured.inputs},
         scale=precision.activation_bytes / traced,
@@ -301,7 +318,7 @@ def node_terms(ctx: BuildContext, t: Terms) -> None:
         gap = facts.recompute_gap.get(name) if ctx.recompute else None
         options = candidate_strategies(ctx, name, ns, gap is not None)
         ids = tuple(map(id, options))
-        t.list_ids.append(ctx.list_numbers.setdefault(ids, len(ctx.list_numbers)))
+        t.list_ids.append(ctx.memo.list_numbers.setdefault(ids, len(ctx.memo.list_numbers)))
         interval = (0, facts.n_nodes) if kind == "param" else facts.interval[name]
         if gap is not None:
             interval = (interval[0], gap[0])  # after the forward, the recompute items take over
@@ -340,9 +357,9 @@ def zero_variants(ctx: BuildContext, options: list[Strategy]) -> list[Strategy]:
     for z in (1, 2):
         for s in options:
             if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim] == "R":
-                v = ctx.variants.get((id(s), z))
+                v = ctx.memo.variants.get((id(s), z))
                 if v is None:
-                    v = ctx.variants[(id(s), z)] = replace(s, zero=z)
+                    v = ctx.memo.variants[(id(s), z)] = replace(s, zero=z)
                 out.append(v)
     return out
 
@@ -351,9 +368,9 @@ def recompute_variants(ctx: BuildContext, options: list[Strategy]) -> list[Strat
     """A recomputable activation's strategies, then each again recomputed in the backward."""
     out = list(options)
     for s in options:
-        v = ctx.variants.get((id(s), -1))
+        v = ctx.memo.variants.get((id(s), -1))
         if v is None:
-            v = ctx.variants[(id(s), -1)] = replace(s, recompute=True)
+            v = ctx.memo.variants[(id(s), -1)] = replace(s, recompute=True)
         out.append(v)
     return out
 
@@ -366,7 +383,7 @@ def node_row(
     out_bytes = facts.out_bytes[name]
     in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
     key = (kind, ids, tuple(out_bytes), tuple(in_bytes), facts.flops[name], facts.view[name], facts.element_size.get(name))
-    row = ctx.rows.get(key)
+    row = ctx.memo.rows.get(key)
     if row is None:
         if kind == "param":
             row = parameter_row(ctx, options, out_bytes, max(facts.element_size[name], 1))
@@ -374,7 +391,7 @@ def node_row(
             row = input_row(ctx, options, out_bytes)
         else:
             row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name])
-        ctx.rows[key] = row
+        ctx.memo.rows[key] = row
     return row
 
 
@@ -523,26 +540,26 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     """E_uv, row-major over (strategy of u, strategy of v): seconds to bring the value where v needs it."""
     iu, iv = t.index[info.src], t.index[info.dst]
     pos, out_idx = info.input_pos, info.output
-    need_id, need = ctx.needs.get((t.list_ids[iv], pos), (-1, ()))
+    need_id, need = ctx.memo.needs.get((t.list_ids[iv], pos), (-1, ()))
     if need_id < 0:
         need = tuple(
             (s.outputs[0], s.zero) if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None, 0)
             for s in t.strats[iv]
         )
-        need_id = len(ctx.needs)
-        ctx.needs[(t.list_ids[iv], pos)] = (need_id, need)
-    have_id, haves = ctx.haves.get((t.list_ids[iu], out_idx), (-1, ()))
+        need_id = len(ctx.memo.needs)
+        ctx.memo.needs[(t.list_ids[iv], pos)] = (need_id, need)
+    have_id, haves = ctx.memo.haves.get((t.list_ids[iu], out_idx), (-1, ()))
     if have_id < 0:
         haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in t.strats[iu])
-        have_id = len(ctx.haves)
-        ctx.haves[(t.list_ids[iu], out_idx)] = (have_id, haves)
+        have_id = len(ctx.memo.haves)
+        ctx.memo.haves[(t.list_ids[iu], out_idx)] = (have_id, haves)
     # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
     # such views, and the gathered parameter would stay alive from the forward to the backward
     pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
     key = (have_id, need_id, info.nbytes, pinned)
-    row = ctx.matrices.get(key)
+    row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
-        row = ctx.matrices[key] = [
+        row = ctx.memo.matrices[key] = [
             _move_time(ctx, have, b, info.nbytes, zero, pinned) for have in haves for b, zero in need
         ]
     return row
@@ -552,11 +569,11 @@ def _move_time(ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: 
     """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be)."""
     if have is None or need is None:
         return 0.0
-    t = ctx.moves.get((have, need, nbytes, zero))
+    t = ctx.memo.moves.get((have, need, nbytes, zero))
     if t is None:
         steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
         t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links)
-        t = ctx.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
+        t = ctx.memo.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
     return FORBIDDEN_S if pinned and t > 0 else t
 
 
