@@ -98,9 +98,6 @@ def estimate_config(
     efficiency = efficiency or DEFAULT_EFFICIENCY
     device = cluster.device_spec
     mesh = cluster.check_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
-    dp_link = cluster.axis_link(mesh, "dp")
-    psi = stats.num_params
-    n = cfg.dp
     mb_scale = cfg.micro_batch_size / stats.batch_size
 
     # ---- compute ----
@@ -110,82 +107,13 @@ def estimate_config(
     t_bwd = by_phase.get("backward", 0.0) * mb_scale
     compute = cfg.microbatches * (t_fwd + t_bwd)
 
-    # ---- communication ----
-    grad_bytes = precision.grad_bytes * psi
-    param_bytes = precision.param_bytes * psi
     collectives: list[dict] = []
-
-    def coll(kind: str, nbytes: float, count: int, pieces: int) -> float:
-        """``count`` rounds of ``kind`` over ``nbytes``, each sent as ``pieces`` collectives (buckets, layers)."""
-        t = pieces * collective_time(kind, nbytes / pieces, n, dp_link)
-        if n > 1 and count > 0:
-            collectives.append(
-                {
-                    "kind": kind,
-                    "axis": "dp",
-                    "bytes": nbytes / pieces,
-                    "count": count * pieces,
-                    "time_s": t * count,
-                }
-            )
-        return t * count
-
-    def tail(comm: float, nbytes: float) -> float:
-        return comm * min(1.0, BUCKET_BYTES / max(nbytes, 1.0))
-
-    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-    groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
-    m = cfg.microbatches
-    if cfg.zero == 0:
-        c = coll("all_reduce", grad_bytes, 1, buckets)
-        comm, exposed = c, max(c - t_bwd, tail(c, grad_bytes))
-    elif cfg.zero == 1:
-        rs = coll("reduce_scatter", grad_bytes, 1, buckets)
-        ag = coll("all_gather", param_bytes, 1, buckets)
-        comm, exposed = rs + ag, max(rs - t_bwd, tail(rs, grad_bytes)) + ag
-    elif cfg.zero == 2:
-        rs = coll("reduce_scatter", grad_bytes, m, buckets)
-        ag = coll("all_gather", param_bytes, 1, buckets)
-        comm = rs + ag
-        exposed = m * max(rs / m - t_bwd, tail(rs / m, grad_bytes)) + ag
-    else:
-        ag = coll("all_gather", param_bytes, 2 * m, groups)
-        rs = coll("reduce_scatter", grad_bytes, m, groups)
-        ag1, rs1 = ag / (2 * m), rs / m
-        comm = ag + rs
-        exposed = m * (
-            max(ag1 - t_fwd, tail(ag1, param_bytes)) + max(ag1 + rs1 - t_bwd, tail(ag1 + rs1, param_bytes))
-        )
-    if n == 1:
-        comm = exposed = 0.0
-
-    # ---- optimizer step: memory-bound over the local shard of optimizer state ----
-    local_opt = psi / (n if cfg.zero >= 1 else 1)
-    k = optimizer_bytes_per_param(precision, optimizer)
-    # reads grads + state + master, writes state + master + the forward copy of the params
-    opt_traffic = local_opt * (precision.grad_bytes + 2 * k + precision.param_bytes)
-    t_opt = opt_traffic / (device.hbm_bandwidth * efficiency.memory)
-
-    step = compute + exposed + t_opt
-
-    # ---- memory ----
-    states = model_state_bytes(psi, precision, optimizer, cfg.zero, n)
-    activations = (stats.saved_float_bytes * act_scale + stats.saved_other_bytes) * mb_scale
-    buffers = stats.peak_transient_bytes * act_scale * mb_scale
-    if n > 1 and cfg.zero < 3:
-        buffers += 2 * min(BUCKET_BYTES, grad_bytes)  # a bucket in flight while the next fills
-    if n > 1 and cfg.zero == 3:
-        # the gathered parameters of the module in use and of the one prefetched
-        buffers += 2 * precision.param_bytes * max(stats.largest_param_numel, psi / groups)
-    peak = states.total + activations + buffers
-    mem = MemoryEstimate(
-        params=states.params,
-        grads=states.grads,
-        optimizer=states.optimizer,
-        activations=activations,
-        buffers=buffers,
-        peak=peak,
+    comm, exposed = _data_parallel_comm(
+        stats, cfg, precision, cluster.axis_link(mesh, "dp"), t_fwd, t_bwd, collectives
     )
+    t_opt = _optimizer_time(stats.num_params, cfg, precision, optimizer, device.hbm_bandwidth * efficiency.memory)
+    step = compute + exposed + t_opt
+    mem = _memory(stats, cfg, precision, optimizer, act_scale, mb_scale)
 
     gbs = cfg.global_batch_size
     model_flops = stats.compute.total_flops / stats.batch_size * gbs
@@ -198,7 +126,7 @@ def estimate_config(
         hfu=mfu,  # this model recomputes nothing: the hardware runs the model's FLOPs
         memory=mem,
         memory_limit=memory_limit,
-        fits=peak <= memory_limit,
+        fits=mem.peak <= memory_limit,
         compute_s=compute,
         comm_s=comm,
         exposed_comm_s=exposed,
@@ -206,4 +134,110 @@ def estimate_config(
         model_flops=model_flops,
         hardware_flops=model_flops,
         collectives=collectives,
+    )
+
+
+def _dp_collective(
+    kind: str, nbytes: float, count: int, pieces: int, n: int, link, collectives: list[dict]
+) -> float:
+    """``count`` rounds of ``kind`` over ``nbytes`` on n dp ranks, each sent as ``pieces`` collectives
+    (buckets, layers); recorded in ``collectives``."""
+    t = pieces * collective_time(kind, nbytes / pieces, n, link)
+    if n > 1 and count > 0:
+        collectives.append(
+            {
+                "kind": kind,
+                "axis": "dp",
+                "bytes": nbytes / pieces,
+                "count": count * pieces,
+                "time_s": t * count,
+            }
+        )
+    return t * count
+
+
+def _tail(comm: float, nbytes: float) -> float:
+    """The last bucket's share of ``comm``: what no overlap with the backward can hide."""
+    return comm * min(1.0, BUCKET_BYTES / max(nbytes, 1.0))
+
+
+def _data_parallel_comm(
+    stats: GraphStats,
+    cfg: Config,
+    precision: Precision,
+    dp_link,
+    t_fwd: float,
+    t_bwd: float,
+    collectives: list[dict],
+) -> tuple[float, float]:
+    """(all, exposed) seconds of the data-parallel collectives of ``cfg``'s ZeRO stage, per step.
+
+    Gradients are reduced in buckets under the backward (ZeRO-2 and 3: each micro-batch);
+    ZeRO-3 gathers one module's parameters at a time, forward and backward.
+    """
+    psi, n, m = stats.num_params, cfg.dp, cfg.microbatches
+    grad_bytes = precision.grad_bytes * psi
+    param_bytes = precision.param_bytes * psi
+
+    def coll(kind: str, nbytes: float, count: int, pieces: int) -> float:
+        return _dp_collective(kind, nbytes, count, pieces, n, dp_link, collectives)
+
+    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+    groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
+    if cfg.zero == 0:
+        c = coll("all_reduce", grad_bytes, 1, buckets)
+        comm, exposed = c, max(c - t_bwd, _tail(c, grad_bytes))
+    elif cfg.zero == 1:
+        rs = coll("reduce_scatter", grad_bytes, 1, buckets)
+        ag = coll("all_gather", param_bytes, 1, buckets)
+        comm, exposed = rs + ag, max(rs - t_bwd, _tail(rs, grad_bytes)) + ag
+    elif cfg.zero == 2:
+        rs = coll("reduce_scatter", grad_bytes, m, buckets)
+        ag = coll("all_gather", param_bytes, 1, buckets)
+        comm = rs + ag
+        exposed = m * max(rs / m - t_bwd, _tail(rs / m, grad_bytes)) + ag
+    else:
+        ag = coll("all_gather", param_bytes, 2 * m, groups)
+        rs = coll("reduce_scatter", grad_bytes, m, groups)
+        ag1, rs1 = ag / (2 * m), rs / m
+        comm = ag + rs
+        exposed = m * (
+            max(ag1 - t_fwd, _tail(ag1, param_bytes)) + max(ag1 + rs1 - t_bwd, _tail(ag1 + rs1, param_bytes))
+        )
+    if n == 1:
+        comm = exposed = 0.0
+    return comm, exposed
+
+
+def _optimizer_time(psi: float, cfg: Config, precision: Precision, optimizer: str, mem_bw: float) -> float:
+    """The optimizer step: memory-bound over the local shard of optimizer state."""
+    local_opt = psi / (cfg.dp if cfg.zero >= 1 else 1)
+    k = optimizer_bytes_per_param(precision, optimizer)
+    # reads grads + state + master, writes state + master + the forward copy of the params
+    opt_traffic = local_opt * (precision.grad_bytes + 2 * k + precision.param_bytes)
+    return opt_traffic / mem_bw
+
+
+def _memory(
+    stats: GraphStats, cfg: Config, precision: Precision, optimizer: str, act_scale: float, mb_scale: float
+) -> MemoryEstimate:
+    """Per device: model states, one micro-batch's activations and transients, and collective buffers."""
+    psi, n = stats.num_params, cfg.dp
+    grad_bytes = precision.grad_bytes * psi
+    states = model_state_bytes(psi, precision, optimizer, cfg.zero, n)
+    activations = (stats.saved_float_bytes * act_scale + stats.saved_other_bytes) * mb_scale
+    buffers = stats.peak_transient_bytes * act_scale * mb_scale
+    if n > 1 and cfg.zero < 3:
+        buffers += 2 * min(BUCKET_BYTES, grad_bytes)  # a bucket in flight while the next fills
+    if n > 1 and cfg.zero == 3:
+        # the gathered parameters of the module in use and of the one prefetched
+        groups = max(1, stats.param_groups)
+        buffers += 2 * precision.param_bytes * max(stats.largest_param_numel, psi / groups)
+    return MemoryEstimate(
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        activations=activations,
+        buffers=buffers,
+        peak=states.total + activations + buffers,
     )

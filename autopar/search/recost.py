@@ -24,8 +24,11 @@ from autopar.cost_models.graph_cache import captured_with_stats
 from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import Cluster
 from autopar.plans.plan import Plan
-from autopar.search.sharding.mesh import AXES, evaluate, mesh_links
-from autopar.search.sharding.problem import ShardingProblem, build_problem, with_microbatches
+from autopar.search.sharding.answer import AXES, evaluate
+from autopar.search.sharding.derived import with_microbatches
+from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.mesh import mesh_links
+from autopar.search.sharding.problem import build_problem
 from autopar.search.sharding.recompute import apply_recompute
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import Solution

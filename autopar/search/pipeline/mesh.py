@@ -50,17 +50,18 @@ from autopar.search.pipeline.segments import (
     segment_figures,
 )
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
+from autopar.search.sharding.answer import evaluate
+from autopar.search.sharding.derived import restrict, with_microbatches
+from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.mesh import (
     MeshProblem,
     ShardingResult,
     both,
     describe_result,
-    evaluate,
     prepare_mesh,
     zero_filter,
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
-from autopar.search.sharding.problem import ShardingProblem, restrict, with_microbatches
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.solver import solve_strategies
 

@@ -12,13 +12,13 @@ a cut placed after the segment.  These are the numbers
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
-from autopar.search.sharding.problem import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
@@ -50,54 +50,118 @@ def segment_figures(
     micro-batch); compute and data movement are per step there, so they are divided
     by the micro-batch count here.
     """
-    m = microbatches
+    k = len(graph_segments)
+    seg_of = _segments_of_names(captured, graph_segments)
+    index_seg = [seg_of.get(name, k - 1) for name in sp.nodes]
+    f = _SegmentFigures.zeros(k)
+    _add_node_figures(f, captured, sp, choice, index_seg, microbatches)
+    _add_edge_figures(f, sp, choice, index_seg, microbatches)
+    _add_activation_memory(f, sp, choice, index_seg)
+    _add_boundary_bytes(f, captured, sp, choice, seg_of, mesh_shape, microbatches, activation_scale)
+    return [
+        Segment(
+            name=graph_segments[j].name,
+            forward_s=f.fwd[j],
+            backward_s=f.bwd[j],
+            saved_bytes=f.saved[j],
+            transient_bytes=f.trans[j],
+            state_bytes=f.states[j],
+            optimizer_s=f.opt[j],
+            grad_sync_s=f.sync[j],
+            boundary_bytes=f.boundary[j],
+            params=f.params[j],
+        )
+        for j in range(k)
+    ]
+
+
+@dataclass
+class _SegmentFigures:
+    """The figures of :class:`Segment`, one list entry per segment, as the helpers add them up."""
+
+    fwd: list[float]
+    bwd: list[float]
+    saved: list[float]
+    trans: list[float]
+    states: list[float]
+    opt: list[float]
+    sync: list[float]
+    params: list[int]
+    boundary: list[float]
+
+    @classmethod
+    def zeros(cls, k: int) -> _SegmentFigures:
+        return cls(*([0.0] * k for _ in range(7)), [0] * k, [0.0] * k)
+
+
+def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
+    """The segment of every node, placeholders in their first reader's."""
     seg_of = segment_of_nodes(captured, graph_segments)
-    gm = captured.gm
-    by_name = {n.name: n for n in gm.graph.nodes}
-    for n in gm.graph.nodes:  # placeholders belong to their first reader's segment
+    for n in captured.gm.graph.nodes:
         if n.op == "placeholder":
             readers = [seg_of[u.name] for u in n.users if u.name in seg_of]
             if readers:
                 seg_of[n.name] = min(readers)
-    k = len(graph_segments)
-    fwd, bwd, saved, trans = [0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k
-    states, opt, sync, params, boundary = [0.0] * k, [0.0] * k, [0.0] * k, [0] * k, [0.0] * k
+    return seg_of
+
+
+def _add_node_figures(
+    f: _SegmentFigures, captured: CapturedGraph, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
+) -> None:
+    """Node costs per micro-batch by phase; parameters' optimizer time, state bytes and element counts."""
     p = sp.problem
-    index_seg = [seg_of.get(name, k - 1) for name in sp.nodes]
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
     backward = set(sp.backward_nodes)
     param_nodes = set(sp.param_nodes)
     for i, c in enumerate(choice):
         t = p.node_costs[i][c]
         seg = index_seg[i]
         if i in param_nodes:
-            opt[seg] += t
+            f.opt[seg] += t
             parts = sp.state_parts.get(i)
-            states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
+            f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
             val = by_name[sp.nodes[i]].meta.get("val")
-            params[seg] += val.numel() if hasattr(val, "numel") else 0
+            f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
-            bwd[seg] += t / m
+            f.bwd[seg] += t / m
         else:
-            fwd[seg] += t / m
+            f.fwd[seg] += t / m
+
+
+def _add_edge_figures(
+    f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
+) -> None:
+    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch."""
+    p = sp.problem
+    backward = set(sp.backward_nodes)
     grad_edges = set(sp.grad_edges)
     for e, (u, v) in enumerate(p.edges):
         cost = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
         seg = index_seg[v]
         if e in grad_edges:
-            sync[seg] += cost
+            f.sync[seg] += cost
         elif v in backward:
-            bwd[seg] += cost / m
+            f.bwd[seg] += cost / m
         else:
-            fwd[seg] += cost / m
-    # memory per micro-batch: a value live across the forward/backward turn is kept for the backward.  The
-    # turn follows the last forward op: autograd's saved-tensor handles are backward nodes traced inside
-    # the forward (a detach where a value is saved), and the first of them is no turn
+            f.fwd[seg] += cost / m
+
+
+def _add_activation_memory(f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int]) -> None:
+    """Per micro-batch: the bytes kept across the forward/backward turn, and the peak of the rest.
+
+    A value live across the turn is kept for the backward. The turn follows the last
+    forward op: autograd's saved-tensor handles are backward nodes traced inside the
+    forward (a detach where a value is saved), and the first of them is no turn.
+    """
+    p = sp.problem
+    backward = set(sp.backward_nodes)
+    param_nodes = set(sp.param_nodes)
     not_forward = backward | param_nodes
     turn = max((p.node_intervals[i][0] for i in range(len(choice)) if i not in not_forward), default=-1) + 1
     n_nodes = len(p.node_costs)
     skip = {n_nodes + k for k in getattr(sp, "grad_items", ())}  # gradients: counted with the states
     item_node, intervals, item_memory = p.items()
-    events: list[dict[int, float]] = [{} for _ in range(k)]
+    events: list[dict[int, float]] = [{} for _ in f.trans]
     for idx, (v, (s, e), row) in enumerate(
         zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True)
     ):
@@ -108,7 +172,7 @@ def segment_figures(
             continue
         seg = index_seg[v]
         if s < turn < e and v not in backward:
-            saved[seg] += mem
+            f.saved[seg] += mem
         else:
             ev = events[seg]
             ev[s] = ev.get(s, 0.0) + mem
@@ -118,10 +182,22 @@ def segment_figures(
         for t in sorted(ev):
             live += ev[t]
             top = max(top, live)
-        trans[seg] = top
-    # bytes crossing each cut: forward values a later segment reads, local shards, per micro-batch
+        f.trans[seg] = top
+
+
+def _add_boundary_bytes(
+    f: _SegmentFigures,
+    captured: CapturedGraph,
+    sp: ShardingProblem,
+    choice: list[int],
+    seg_of: dict[str, int],
+    mesh_shape: tuple[int, ...],
+    m: int,
+    activation_scale: float,
+) -> None:
+    """Bytes crossing each cut: forward values a later segment reads, local shards, per micro-batch."""
     strategy_of = {name: sp.strategies[i][choice[i]] for i, name in enumerate(sp.nodes)}
-    for n in gm.graph.nodes:
+    for n in captured.gm.graph.nodes:
         if n.op == "placeholder" or n.name not in seg_of or n.meta.get("autopar_phase") != "forward":
             continue
         a = seg_of[n.name]
@@ -136,22 +212,7 @@ def segment_figures(
         placement = s.outputs[0] if s is not None and s.outputs else None
         local = nbytes / (shard_factor(placement, mesh_shape) if placement is not None else 1) / m
         for j in range(a, b):
-            boundary[j] += local
-    return [
-        Segment(
-            name=graph_segments[j].name,
-            forward_s=fwd[j],
-            backward_s=bwd[j],
-            saved_bytes=saved[j],
-            transient_bytes=trans[j],
-            state_bytes=states[j],
-            optimizer_s=opt[j],
-            grad_sync_s=sync[j],
-            boundary_bytes=boundary[j],
-            params=params[j],
-        )
-        for j in range(k)
-    ]
+            f.boundary[j] += local
 
 
 def microbatch_counts(local_batch: int, pp: int, fixed: int | None) -> list[int]:

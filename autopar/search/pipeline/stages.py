@@ -173,6 +173,58 @@ def untie_across_stages(
     read by one stage, or whose gradient is not a plain sum over its uses,
     is left alone (its gradient then travels between stages like any value).
     """
+    plan = _parameters_to_untie(captured, stage_of)
+    if not plan:
+        return captured, placements, stage_of, []
+
+    new_gm = _copy_graph_module(captured.gm)
+    g = new_gm.graph
+    nodes = {n.name: n for n in g.nodes}
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    loss, grads, updates = graph_results(g, len(captured.params))
+    placements = dict(placements)
+    stage_of = dict(stage_of)
+    params = list(captured.params)
+    ties: list[list[tuple[str, int]]] = []
+    last_ph = [n for n in g.nodes if n.op == "placeholder"][len(captured.params) - 1]
+    for i, info, users_by_stage, by_stage in plan:
+        ph = nodes[info.placeholder]
+        stages = sorted(users_by_stage)
+        tie = [(info.placeholder, stages[0])]
+        ties.append(tie)
+        for k, s in enumerate(stages):
+            addends = [nodes[leaf.name] for leaf in by_stage[s]]
+            total = _stage_gradient(g, out_node, addends, s, stage_of, placements)
+            if k == 0:
+                grads[i] = total
+                continue
+            with g.inserting_after(last_ph):
+                twin = g.placeholder(f"{info.placeholder}_stage{s}")
+            twin.meta = copy.copy(ph.meta)
+            last_ph = twin
+            for u in users_by_stage[s]:
+                nodes[u.name].replace_input_with(ph, twin)
+            entry = copy.deepcopy(placements[info.placeholder])
+            placements[twin.name] = entry
+            tie.append((twin.name, s))
+            params.append(TensorInfo(info.name, twin.name, info.shape, info.dtype))
+            grads.append(total)
+    out_node.args = ((loss, *grads, *updates),)
+    g.eliminate_dead_code()
+    _order_placeholders(g, params, captured)
+    g.lint()
+    new_gm.recompile()
+    new = dataclasses.replace(captured, gm=new_gm, params=params)
+    return new, placements, stage_of, ties
+
+
+def _parameters_to_untie(
+    captured: CapturedGraph, stage_of: dict[str, int]
+) -> list[tuple[int, TensorInfo, dict[int, list[fx.Node]], dict[int, list[fx.Node]]]]:
+    """The parameters read by several stages whose gradient is a sum with one set of addends per such stage.
+
+    Each as (index, parameter, its readers per stage, its gradient's addends per stage).
+    """
     gm = captured.gm
     _, grads, _ = graph_results(gm, len(captured.params))
     plan: list[tuple[int, TensorInfo, dict[int, list[fx.Node]], dict[int, list[fx.Node]]]] = []
@@ -195,57 +247,33 @@ def untie_across_stages(
         if set(by_stage) != set(users_by_stage):
             continue
         plan.append((i, info, users_by_stage, by_stage))
-    if not plan:
-        return captured, placements, stage_of, []
+    return plan
 
-    new_gm = _copy_graph_module(gm)
-    g = new_gm.graph
-    nodes = {n.name: n for n in g.nodes}
-    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
-    loss, grads, updates = graph_results(g, len(captured.params))
-    placements = dict(placements)
-    stage_of = dict(stage_of)
-    params = list(captured.params)
-    ties: list[list[tuple[str, int]]] = []
-    last_ph = [n for n in g.nodes if n.op == "placeholder"][len(captured.params) - 1]
-    for i, info, users_by_stage, by_stage in plan:
-        ph = nodes[info.placeholder]
-        stages = sorted(users_by_stage)
-        tie = [(info.placeholder, stages[0])]
-        ties.append(tie)
-        for k, s in enumerate(stages):
-            addends = [nodes[leaf.name] for leaf in by_stage[s]]
-            with g.inserting_before(out_node):
-                total = addends[0]
-                for a in addends[1:]:
-                    total = g.call_function(aten.add.Tensor, (total, a))
-                    total.meta = copy.copy(addends[0].meta)
-                    stage_of[total.name] = s
-                    placements[total.name] = copy.deepcopy(placements.get(addends[0].name, {}))
-            if k == 0:
-                grads[i] = total
-                continue
-            with g.inserting_after(last_ph):
-                twin = g.placeholder(f"{info.placeholder}_stage{s}")
-            twin.meta = copy.copy(ph.meta)
-            last_ph = twin
-            for u in users_by_stage[s]:
-                nodes[u.name].replace_input_with(ph, twin)
-            entry = copy.deepcopy(placements[info.placeholder])
-            placements[twin.name] = entry
-            tie.append((twin.name, s))
-            params.append(TensorInfo(info.name, twin.name, info.shape, info.dtype))
-            grads.append(total)
-    out_node.args = ((loss, *grads, *updates),)
-    g.eliminate_dead_code()
-    # placeholders: parameters (originals, then copies), buffers, inputs — the order CapturedGraph promises
+
+def _stage_gradient(
+    g: fx.Graph,
+    out_node: fx.Node,
+    addends: list[fx.Node],
+    stage: int,
+    stage_of: dict[str, int],
+    placements: dict[str, dict],
+) -> fx.Node:
+    """One stage's part of a parameter's gradient: the sum of its addends, added in that stage."""
+    with g.inserting_before(out_node):
+        total = addends[0]
+        for a in addends[1:]:
+            total = g.call_function(aten.add.Tensor, (total, a))
+            total.meta = copy.copy(addends[0].meta)
+            stage_of[total.name] = stage
+            placements[total.name] = copy.deepcopy(placements.get(addends[0].name, {}))
+    return total
+
+
+def _order_placeholders(g: fx.Graph, params: list[TensorInfo], captured: CapturedGraph) -> None:
+    """Placeholders in the order CapturedGraph promises: parameters (originals, then copies), buffers, inputs."""
     order = [p.placeholder for p in params] + [b.placeholder for b in captured.buffers]
     order += [x.placeholder for x in captured.inputs]
     by_name = {n.name: n for n in g.nodes if n.op == "placeholder"}
     first_op = next(n for n in g.nodes if n.op != "placeholder")
     for name in order:  # each goes right before the first op, after those placed before it
         first_op.prepend(by_name[name])
-    g.lint()
-    new_gm.recompile()
-    new = dataclasses.replace(captured, gm=new_gm, params=params)
-    return new, placements, stage_of, ties

@@ -33,10 +33,11 @@ from autopar.core.mesh import SHARDING_AXES as AXES
 from autopar.core.module_paths import layer_key
 
 if TYPE_CHECKING:
+    from autopar.search.sharding.instance import ShardingProblem
     from autopar.search.sharding.mesh import ShardingResult
 
 RECORDS_FORMAT = 1
-# the sharding problem marks a forbidden resharding with this cost (seconds); see sharding_problem.FORBIDDEN_S
+# the sharding problem marks a forbidden resharding with this cost (seconds): problem.FORBIDDEN_S
 _FORBIDDEN_S = 1e6
 # a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain
 _TIE_RTOL = 1e-6
@@ -92,59 +93,16 @@ def explain_records(
     }
     if not choice:
         return base
-    p = sp.problem
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     param_of = {t.placeholder: t.name for t in captured.params}
-
-    incident: list[list[int]] = [[] for _ in sp.nodes]
-    for e, (u, v) in enumerate(p.edges):
-        incident[u].append(e)
-        if v != u:
-            incident[v].append(e)
-
-    colls: dict[str, list[dict[str, Any]]] = {}
-    for c in res.charged:
-        rec = {
-            "kind": c["kind"],
-            "axis": c["axis"],
-            "bytes": _r(c["bytes"]),
-            "from": c["from"],
-            "to": c["to"],
-            "reason": c["reason"],
-        }
-        colls.setdefault(c["from"], []).append(rec)
-        if c["to"] != c["from"]:
-            colls.setdefault(c["to"], []).append(rec)
-
-    # repeated layers: one record per group, the first member in graph order speaks for the others
-    rep_of: dict[int, int] = {}
-    copies: dict[int, int] = {}
-    for group in p.groups or []:
-        members = sorted(group)
-        for m in members:
-            rep_of[m] = members[0]
-        copies[members[0]] = len(members)
-
-    def matters(i: int) -> bool:
-        name = sp.nodes[i]
-        return name in param_of or sp.flops[i] > 0 or name in colls
-
-    wanted: dict[int, None] = {}
-    same_as: dict[str, str] = {}
-    for i, name in enumerate(sp.nodes):
-        rep = rep_of.get(i, i)
-        if not (matters(i) or (rep != i and matters(rep))):
-            continue
-        if rep != i:
-            same_as[name] = sp.nodes[rep]
-        wanted[rep] = None
-
-    order = sorted(wanted, key=lambda i: (sp.nodes[i] not in param_of, -sp.flops[i], i))
+    colls = _collectives_by_node(res)
+    rep_of, copies = _group_representatives(sp.problem.groups)
+    order, same_as = _nodes_to_record(sp, param_of, colls, rep_of)
     kept = order[:limit]
     kept_names = {sp.nodes[i] for i in kept}
     base["dropped"] = len(order) - len(kept)
     base["same_as"] = {k: v for k, v in same_as.items() if v in kept_names}
-    ctx = _Context(res, choice, incident, copies)
+    ctx = _Context(res, choice, _incident_edges(sp), copies)
     for i in sorted(kept):
         name = sp.nodes[i]
         node = by_name.get(name)
@@ -165,6 +123,75 @@ def explain_records(
         base["records"][name] = dict(sorted(rec.items()))
     _fold_identical(base)
     return base
+
+
+def _incident_edges(sp: ShardingProblem) -> list[list[int]]:
+    """Per problem node, the edges that touch it."""
+    incident: list[list[int]] = [[] for _ in sp.nodes]
+    for e, (u, v) in enumerate(sp.problem.edges):
+        incident[u].append(e)
+        if v != u:
+            incident[v].append(e)
+    return incident
+
+
+def _collectives_by_node(res: ShardingResult) -> dict[str, list[dict[str, Any]]]:
+    """The charged collectives, each under the node it comes from and the node it goes to."""
+    colls: dict[str, list[dict[str, Any]]] = {}
+    for c in res.charged:
+        rec = {
+            "kind": c["kind"],
+            "axis": c["axis"],
+            "bytes": _r(c["bytes"]),
+            "from": c["from"],
+            "to": c["to"],
+            "reason": c["reason"],
+        }
+        colls.setdefault(c["from"], []).append(rec)
+        if c["to"] != c["from"]:
+            colls.setdefault(c["to"], []).append(rec)
+    return colls
+
+
+def _group_representatives(groups: list[list[int]] | None) -> tuple[dict[int, int], dict[int, int]]:
+    """Repeated layers: one record per group, the first member in graph order speaking for the others.
+
+    Returns each grouped node's representative, and each representative's group size.
+    """
+    rep_of: dict[int, int] = {}
+    copies: dict[int, int] = {}
+    for group in groups or []:
+        members = sorted(group)
+        for m in members:
+            rep_of[m] = members[0]
+        copies[members[0]] = len(members)
+    return rep_of, copies
+
+
+def _nodes_to_record(
+    sp: ShardingProblem, param_of: dict[str, str], colls: dict[str, list], rep_of: dict[int, int]
+) -> tuple[list[int], dict[str, str]]:
+    """The nodes worth a record, most telling first (parameters, then by FLOPs), and who they speak for.
+
+    A node is worth one when it is a parameter, computes, or communicates (itself or
+    a member of its group); a group member is recorded through its representative.
+    """
+
+    def matters(i: int) -> bool:
+        name = sp.nodes[i]
+        return name in param_of or sp.flops[i] > 0 or name in colls
+
+    wanted: dict[int, None] = {}
+    same_as: dict[str, str] = {}
+    for i, name in enumerate(sp.nodes):
+        rep = rep_of.get(i, i)
+        if not (matters(i) or (rep != i and matters(rep))):
+            continue
+        if rep != i:
+            same_as[name] = sp.nodes[rep]
+        wanted[rep] = None
+    order = sorted(wanted, key=lambda i: (sp.nodes[i] not in param_of, -sp.flops[i], i))
+    return order, same_as
 
 
 def _fold_identical(base: dict[str, Any]) -> None:

@@ -1,12 +1,7 @@
-"""Sharding search on one mesh, and the costing of a chosen answer.
+"""Sharding search over the dp × tp meshes of a cluster, one mesh's problem solved at a time.
 
-strategies → MILP instance → solve → per-node placements + an Estimate.
-
-The Estimate reads the chosen strategies back through the same cost terms
-the MILP minimised, then adds what the linear objective cannot express:
-gradient synchronisation overlaps the backward pass (bucketed, as DDP
-does), so only the part of it that outlasts the backward compute, or the
-last bucket, is exposed. Baseline layouts (pure data parallel, ZeRO-3
+strategies → MILP instance → solve → per-node placements + an Estimate
+(:mod:`autopar.search.sharding.answer` costs a chosen answer). Baseline layouts (pure data parallel, ZeRO-3
 style parameter sharding, Megatron-style tensor parallel) are costed by
 the same code with the parameters' placements restricted, so every
 comparison uses one model.
@@ -22,28 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
-from autopar.capture.joint import CapturedGraph, node_module, node_phase
+from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.core.heap import long_lived_heap
 from autopar.core.mesh import SHARDING_AXES as AXES
-from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import ComputeEfficiency, is_view
+from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.memory import Precision
-from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Cluster, MeshShape
-from autopar.search.sharding.coarsen import repeated_groups
+from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
+from autopar.search.sharding.derived import restrict, with_microbatches
+from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
-from autopar.search.sharding.problem import (
-    ShardingProblem,
-    build_problem,
-    charged_collectives,
-    restrict,
-    with_microbatches,
-)
-from autopar.search.sharding.recompute import recomputed
+from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
@@ -131,16 +117,7 @@ def prepare_mesh(
         microbatches=1,
         recompute=recompute,
     )
-    index = {name: i for i, name in enumerate(sp.nodes)}
-    options = {name: sp.strategies[i] for name, i in index.items()}
-    groups = repeated_groups(captured.gm, set(index), lambda a, b, o=options: o[a] == o[b])
-    # a replayed op runs as its original is placed (the runtime copies the original's entry): one choice
-    groups += [
-        [clone, source]
-        for clone, source in recomputed(captured).items()
-        if clone in index and source in index and options[clone] == options[source]
-    ]
-    sp.problem.groups = [[index[n] for n in g] for g in groups] or None
+    sp.problem.groups = repeated_layer_groups(captured.gm, sp)
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
     return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
@@ -168,94 +145,143 @@ def solve_prepared(
     when the parameters' states alone are over the limit. ``unfit``: micro-batch counts known not
     to fit (``ShardingResult.unfit`` of a less restricted solve of ``mp``), not tried again.
     """
-    captured, shape = mp.captured, (mp.mesh.dp, mp.mesh.tp)
-    local = captured.batch_size // mp.mesh.dp
-    deadline = time.perf_counter() + time_limit_s
-    solve_s = 0.0
+    counts = _microbatch_counts(mp, microbatches)
+    restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
+    run = _Solves(mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak)
+    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
+    solution, m, sp = None, counts[0], mp.sp
+    proven = set(unfit)  # counts that cannot fit
+    if not least_peak:
+        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
+        if states > mp.memory_limit * (1 + MEMORY_RTOL):
+            solution = _no_answer(min_peak_memory=states)
+    tries = [k for k in counts if k not in proven]
+    if solution is None and not tries:
+        solution = _no_answer()
+    if solution is None:
+        solution, m, sp = _fewest_microbatches(run, counts, tries, proven, states)
+    if not solution.choice and m != counts[-1] and least_peak:
+        # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
+        solution, m, sp = run.least_peak(counts[-1])
+    mp.timings["solve_s"] += run.solve_s
+    estimate = evaluate(
+        sp, solution, run.shape, mp.cluster, mp.captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
+    )
+    res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": run.solve_s})
+    res.unfit = frozenset(proven)
+    if describe:
+        describe_result(mp.captured, res)
+    return res
+
+
+def _microbatch_counts(mp: MeshProblem, microbatches: int | None) -> list[int]:
+    """The micro-batch counts to try on ``mp``, fewest first: the divisors of the local batch (or the one given)."""
+    local = mp.captured.batch_size // mp.mesh.dp
     counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
     if not counts:
         raise PlanError(
             f"the local batch {local} on mesh {mp.mesh} does not split into {microbatches} micro-batches"
         )
-    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
-    solution, m, sp = None, counts[0], mp.sp
-    proven = set(unfit)  # counts that cannot fit
-    restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
-    if not least_peak:
-        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
-        if states > mp.memory_limit * (1 + MEMORY_RTOL):
-            solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory": states})
-            solution.stats["min_peak_memory_exact"] = False
-    tries = [k for k in counts if k not in proven]
-    if solution is None and not tries:
-        solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False})
+    return counts
 
-    def left() -> float:
-        return max(deadline - time.perf_counter(), 1.0)
 
-    def fitted(sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
+def _no_answer(**stats: float) -> Solution:
+    """An infeasible solution proven without a solve (``stats``: what is known of the least peak)."""
+    return Solution([], math.inf, "infeasible", None, 0.0, "bound", {**stats, "min_peak_memory_exact": False})
+
+
+@dataclass
+class _Solves:
+    """The solves of one :func:`solve_prepared` call: ``mp`` under one restriction, against one deadline."""
+
+    mp: MeshProblem
+    allowed: Callable[[str, Strategy], bool] | None
+    restricted: StrategyProblem | None  # mp's problem with what ``allowed`` rejects forbidden
+    deadline: float
+    bound: bool
+    exact_peak: bool
+    solve_s: float = 0.0  # seconds spent solving so far
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.mp.mesh.dp, self.mp.mesh.tp)
+
+    def left(self) -> float:
+        return max(self.deadline - time.perf_counter(), 1.0)
+
+    def at(self, k: int) -> tuple[ShardingProblem, StrategyProblem]:
+        """The problem at ``k`` micro-batches, restricted as this call's strategies are."""
+        sp = with_microbatches(self.mp.sp, k)
+        return sp, sp.problem if self.restricted is None else _microbatched(self.restricted, sp.problem)
+
+    def fitted(self, sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
         """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
 
         def again(p: StrategyProblem) -> Solution:
-            return solve_strategies(p, time_limit_s=left(), bound=False)
+            return solve_strategies(p, time_limit_s=self.left(), bound=False)
 
-        raw = solve_strategies(problem, time_limit_s=left(), bound=bound_work, exact_peak=least_peak)
-        return raw, _fit_exactly(sp, problem, raw, shape, mp.memory_limit, again)
+        raw = solve_strategies(problem, time_limit_s=self.left(), bound=bound_work, exact_peak=self.exact_peak)
+        return raw, _fit_exactly(sp, problem, raw, self.shape, self.mp.memory_limit, again)
 
-    for k in tries if solution is None else ():
-        if (
-            solution is not None
-            and states is not None
-            and not _may_fit(solution, m, k, states, mp.memory_limit)
-        ):
-            if not _may_fit(solution, m, counts[-1], states, mp.memory_limit):
+    def solve_count(self, k: int) -> tuple[ShardingProblem, StrategyProblem, Solution, Solution, bool]:
+        """Solve at ``k`` micro-batches: (problem, solved problem, raw answer, fitted answer, give up).
+
+        An answer whose placements split the batch over more ranks than 1/k of it holds is
+        solved again without such placements; if that one does too, no count is worth trying
+        (more micro-batches would only make them worse): give up.
+        """
+        start = time.perf_counter()
+        captured, shape = self.mp.captured, self.shape
+        sp, problem = self.at(k)
+        raw, solution = self.fitted(sp, problem, self.bound)
+        give_up = False
+        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", self.mp.mesh, k)
+            divides = microbatch_filter(captured, shape, k)
+            narrow = divides if self.allowed is None else both(self.mp.sp, self.allowed, divides)
+            problem = restrict(sp.problem, sp, narrow)
+            _, solution = self.fitted(sp, problem, False)
+            if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
+                solution, give_up = _no_answer(), True
+        self.solve_s += time.perf_counter() - start
+        return sp, problem, raw, solution, give_up
+
+    def least_peak(self, k: int) -> tuple[Solution, int, ShardingProblem]:
+        """A quick solve at ``k`` micro-batches, for the least peak memory it reports."""
+        start = time.perf_counter()
+        sp, problem = self.at(k)
+        solution = solve_strategies(problem, time_limit_s=1.0, bound=False)
+        self.solve_s += time.perf_counter() - start
+        return solution, k, sp
+
+
+def _fewest_microbatches(
+    run: _Solves, counts: list[int], tries: list[int], proven: set[int], states: float | None
+) -> tuple[Solution, int, ShardingProblem]:
+    """The answer at the fewest micro-batch counts of ``tries`` that fits, or the last one tried.
+
+    Counts proven not to fit are added to ``proven``; a count the least-peak bound
+    (:func:`_may_fit`) rules out is not solved.
+    """
+    limit = run.mp.memory_limit
+    solution, m, sp = None, counts[0], run.mp.sp
+    for k in tries:
+        if solution is not None and states is not None and not _may_fit(solution, m, k, states, limit):
+            if not _may_fit(solution, m, counts[-1], states, limit):
                 proven.update(c for c in counts if c >= k)
                 break  # the bound falls as k grows: if the most micro-batches cannot fit, none can
             proven.add(k)
             continue
-        t = time.perf_counter()
-        sp = with_microbatches(mp.sp, k)
-        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
-        raw, solution = fitted(sp, problem, bound)
+        sp, problem, raw, solution, give_up = run.solve_count(k)
         if raw.status == "infeasible":  # proven (an answer not found in time is "unknown")
             proven.add(k)
-        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
-            # a placement splits the batch over more ranks than 1/k of it holds: solve again without such
-            # placements (more micro-batches would only make them worse)
-            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", mp.mesh, k)
-            divides = microbatch_filter(captured, shape, k)
-            narrow = divides if allowed is None else both(mp.sp, allowed, divides)
-            problem = restrict(sp.problem, sp, narrow)
-            _, solution = fitted(sp, problem, False)
-            if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
-                solution = Solution(
-                    [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
-                )
-                m = k
-                solve_s += time.perf_counter() - t
-                break
         m = k
-        solve_s += time.perf_counter() - t
-        if solution.choice:
+        if give_up or solution.choice:
             break
         if states is None:
             states = sum(_least_memory(problem, i) for i in sp.param_nodes)
-    if not solution.choice and m != counts[-1] and least_peak:
-        # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
-        t = time.perf_counter()
-        sp = with_microbatches(mp.sp, counts[-1])
-        problem = sp.problem if restricted is None else _microbatched(restricted, sp.problem)
-        solution, m = solve_strategies(problem, time_limit_s=1.0, bound=False), counts[-1]
-        solve_s += time.perf_counter() - t
-    mp.timings["solve_s"] += solve_s
-    estimate = evaluate(
-        sp, solution, shape, mp.cluster, captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
-    )
-    res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": solve_s})
-    res.unfit = frozenset(proven)
-    if describe:
-        describe_result(captured, res)
-    return res
+    assert solution is not None
+    return solution, m, sp
 
 
 def _fit_exactly(
@@ -413,162 +439,6 @@ def solve_mesh(
     return res
 
 
-def describe_collectives(
-    captured: CapturedGraph, sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]
-) -> list[dict[str, Any]]:
-    """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
-    by_name = {n.name: n for n in captured.gm.graph.nodes}
-    params = {p.placeholder for p in captured.params}
-    for n in captured.gm.graph.nodes:  # a view of a parameter (its transpose) moves the parameter
-        if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].name in params:
-            params.add(n.name)
-    out = []
-    for c in charged_collectives(sp, choice, mesh_shape):
-        src = by_name[c["from"]]
-        out.append(
-            {
-                "kind": c["kind"],
-                "axis": AXES[c["mesh_dim"]],
-                "bytes": c["bytes"],
-                "from": c["from"],
-                "to": c["to"],
-                "reason": c["reason"],
-                "from_module": node_module(src),
-                "to_module": node_module(by_name[c["to"]]),
-                "phase": src.meta.get("autopar_phase", ""),
-                "from_param": c["from"] in params,
-            }
-        )
-    return out
-
-
-def evaluate(
-    sp: ShardingProblem,
-    solution: Solution,
-    mesh_shape: tuple[int, ...],
-    cluster: Cluster,
-    batch: int,
-    memory_limit: float,
-    links: list,
-    compute_dtype: str = "bf16",
-) -> Estimate:
-    """Step time, memory and collectives of the chosen strategies."""
-    choice = solution.choice
-    if not choice:
-        return Estimate(step_time_s=float("inf"), memory_limit=memory_limit, fits=False)
-    p = sp.problem
-    node_time = [p.node_costs[i][c] for i, c in enumerate(choice)]
-    param_idx = set(sp.param_nodes)
-    compute = sum(t for i, t in enumerate(node_time) if i not in param_idx)
-    # forward ops run again in the backward: op-level variants (charged twice) and replaying nodes
-    recomputed = [i for i, c in enumerate(choice) if sp.strategies[i][c].recompute]
-    replayed = set(sp.replayed)
-    recompute_s = sum(node_time[i] / 2 for i in recomputed) + sum(node_time[i] for i in replayed)
-    zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
-    optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
-    backward = sum(node_time[i] for i in sp.backward_nodes)
-    grad = set(sp.grad_edges)
-    data_comm = grad_comm = 0.0
-    grad_bytes = 0.0
-    for e, (u, v) in enumerate(p.edges):
-        c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
-        if e in grad:
-            grad_comm += c
-            grad_bytes += sp.edge_info[e][3]
-        else:
-            data_comm += c
-    tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
-    # ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
-    exposed = data_comm + max(grad_comm - backward, tail) + zero_gather
-    step = compute + exposed + optimizer_s
-
-    memory = step_memory(sp, choice, mesh_shape)
-    peak = memory.peak
-    collectives = _aggregate(charged_collectives(sp, choice, mesh_shape), mesh_shape, links)
-    devices = 1
-    for n in mesh_shape:
-        devices *= n
-    flops = sum(f for i, f in enumerate(sp.flops) if i not in replayed)  # the model's: recompute not counted
-    hardware = sum(sp.flops) + sum(sp.flops[i] for i in recomputed)
-    rate = step * devices * cluster.device_spec.peak_flops[compute_dtype]
-    return Estimate(
-        step_time_s=step,
-        samples_per_s=batch / step if step > 0 else 0.0,
-        mfu=flops / rate if step > 0 else 0.0,
-        hfu=hardware / rate if step > 0 else 0.0,
-        memory=memory,
-        memory_limit=memory_limit,
-        fits=peak <= memory_limit,
-        compute_s=compute,
-        comm_s=data_comm + grad_comm + zero_gather,
-        exposed_comm_s=exposed,
-        optimizer_s=optimizer_s,
-        recompute_s=recompute_s,
-        model_flops=flops,
-        hardware_flops=hardware,
-        collectives=collectives,
-    )
-
-
-def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
-    """Collectives per (kind, mesh axis): how many, average bytes, total time."""
-    agg: dict[tuple[str, str], dict] = {}
-    for r in records:
-        d = r["mesh_dim"]
-        key = (r["kind"], AXES[d])
-        a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
-        a["bytes"] += r["bytes"]
-        a["count"] += 1
-        a["time_s"] += collective_time(r["kind"], r["bytes"], mesh_shape[d], links[d])
-    for a in agg.values():
-        a["bytes"] = a["bytes"] / max(a["count"], 1)  # bytes each, on average
-    return sorted(agg.values(), key=lambda a: (a["axis"], a["kind"]))
-
-
-def read_placements(
-    captured: CapturedGraph, sp: ShardingProblem, choice: list[int]
-) -> dict[str, dict[str, Any]]:
-    """Per node: op, module, chosen output placements and the placements its inputs are brought to."""
-    by_name = {n.name: n for n in captured.gm.graph.nodes}
-    param_of = {p.placeholder: p.name for p in captured.params}
-    out = {}
-    for i, name in enumerate(sp.nodes):
-        s = sp.strategies[i][choice[i]]
-        node = by_name[name]
-        out[name] = {
-            "op": str(node.target) if node.op == "call_function" else node.op,
-            "module": node_module(node),
-            "outputs": [list(p) if p is not None else None for p in s.outputs],
-            "inputs": [list(p) if p is not None else None for p in s.inputs],
-        }
-        if s.recompute:
-            out[name]["recompute"] = "selective"
-        if name in param_of:
-            out[name]["param"] = param_of[name]
-            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim] == "R":
-                out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
-    _recompute_views(captured, out)
-    return out
-
-
-def _recompute_views(captured: CapturedGraph, placements: dict[str, dict[str, Any]]) -> None:
-    """Mark the forward views of a recomputed value that the backward reads: kept, they would keep it."""
-    base: dict[str, str] = {}
-    for node in captured.gm.graph.nodes:
-        src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        if src is None or not is_view(node) or node_phase(node) == "backward":
-            continue
-        root = base.get(src.name, src.name)
-        base[node.name] = root
-        entry = placements.get(node.name)
-        if (
-            entry is not None
-            and placements.get(root, {}).get("recompute")
-            and any(node_phase(u) == "backward" for u in node.users)
-        ):
-            entry["recompute"] = "selective"
-
-
 def flat_tp_sizes(
     cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None, microbatches: int | None = None
 ) -> list[int]:
@@ -629,8 +499,6 @@ def search_meshes(
         sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
     results = []
     per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
-    params = {p.placeholder: p.name for p in captured.params}
-    conv1d = captured.model_name.startswith("GPT2")
     for k, t in enumerate(sizes):
         late = deadline is not None and time.perf_counter() > deadline
         if late and (not require_one or any(r.estimate.fits for r in results)):
@@ -638,35 +506,7 @@ def search_meshes(
             break
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
-        fixed = zero_filter(mp.sp, zero) if zero is not None else None
-        # no solve spends time on a bound here: only the chosen mesh's gap is worth one (below)
-        solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
-        plain = res = solve(per_mesh, allowed=fixed) if milp else None
-        # seeds guard the MILP's time limit, and the estimate's overlap of gradient synchronisation with
-        # the backward, which the MILP's linear objective does not see
-        kinds = seeds_for(t, list(params.values()))
-        if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
-            plain = res = solve(per_mesh, allowed=fixed)
-        for kind in kinds:
-            seed = seed_filter(kind, params, conv1d)
-            seeded = solve(
-                per_mesh / 2,
-                allowed=seed if fixed is None else both(mp.sp, seed, fixed),
-                least_peak=False,
-                unfit=plain.unfit if plain is not None else frozenset(),
-            )
-            if res is None or (
-                seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
-            ):
-                if plain is not None:
-                    log.info("mesh %s: the %s layout beats the MILP's answer", mesh, kind)
-                seeded.source, seeded.milp = kind, plain
-                res = seeded
-        if plain is not None and res is not plain:
-            _against_bound(
-                res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches
-            )
-        res.timings = dict(mp.timings)
+        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -681,19 +521,66 @@ def search_meshes(
     if best is not None:
         describe_result(captured, best)
         if best.solution.status != "optimal":
-            # the gap of the answer kept, against the best bound on the unrestricted problem: the MILP's,
-            # or its relaxation's (memory dropped, so valid at any number of micro-batches)
-            unrestricted = best.milp or best
-            start = time.perf_counter()
-            lower = lower_bound(unrestricted.sp.problem, time_limit_s=min(1.0, 0.05 * time_limit_s))
-            elapsed = time.perf_counter() - start
-            best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
-            log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
-            milp_lower = unrestricted.solution.stats.get("lower_bound")
-            if milp_lower is not None and unrestricted.microbatches == best.microbatches:
-                lower = max(lower, milp_lower)
-            _against_bound(best, lower, True)
+            _bound_gap(best, time_limit_s)
     return best, results
+
+
+def _best_on_mesh(
+    mp: MeshProblem, time_limit_s: float, zero: int | None, milp: bool, microbatches: int | None
+) -> ShardingResult:
+    """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
+
+    Seeds guard the MILP's time limit, and the estimate's overlap of gradient
+    synchronisation with the backward, which the MILP's linear objective does not see.
+    """
+    captured = mp.captured
+    params = {p.placeholder: p.name for p in captured.params}
+    conv1d = captured.model_name.startswith("GPT2")
+    fixed = zero_filter(mp.sp, zero) if zero is not None else None
+    # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
+    solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
+    plain = res = solve(time_limit_s, allowed=fixed) if milp else None
+    kinds = seeds_for(mp.mesh.tp, list(params.values()))
+    if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
+        plain = res = solve(time_limit_s, allowed=fixed)
+    for kind in kinds:
+        seed = seed_filter(kind, params, conv1d)
+        seeded = solve(
+            time_limit_s / 2,
+            allowed=seed if fixed is None else both(mp.sp, seed, fixed),
+            least_peak=False,
+            unfit=plain.unfit if plain is not None else frozenset(),
+        )
+        if res is None or (
+            seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
+        ):
+            if plain is not None:
+                log.info("mesh %s: the %s layout beats the MILP's answer", mp.mesh, kind)
+            seeded.source, seeded.milp = kind, plain
+            res = seeded
+    assert res is not None
+    if plain is not None and res is not plain:
+        _against_bound(res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches)
+    res.timings = dict(mp.timings)
+    return res
+
+
+def _bound_gap(best: ShardingResult, time_limit_s: float) -> None:
+    """The gap of the answer kept, against the best bound on the unrestricted problem.
+
+    That is the MILP's, or its relaxation's (memory dropped, so valid at any number of
+    micro-batches), whichever is higher.
+    """
+    unrestricted = best.milp or best
+    start = time.perf_counter()
+    lower = lower_bound(unrestricted.sp.problem, time_limit_s=min(1.0, 0.05 * time_limit_s))
+    elapsed = time.perf_counter() - start
+    best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
+    log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
+    milp_lower = unrestricted.solution.stats.get("lower_bound")
+    if milp_lower is not None and unrestricted.microbatches == best.microbatches:
+        lower = max(lower, milp_lower)
+    _against_bound(best, lower, True)
 
 
 def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -> None:

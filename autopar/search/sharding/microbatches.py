@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from autopar.capture.joint import CapturedGraph
 from autopar.core.placements import shard_dim
-from autopar.search.sharding.problem import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem
 
 
 def microbatch_divides(

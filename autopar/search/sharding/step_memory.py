@@ -45,10 +45,10 @@ from autopar.core.placements import shard_dim
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import MemoryEstimate
 from autopar.cost_models.reshard import collectives_between, grad_sync_steps, shard_factor
+from autopar.search.sharding.instance import ShardingProblem
 
 if TYPE_CHECKING:
     from autopar.capture.joint import CapturedGraph
-    from autopar.search.sharding.problem import ShardingProblem
 
 Item = tuple[int, tuple[int, int], list[float]]
 
@@ -123,12 +123,12 @@ def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[in
     params = {sp.nodes[i] for i in sp.param_nodes}
     found = []
     for e, (iu, iv) in enumerate(sp.problem.edges):
-        u, v, k, nbytes, kind, pos = sp.edge_info[e]
-        if kind != "data":
+        info = sp.edge_info[e]
+        if info.kind != "data":
             continue
-        a, b = sp.strategies[iu][choice[iu]], sp.strategies[iv][choice[iv]]
-        have = a.outputs[k] if k < len(a.outputs) else None
-        need = b.inputs[pos] if 0 <= pos < len(b.inputs) else None
+        u, v, nbytes = info.src, info.dst, info.nbytes
+        have = info.have(sp.strategies[iu][choice[iu]])
+        need = info.need(sp.strategies[iv][choice[iv]])
         if have is None or need is None or tuple(have) == tuple(need):
             continue
         steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
@@ -169,15 +169,14 @@ def gradient_buffers(
     facts = sp.facts
     end = facts.n_nodes
     made = sorted(
-        (facts.order[_storage_owner(facts.by_name[sp.edge_info[e][0]]).name], e) for e in sp.grad_edges
+        (facts.order[_storage_owner(facts.by_name[sp.edge_info[e].src]).name], e) for e in sp.grad_edges
     )
     dp_n = mesh_shape[sp.dp_dim] if sp.dp_dim is not None else 1
     out = []
     for at, e in made:
         iu, iv = sp.problem.edges[e]
-        _, _, k, nbytes, _, _ = sp.edge_info[e]
-        a, b = sp.strategies[iu][choice[iu]], sp.strategies[iv][choice[iv]]
-        have, need = (a.outputs[k] if k < len(a.outputs) else None), b.outputs[0]
+        info, b = sp.edge_info[e], sp.strategies[iv][choice[iv]]
+        have, need, nbytes = info.have(sp.strategies[iu][choice[iu]]), b.outputs[0], info.nbytes
         if have is None or need is None:
             continue
         if b.zero == 1:

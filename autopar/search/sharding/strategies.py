@@ -80,10 +80,10 @@ class Strategy:
     outputs: tuple[Placements | None, ...]  # per output tensor; None for a non-tensor output
     inputs: tuple[Placements | None, ...]  # per entry of NodeStrategies.inputs
     # ZeRO stage 1 or 2 of a parameter replicated over dp: its optimizer state (and gradient) split
-    # over dp at run time; the placement the graph sees is ``outputs`` all the same (sharding_problem)
+    # over dp at run time; the placement the graph sees is ``outputs`` all the same (autopar.search.sharding.problem)
     zero: int = 0
     # the output is dropped after its last forward use and computed again before its first backward
-    # use (selective recompute); the placements are those of the strategy it varies (sharding_problem)
+    # use (selective recompute); the placements are those of the strategy it varies (autopar.search.sharding.problem)
     recompute: bool = False
 
 

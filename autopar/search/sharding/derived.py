@@ -1,0 +1,83 @@
+"""Problems derived from a built sharding problem without building it again.
+
+The search solves one mesh's problem (built once, for one micro-batch, by
+:func:`autopar.search.sharding.problem.build_problem`) for several
+micro-batch counts and under several restrictions (seed layouts, a fixed
+ZeRO stage, placements that divide a micro-batch): each is the same problem
+with some memory divided or some strategies forbidden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.step_memory import accumulated
+from autopar.search.sharding.strategies import Strategy
+from autopar.solver import StrategyProblem
+
+
+def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem:
+    """``sp`` (built for one micro-batch) for ``microbatches``: its activation memory divided by that.
+
+    Exactly what :func:`autopar.search.sharding.problem.build_problem` computes with ``microbatches`` (the same floating-point
+    operations), without building again: only the memory of non-parameter nodes depends on it.
+    """
+    if microbatches == 1:
+        return sp
+    params = set(sp.param_nodes)
+    memory = [
+        row if i in params else [x / microbatches for x in row]
+        for i, row in enumerate(sp.problem.node_memory)
+    ]
+    # ZeRO-2 reduce-scatters each micro-batch's gradient (ZeRO-1 and plain data parallelism once a step)
+    edge_costs = list(sp.problem.edge_costs)
+    for e in sp.grad_edges:
+        v = sp.problem.edges[e][1]
+        cols = [j for j, s in enumerate(sp.strategies[v]) if s.zero == 2]
+        if cols:
+            n_v = len(sp.strategies[v])
+            row = list(edge_costs[e])
+            for a in range(len(row) // n_v):
+                for j in cols:
+                    row[a * n_v + j] *= microbatches
+            edge_costs[e] = row
+    # gradients are sized by the parameters, not the batch, and accumulate over the micro-batches
+    grads = set(sp.grad_items)
+    items = [
+        (v, iv, row if k in grads else [x / microbatches for x in row])
+        for k, (v, iv, row) in enumerate(sp.problem.memory_items or [])
+    ]
+    grad_items = accumulated(items, sp.grad_items)
+    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items or None)
+    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items)
+
+
+def restrict(
+    problem: StrategyProblem, sp: ShardingProblem, allowed: Callable[[str, Strategy], bool]
+) -> StrategyProblem:
+    """``problem`` with the strategies ``allowed(node name, strategy)`` rejects forbidden (infinite cost).
+
+    A node none of whose strategies is allowed keeps them all. Repeated-layer groups are
+    split where their members' restrictions differ, so tying them never forbids more.
+    Indices stay those of ``sp``: an answer reads back through ``sp`` as it is.
+    """
+    costs = list(problem.node_costs)
+    masks: dict[int, tuple[bool, ...]] = {}
+    for i, name in enumerate(sp.nodes):
+        mask = tuple(bool(allowed(name, s)) for s in sp.strategies[i])
+        if all(mask) or not any(mask):
+            continue
+        masks[i] = mask
+        costs[i] = [c if ok else math.inf for c, ok in zip(costs[i], mask, strict=True)]
+    groups = None
+    if problem.groups:
+        groups = []
+        for group in problem.groups:
+            parts: dict[tuple[bool, ...] | None, list[int]] = {}
+            for v in group:
+                parts.setdefault(masks.get(v), []).append(v)
+            groups += [g for g in parts.values() if len(g) > 1]
+    return replace(problem, node_costs=costs, groups=groups or None)
