@@ -121,4 +121,4 @@ def test_the_estimate_adds_up_and_says_where_its_peak_is(tiny_plans):
         text = plan.summary(width=200)
         assert "batch split 2 ways over dp" in text and f"{z} for 100%" in text
         assert "recompute" in text and "none: every activation" in text
-        assert "of the 16.0 GB limit" in text and "activations" in text and mem.peak_at in text
+        assert "of the 16.00 GB limit" in text and "activations" in text and mem.peak_at in text
