@@ -374,8 +374,8 @@ def _pipelined(
             for r in pipes
         ],
         "charged": res.charged,
-        "graph_nodes": sol.stats.get("nodes"),
-        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "graph_nodes": sol.stats.nodes,
+        "nodes_after_reduction": sol.stats.nodes_after_reduction,
         "ops": explain_records(captured, res),
     }
     stages = pipe.stages()
@@ -489,8 +489,8 @@ def _plan_flat(
             for r in results
         ],
         "charged": best.charged,
-        "graph_nodes": sol.stats.get("nodes"),
-        "nodes_after_reduction": sol.stats.get("nodes_after_reduction"),
+        "graph_nodes": sol.stats.nodes,
+        "nodes_after_reduction": sol.stats.nodes_after_reduction,
         "ops": explain_records(captured, best),
     }
     return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
@@ -512,7 +512,8 @@ def _least_peak(res) -> float:
     """The least peak memory a mesh's search saw: its answer's, or the least any choice reaches."""
     if res.solution.choice:
         return res.estimate.memory.peak
-    return res.solution.stats.get("min_peak_memory", math.inf)
+    peak = res.solution.stats.min_peak_memory
+    return math.inf if peak is None else peak
 
 
 def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:

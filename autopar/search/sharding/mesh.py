@@ -46,7 +46,7 @@ from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.solver import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, solve_strategies
+from autopar.solver import MEMORY_RTOL, Solution, SolverStats, StrategyProblem, lower_bound, solve_strategies
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +184,12 @@ def solve_prepared(
     if not least_peak:
         states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
         if states > mp.memory_limit * (1 + MEMORY_RTOL):
-            solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory": states})
-            solution.stats["min_peak_memory_exact"] = False
+            stats = SolverStats(min_peak_memory=states, min_peak_memory_exact=False)
+            solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", stats)
     tries = [k for k in counts if k not in proven]
     if solution is None and not tries:
-        solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False})
+        stats = SolverStats(min_peak_memory_exact=False)
+        solution = Solution([], math.inf, "infeasible", None, 0.0, "bound", stats)
 
     def left() -> float:
         return max(deadline - time.perf_counter(), 1.0)
@@ -229,7 +230,7 @@ def solve_prepared(
             _, solution = fitted(sp, problem, False)
             if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
                 solution = Solution(
-                    [], math.inf, "infeasible", None, 0.0, "bound", {"min_peak_memory_exact": False}
+                    [], math.inf, "infeasible", None, 0.0, "bound", SolverStats(min_peak_memory_exact=False)
                 )
                 m = k
                 solve_s += time.perf_counter() - t
@@ -326,7 +327,7 @@ def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: f
     ``m0`` and ``S`` the least states' memory, no choice peaks below
     ``(m0 / m) P + (1 - m0 / m) S`` at ``m``.
     """
-    peak = solution.stats.get("min_peak_memory")
+    peak = solution.stats.min_peak_memory
     if peak is None:
         return True
     bound = (m0 / m) * peak + (1 - m0 / m) * states
@@ -664,7 +665,7 @@ def search_meshes(
                 res = seeded
         if plain is not None and res is not plain:
             _against_bound(
-                res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches
+                res, plain.solution.stats.lower_bound, plain.microbatches == res.microbatches
             )
         res.timings = dict(mp.timings)
         log.info(
@@ -689,7 +690,7 @@ def search_meshes(
             elapsed = time.perf_counter() - start
             best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
             log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
-            milp_lower = unrestricted.solution.stats.get("lower_bound")
+            milp_lower = unrestricted.solution.stats.lower_bound
             if milp_lower is not None and unrestricted.microbatches == best.microbatches:
                 lower = max(lower, milp_lower)
             _against_bound(best, lower, True)
@@ -706,10 +707,11 @@ def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -
     ``comparable`` is False when the bound is for another number of micro-batches.
     """
     sol = res.solution
-    stats = dict(sol.stats)
+    stats = replace(sol.stats)
     if res.milp is not None:
         ms = res.milp.solution
-        stats.update(
+        stats = replace(
+            stats,
             found_by=res.source,
             milp_status=ms.status,
             milp_gap=ms.gap,
@@ -719,7 +721,7 @@ def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -
         )
     gap = sol.gap if res.milp is None else None  # a seed's own gap is on its restricted problem
     if lower is not None and comparable and math.isfinite(sol.objective):
-        stats["lower_bound"] = lower
+        stats.lower_bound = lower
         gap = max(0.0, (sol.objective - lower) / (abs(sol.objective) or 1.0))
     status = "optimal" if gap is not None and gap <= 1e-9 else "feasible"
     res.solution = replace(sol, status=status, gap=gap, stats=stats)
