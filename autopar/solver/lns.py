@@ -38,9 +38,10 @@ solved to optimality.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,8 +49,16 @@ from autopar.solver.backends import run_solver
 from autopar.solver.milp import build_milp
 from autopar.solver.reduce import CoreProblem, range_sums
 
+logger = logging.getLogger(__name__)
+
 SUB_TIME_S = 2.0
 """The longest a single sub-MILP may run; a neighbourhood that needs more is too large."""
+
+SUB_MAX_NNZ = 60_000
+"""The largest sub-MILP solved: past this HiGHS can run seconds past a short time limit."""
+
+MIN_ROUND_S = 0.5
+"""No round is started with less time left: a sub-MILP may overrun its limit by a fraction of a second."""
 
 START_SIZE = 30
 """Variables in the first neighbourhood: a sub-MILP of this size solves in well under a second."""
@@ -68,6 +77,27 @@ def core_cost(core: CoreProblem, local: np.ndarray) -> float:
     """The core problem's objective at ``local``, its constant included."""
     total = math.fsum(float(c[s]) for c, s in zip(core.costs, local.tolist(), strict=True))
     return total + math.fsum(float(t[tuple(local[list(s)])]) for s, t in core.factors) + core.constant
+
+
+def core_score(core: CoreProblem, local: np.ndarray) -> tuple[int, float]:
+    """(forbidden entries used, cost of the others): ``local`` is better than another when lower."""
+    values = [float(c[s]) for c, s in zip(core.costs, local.tolist(), strict=True)]
+    values += [float(t[tuple(local[list(s)])]) for s, t in core.factors]
+    finite = [v for v in values if math.isfinite(v)]
+    return len(values) - len(finite), math.fsum(finite) + core.constant
+
+
+def _penalized(sub: CoreProblem) -> CoreProblem:
+    """``sub`` with each forbidden entry costing more than any change of its finite costs can gain."""
+
+    def spread(t: np.ndarray) -> float:
+        f = t[np.isfinite(t)]
+        return float(f.max() - f.min()) if len(f) else 0.0
+
+    big = 10.0 * (sum(spread(c) for c in sub.costs) + sum(spread(t) for _, t in sub.factors)) + 1.0
+    costs = [np.where(np.isfinite(c), c, big) for c in sub.costs]
+    factors = [(scope, np.where(np.isfinite(t), t, big)) for scope, t in sub.factors]
+    return replace(sub, costs=costs, factors=factors)
 
 
 def core_usage(core: CoreProblem, local: np.ndarray) -> np.ndarray:
@@ -171,10 +201,6 @@ class Neighbourhoods:
         )
 
 
-def _sub_cost(sub: CoreProblem, local: np.ndarray) -> float:
-    return core_cost(sub, local)
-
-
 def improve(
     core: CoreProblem,
     start: np.ndarray,
@@ -187,12 +213,17 @@ def improve(
 ) -> LnsResult:
     """Improve ``start`` (a core answer that fits) by neighbourhood sub-MILPs until the deadline.
 
+    ``start`` may use forbidden strategies or pairs (infinite cost): while it does, each
+    sub-problem charges a forbidden entry more than all its finite costs can differ, so
+    the search first moves off them, then lowers the cost.
+
     Stops early when the answer is within ``target_gap`` of ``lower_bound`` or proven
     optimal (a neighbourhood of every variable solved to optimality). See the module doc.
     """
     hoods = Neighbourhoods(core)
     local = start.copy()
-    objective = core_cost(core, local)
+    forbidden, finite = core_score(core, local)
+    objective = math.inf if forbidden else finite
     usage = core_usage(core, local)
     size = min(START_SIZE, core.n)
     rounds = improvements = 0
@@ -204,19 +235,28 @@ def improve(
 
     while not close_enough():
         left = deadline - time.perf_counter()
-        if left < 0.05:
+        if left < MIN_ROUND_S:
             break
         free = hoods.window(size) if rounds % 2 else hoods.ball(size)
         rounds += 1
         sub = hoods.sub_problem(free, local, usage)
-        milp = build_milp(sub, memory_scale, "auto")
-        result = run_solver(milp, backend, min(left, SUB_TIME_S), None)
+        milp = build_milp(_penalized(sub) if forbidden else sub, memory_scale, "auto")
+        if milp.shape[2] > SUB_MAX_NNZ:
+            size = max(8, int(size * 0.7))
+            continue
+        result = run_solver(milp, backend, min(left - 0.5 * MIN_ROUND_S, SUB_TIME_S), None)
         solved = result.status == "OPTIMAL"
+        logger.debug(
+            "lns round %d: %d variables, %s in %.2f s, %.3f s left", rounds, len(free), result.status,
+            result.wall_s, deadline - time.perf_counter(),
+        )
         if result.values is not None:
-            local, objective, better = _accept(core, sub, milp, result.values, free, local, objective, tol)
-            if better:
+            change = _accept(core, sub, result.values, free, local, usage, finite, tol)
+            if change is not None:
+                local, usage, gone, saved = change
                 improvements += 1
-                usage = core_usage(core, local)
+                forbidden, finite = forbidden - gone, finite - saved
+                objective = math.inf if forbidden else finite
         if solved and len(free) == core.n:
             return LnsResult(local, objective, rounds, improvements, True)
         # grow while sub-problems are solved well within their limit, shrink when one is slow
@@ -230,24 +270,45 @@ def improve(
 def _accept(
     core: CoreProblem,
     sub: CoreProblem,
-    milp,
     values: np.ndarray,
     free: np.ndarray,
     local: np.ndarray,
-    objective: float,
+    usage: np.ndarray,
+    finite: float,
     tol: float,
-) -> tuple[np.ndarray, float, bool]:
-    """The sub-MILP's answer put into ``local`` when it is cheaper and fits; else ``local`` unchanged."""
+) -> tuple[np.ndarray, np.ndarray, int, float] | None:
+    """The sub-MILP's answer put into ``local`` when it is better and fits, else None.
+
+    Returns the new choice, its memory per row, and how many forbidden entries and how
+    much finite cost it removed: the sub-problem holds every term that moves, so the
+    change is computed on it alone.
+    """
     x0 = np.concatenate([[0], np.cumsum(sub.sizes)]).astype(np.int64)
     picked = np.array([int(np.argmax(values[x0[i] : x0[i + 1]])) for i in range(sub.n)], dtype=np.int64)
     if np.array_equal(picked, local[free]):
-        return local, objective, False
-    old = _sub_cost(sub, local[free])
-    new = _sub_cost(sub, picked)
-    if not new < old - 1e-12 * (abs(old) + abs(objective)):
-        return local, objective, False
+        return None
+    (old_forbidden, old), (new_forbidden, new) = core_score(sub, local[free]), core_score(sub, picked)
+    # fewer forbidden entries is better whatever it costs; then the lower cost
+    if new_forbidden > old_forbidden or (
+        new_forbidden == old_forbidden and not new < old - 1e-12 * (abs(old) + abs(finite))
+    ):
+        return None
     candidate = local.copy()
     candidate[free] = picked
-    if len(core.cap) and (core_usage(core, candidate) - core.cap).max() > tol:
-        return local, objective, False
-    return candidate, core_cost(core, candidate), True
+    if len(core.cap):
+        moved = core_usage(sub, picked) - core_usage(sub, local[free])
+        rows = np.nonzero(moved)[0]
+        new_usage = usage.copy()
+        # the sub-problem's rows are the core's rows its items touch, in order
+        touched = _touched_rows(core, sub, free)
+        new_usage[touched] += moved
+        if len(rows) and (new_usage[touched] - core.cap[touched]).max() > tol:
+            return None
+        usage = new_usage
+    return candidate, usage, old_forbidden - new_forbidden, old - new
+
+
+def _touched_rows(core: CoreProblem, sub: CoreProblem, free: np.ndarray) -> np.ndarray:
+    """The core rows that the items of ``free`` touch, in order: the sub-problem's rows."""
+    items = np.isin(core.item_var, free)
+    return np.nonzero(range_sums(core.item_r0[items], core.item_r1[items], np.ones(int(items.sum())), len(core.cap)) > 0)[0]

@@ -97,7 +97,7 @@ from autopar.solver.backends import (
     run_solver,
 )
 from autopar.solver.bound import diffusion_bound
-from autopar.solver.heuristics import Greedy, priced_answer
+from autopar.solver.heuristics import Greedy, least_memory_start, priced_answer
 from autopar.solver.lns import improve
 from autopar.solver.milp import Milp, build_milp, hint_values, merge_coo, milp_nonzeros_at_least
 from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
@@ -423,6 +423,8 @@ class _Run:
         result, proved = None, True
         if milp is not None and not skip and self.left() >= MIN_SOLVER_TIME_S:
             best, local, result, proved = self.whole_milp(milp, relax, best, local)
+        if best is None and local is not None:  # it fits, but on a forbidden pair: search off it
+            best, local, _, _ = self.improved(None, local, None, "lns")
         if best is None:
             if result is not None and result.status == "INFEASIBLE":
                 reason = f"{self.name} proved that no choice fits the memory limit and avoids the forbidden strategies"
@@ -438,7 +440,7 @@ class _Run:
         used = self.name if result is not None else "greedy"
         lower = self.lower_bound(result, best)
         if _gap(best[1], lower) is None or _gap(best[1], lower) > GAP_TARGET:
-            best, optimal, used = self.improved(best, local, lower, used)
+            best, local, optimal, used = self.improved(best, local, lower, used)
             if optimal:
                 self.stats.lower_bound = best[1]
                 return self.answer(best, "optimal", 0.0, used, "optimal")
@@ -560,7 +562,13 @@ class _Run:
                 best, local = found, priced
         st.greedy_objective = best[1] if best is not None else None
         st.priced_time_s = time.perf_counter() - priced_start
-        return best, (local if best is not None else None)
+        if best is None:
+            # Nothing that fits and avoids the forbidden pairs yet: start the search from the
+            # least memory, repaired and improved by greedy moves, when that fits at all.
+            start = least_memory_start(core, self.deadline)
+            local = Greedy(core, self.tol).run(self.deadline, start=start) if start is not None else None
+            best = self.finish(local) if local is not None else None
+        return best, local
 
     def whole_milp(
         self, milp: Milp, relax: bool, best: Best | None, local: np.ndarray | None
@@ -610,17 +618,19 @@ class _Run:
         return st.lower_bound
 
     def improved(
-        self, best: Best, local: np.ndarray | None, lower: float | None, used: str
-    ) -> tuple[Best, bool, str]:
+        self, best: Best | None, local: np.ndarray | None, lower: float | None, used: str
+    ) -> tuple[Best | None, np.ndarray | None, bool, str]:
         """Step 5: large neighbourhood search with the time left (:mod:`autopar.solver.lns`).
 
-        Returns the best answer, whether it is proven optimal, and who found it.
+        Returns the best answer, its core choice, whether it is proven optimal, and who found it. Without a
+        ``best``, ``local`` fits the memory but uses a forbidden pair, and the search starts there.
         """
         st = self.stats
         if local is None or self.left() < 0.1:
-            return best, False, used
+            return best, local, False, used
         lns_start = time.perf_counter()
-        st.lns_start_objective = best[1]
+        if st.lns_start_objective is None:
+            st.lns_start_objective = best[1] if best is not None else math.inf
         found = improve(
             self.core,
             local,
@@ -631,13 +641,14 @@ class _Run:
             lower,
             GAP_TARGET * 0.999,
         )
-        st.lns_rounds, st.lns_improvements = found.rounds, found.improvements
-        st.lns_time_s = time.perf_counter() - lns_start
+        st.lns_rounds += found.rounds
+        st.lns_improvements += found.improvements
+        st.lns_time_s = (st.lns_time_s or 0.0) + time.perf_counter() - lns_start
         if found.improvements or found.proved_optimal:
             checked = self.finish(found.local)
-            if checked is not None and checked[1] <= best[1]:
-                return checked, found.proved_optimal, "lns" if found.improvements else used
-        return best, False, used
+            if checked is not None and (best is None or checked[1] <= best[1]):
+                return checked, found.local, found.proved_optimal, "lns" if found.improvements else used
+        return best, local, False, used
 
 
 def _gap(objective: float, lower: float | None) -> float | None:
