@@ -69,10 +69,18 @@ The pipeline
    HiGHS and SCIP (one ``ModelProto`` filled from the arrays) or pywraplp for CBC
    (:mod:`autopar.solver.backends`), with the time that is left; a timer
    interrupts HiGHS at the deadline. Beyond ``HIGHS_MIP_MAX_NNZ`` nonzeros HiGHS's
-   branch and bound cannot be held to a time limit (see ``solve_strategies``), so only
-   the LP relaxation is solved there, then rounded and repaired; its optimum is the
-   bound.
-5. The answer is mapped back through the reductions and checked on the original
+   branch and bound cannot be held to a time limit (see ``_Run.planned_milp``), so only
+   the LP relaxation is solved there, with ``LARGE_MILP_SHARE`` of the time left, then
+   rounded and repaired; its optimum is the bound. The reductions stop at
+   ``REDUCE_SHARE`` of the budget, leaving a larger but exact problem.
+5. Anytime improvement: while time is left and the answer is not proven optimal nor
+   within ``GAP_TARGET`` (1%) of the best lower bound (the solver's, the priced one's,
+   or min-sum diffusion's), large neighbourhood search (:mod:`autopar.solver.lns`)
+   improves it by exact sub-MILPs over a few variables at a time, the others fixed.
+   When greedy and pricing find nothing that fits, the search starts from a choice
+   built by arc consistency with memory as its cost. ``Solution.stats`` records the
+   budget, the time used and why the solve stopped.
+6. The answer is mapped back through the reductions and checked on the original
    problem: objective recomputed, peak memory verified.
 
 This module keeps the public types and the entry point, :func:`solve_strategies`, which
@@ -307,11 +315,10 @@ def _min_peak_memory(
 REDUCE_SHARE = 0.6
 """The reductions stop at this share of the budget; what they leave undone the later steps take on."""
 
-LARGE_MILP_NNZ = 200_000
-"""Past this many nonzeros the whole MILP may not finish: it gets ``LARGE_MILP_SHARE`` of the time
-left, and the large neighbourhood search what it leaves."""
-
 LARGE_MILP_SHARE = 0.6
+"""When only the whole MILP's relaxation can be solved, it gets this share of the time left
+(and is not started when it would need more), and the neighbourhood search the rest; a
+MILP that HiGHS branches on gets all of it, being anytime itself."""
 
 Best = tuple[list[int], float, "float | None"]
 """An answer on the original problem: a strategy per node, its objective, its peak memory."""
@@ -573,10 +580,10 @@ class _Run:
     def whole_milp(
         self, milp: Milp, relax: bool, best: Best | None, local: np.ndarray | None
     ) -> tuple[Best | None, np.ndarray | None, SolverResult, bool]:
-        """Step 4: the whole MILP with the time left (a share of it when large); whether it proved its answer."""
+        """Step 4: the whole MILP with the time left (a share of it for the relaxation); whether it proved its answer."""
         core, st, name = self.core, self.stats, self.name
         hint = hint_values(milp, core, local) if best is not None and name != "highs" else None
-        share = LARGE_MILP_SHARE if milp.shape[2] > LARGE_MILP_NNZ else 1.0
+        share = LARGE_MILP_SHARE if relax else 1.0
         result = run_solver(milp, name, share * self.left(), hint, relax=relax)
         st.solver_status, st.solver_time_s, st.best_bound = result.status, result.wall_s, result.bound
         proved = True
