@@ -593,3 +593,37 @@ def test_optimal_solves_stop_early_and_say_why() -> None:
     assert sol.status == "optimal" and sol.stats.stop_reason == "optimal"
     assert sol.stats.budget_s == 30 and sol.stats.used_s < 5
     assert sol.stats.lns_rounds == 0
+
+
+def test_consistent_start_avoids_forbidden_pairs_greedy_order_cannot() -> None:
+    """Arc consistency looks ahead where best response in order does not.
+
+    Node 0 prefers strategy 0, but strategy 0 of node 0 allows only strategy 0 of node 1,
+    which node 2 forbids with each of its strategies: choosing in order without looking
+    ahead lands on a forbidden pair; spreading each choice's consequences first does not.
+    """
+    from autopar.solver.heuristics import consistent_start
+    from autopar.solver.lns import core_score
+    from autopar.solver.reduce import CoreProblem
+
+    inf = math.inf
+    costs = [np.array([0.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, 1.0])]
+    first = np.array([[0.0, inf], [0.0, 0.0]])  # node 0 at 0 needs node 1 at 0
+    second = np.array([[inf, inf], [0.0, 0.0]])  # node 1 at 0 is forbidden with node 2
+    empty = np.zeros(0, dtype=np.int64)
+    core = CoreProblem(
+        var_ids=np.arange(3),
+        keep=[np.arange(2)] * 3,
+        costs=costs,
+        factors=[((0, 1), first), ((1, 2), second)],
+        constant=0.0,
+        cap=np.zeros(0),
+        row_times=empty,
+        item_var=empty,
+        item_r0=empty,
+        item_r1=empty,
+        item_coef=[],
+    )
+    local = consistent_start(core, math.inf)
+    assert core_score(core, local)[0] == 0
+    assert local.tolist() == [1, 1, 0]

@@ -198,8 +198,7 @@ def consistent_start(core: CoreProblem, deadline: float, costs: list[np.ndarray]
             pairs[b].append((a, ok.T))
     local = np.full(n, -1, dtype=np.int64)
 
-    def spread(first: int) -> None:
-        queue = [first]
+    def spread(queue: list[int]) -> None:
         while queue and time.perf_counter() < deadline:
             i = queue.pop()
             for j, ok in pairs[i]:
@@ -210,6 +209,7 @@ def consistent_start(core: CoreProblem, deadline: float, costs: list[np.ndarray]
                     allowed[j] = keep
                     queue.append(j)
 
+    spread(list(range(n)))  # what no choice of a neighbour allows goes before any is made
     for i in range(n):
         score = costs[i].copy()
         for j, ok in pairs[i]:
@@ -223,7 +223,7 @@ def consistent_start(core: CoreProblem, deadline: float, costs: list[np.ndarray]
         mask = np.zeros(len(allowed[i]), dtype=bool)
         mask[s] = True
         allowed[i] = mask
-        spread(i)
+        spread([i])
     return local
 
 
