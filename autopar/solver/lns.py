@@ -30,7 +30,11 @@ random variable, so that a chain of variables switching strategy together is ins
 one sub-problem) and a *window* (a run of consecutive variables, which follow the
 graph's order and hence the memory rows' time order, so that memory can be traded
 between neighbouring time steps). Their size ``K`` adapts: it grows while sub-MILPs
-are solved to optimality quickly, and shrinks when one runs out of time. The search
+are solved to optimality quickly, and shrinks when one is slow, runs out of time, or has
+more than ``SUB_MAX_NNZ`` nonzeros (many small sub-problems improve more per second
+than a few large ones, and HiGHS overruns short limits on large ones). An incumbent
+that uses forbidden entries (infinite cost) is searched with each of them charged more
+than the sub-problem's finite costs can differ: fewer forbidden entries first. The search
 stops at the deadline, or once the answer is within the target gap of the lower bound;
 it proves optimality only when a neighbourhood holds every variable and its sub-MILP is
 solved to optimality.
@@ -257,7 +261,7 @@ def improve(
                 improvements += 1
                 forbidden, finite = forbidden - gone, finite - saved
                 objective = math.inf if forbidden else finite
-        if solved and len(free) == core.n:
+        if solved and len(free) == core.n and not forbidden:
             return LnsResult(local, objective, rounds, improvements, True)
         # grow while sub-problems are solved well within their limit, shrink when one is slow
         if solved and result.wall_s < 0.1 * SUB_TIME_S:
