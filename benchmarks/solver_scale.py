@@ -143,17 +143,21 @@ def row(label: str, p: StrategyProblem, time_limit: float, backend: str | None) 
     wall = time.perf_counter() - start
     s = sol.stats
     gap = "-" if sol.gap is None else f"{sol.gap:.1e}"
-    greedy = s.get("greedy_objective")
+    greedy = s.greedy_objective
     greedy_gap = (
         "-"
         if greedy is None or sol.status == "infeasible"
         else f"{(greedy - sol.objective) / sol.objective:+.1e}"
     )
+
+    def shown(value: object, default: object = "-") -> object:
+        return default if value is None else value
+
     return (
-        f"| {label:<20} | {s['nodes']:>6} | {s.get('nodes_after_reduction', '-'):>6} | "
-        f"{s.get('milp_variables', 0):>7} | {s.get('milp_constraints', 0):>7} | {s.get('memory_form', '-'):<10} | "
-        f"{s.get('reduce_time_s', 0):>6.2f} | {s.get('solver_time_s', 0):>6.2f} | {wall:>6.2f} | "
-        f"{sol.status:<8} | {sol.backend:<9} | {s.get('solver_status', '-'):<13} | {gap:>7} | {greedy_gap:>8} |"
+        f"| {label:<20} | {s.nodes:>6} | {shown(s.nodes_after_reduction):>6} | "
+        f"{shown(s.milp_variables, 0):>7} | {shown(s.milp_constraints, 0):>7} | {shown(s.memory_form):<10} | "
+        f"{shown(s.reduce_time_s, 0):>6.2f} | {shown(s.solver_time_s, 0):>6.2f} | {wall:>6.2f} | "
+        f"{sol.status:<8} | {sol.backend:<9} | {shown(s.solver_status):<13} | {gap:>7} | {greedy_gap:>8} |"
     ), sol
 
 

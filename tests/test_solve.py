@@ -161,7 +161,7 @@ def check_against_brute_force(p: StrategyProblem, **kwargs) -> None:
     assert sol.status == "optimal", sol
     assert sol.objective == pytest.approx(want, rel=1e-9, abs=1e-12)
     # lower bounds on the optimum: exact (priced eliminations), and to the solver's tolerances
-    for bound, rtol in ((sol.stats.get("priced_bound"), 1e-9), (sol.stats.get("best_bound"), 1e-6)):
+    for bound, rtol in ((sol.stats.priced_bound, 1e-9), (sol.stats.best_bound, 1e-6)):
         if bound is not None:
             assert bound <= want + rtol * abs(want) + 1e-12
     got, peak = evaluate(p, sol.choice)
@@ -347,7 +347,7 @@ def test_reduction_keeps_optimality() -> None:
         assert reduced.status == full.status
         if full.status == "optimal":
             assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
-            assert reduced.stats["strategies_after_reduction"] < full.stats["strategies_after_reduction"]
+            assert reduced.stats.strategies_after_reduction < full.stats.strategies_after_reduction
 
 
 def test_memory_forms_agree() -> None:
@@ -359,7 +359,7 @@ def test_memory_forms_agree() -> None:
     cumulative = solve_strategies(p, memory_form="cumulative")
     unreduced = solve_strategies(p, reduce=False, memory_form="cumulative")
     assert direct.status == cumulative.status == unreduced.status == "optimal"
-    assert direct.stats["memory_form"] == "direct" and cumulative.stats["memory_form"] == "cumulative"
+    assert direct.stats.memory_form == "direct" and cumulative.stats.memory_form == "cumulative"
     assert cumulative.objective == pytest.approx(direct.objective, rel=1e-9)
     assert unreduced.objective == pytest.approx(direct.objective, rel=1e-9)
     assert evaluate(p, direct.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
@@ -370,7 +370,7 @@ def test_memory_forms_agree() -> None:
 def test_ladder(grouped: bool) -> None:
     p = ladder_problem(6, seed=11, grouped=grouped)
     free = solve_strategies(p)
-    assert free.status == "optimal" and free.stats["nodes_after_reduction"] == 0
+    assert free.status == "optimal" and free.stats.nodes_after_reduction == 0
     assert free.objective == pytest.approx(solve_strategies(p, reduce=False).objective, rel=1e-9)
     lo = evaluate(p, [int(np.argmin(m)) for m in p.node_memory])[1]
     p.memory_limit = lo + 0.4 * (evaluate(p, free.choice)[1] - lo)
@@ -378,7 +378,7 @@ def test_ladder(grouped: bool) -> None:
     full = solve_strategies(p, reduce=False)
     assert reduced.status == full.status == "optimal"
     assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
-    assert reduced.stats["memory_rows_after_reduction"] <= reduced.stats["binding_memory_rows"]
+    assert reduced.stats.memory_rows_after_reduction <= reduced.stats.binding_memory_rows
     assert evaluate(p, reduced.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
 
 
@@ -386,7 +386,7 @@ def test_chain_without_memory_reduces_to_nothing() -> None:
     p = chain_problem(2000, seed=1)
     sol = solve_strategies(p)
     assert sol.status == "optimal" and sol.backend == "reduction"
-    assert sol.stats["nodes_after_reduction"] == 0
+    assert sol.stats.nodes_after_reduction == 0
     assert sol.objective == pytest.approx(evaluate(p, sol.choice)[0], rel=1e-12)
 
 
@@ -406,8 +406,8 @@ def test_infeasible_memory_limit() -> None:
     sol = solve_strategies(p)
     assert sol.status == "infeasible"
     assert sol.choice == [] and sol.objective == math.inf and sol.gap is None
-    assert sol.stats["min_peak_memory"] == pytest.approx(min_peak)
-    p.memory_limit = sol.stats["min_peak_memory"]
+    assert sol.stats.min_peak_memory == pytest.approx(min_peak)
+    p.memory_limit = sol.stats.min_peak_memory
     assert solve_strategies(p).status == "optimal"
 
 
@@ -424,8 +424,8 @@ def test_infeasible_groups_min_peak() -> None:
     )
     sol = solve_strategies(p)
     assert sol.status == "infeasible"
-    assert sol.stats["min_peak_memory"] == pytest.approx(5.0)
-    assert sol.stats["min_peak_memory_exact"]
+    assert sol.stats.min_peak_memory == pytest.approx(5.0)
+    assert sol.stats.min_peak_memory_exact
 
 
 def test_tiny_time_limit_returns_greedy() -> None:
@@ -508,4 +508,122 @@ def test_unknown_backend() -> None:
 def test_forbidden_everywhere_is_infeasible() -> None:
     sol = solve_strategies(_tiny(node_costs=[[math.inf, math.inf], [1.0, 2.0, 3.0]]))
     assert sol.status == "infeasible"
-    assert "node 0 ('embed') has no allowed strategy" in sol.stats["infeasible_reason"]
+    assert "node 0 ('embed') has no allowed strategy" in sol.stats.infeasible_reason
+
+
+# -- anytime: the budget is spent on improving the answer ----------------------------------------
+
+
+def frustrated_chain(seed: int, n: int, strategies: int = 5, memory: bool = False) -> StrategyProblem:
+    """A chain with skip edges and random edge matrices: greedy best response is far from optimal.
+
+    With ``memory``, every node is live for three steps and the limit sits between the
+    smallest peak and the peak of the cheapest strategies, so memory binds.
+    """
+    rng = np.random.default_rng(seed)
+    costs = rng.uniform(0.0, 1.0, (n, strategies))
+    mem = rng.uniform(1.0, 4.0, (n, strategies))
+    edges = [(v, v + 1) for v in range(n - 1)] + [(v, v + 3) for v in range(0, n - 3, 2)]
+    matrices = [rng.uniform(0.0, 3.0, strategies * strategies).tolist() for _ in edges]
+    def peak(per_node: np.ndarray) -> float:
+        return float(np.convolve(per_node, np.ones(3))[: n].max())
+
+    limit = 0.5 * (peak(mem.min(axis=1)) + peak(mem[np.arange(n), costs.argmin(axis=1)]))
+    return StrategyProblem(
+        node_costs=costs.tolist(),
+        node_memory=mem.tolist(),
+        node_intervals=[(v, v + 3) for v in range(n)],
+        edges=edges,
+        edge_costs=matrices,
+        memory_limit=limit if memory else None,
+    )
+
+
+def make_milp_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MILP counts as too large for HiGHS, even its relaxation: the whole MILP is never built."""
+    import autopar.solver.solve as solve_module
+
+    monkeypatch.setattr(solve_module, "HIGHS_MIP_MAX_NNZ", 0)
+    monkeypatch.setattr(solve_module, "lp_seconds", lambda nnz: math.inf)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_too_large_milp_is_improved_past_the_heuristics(monkeypatch: pytest.MonkeyPatch, memory: bool) -> None:
+    p = frustrated_chain(3, 60, strategies=4, memory=memory)
+    exact = solve_strategies(p, time_limit_s=3, backend="highs", reduce=False)
+    make_milp_too_large(monkeypatch)
+    sol = solve_strategies(p, time_limit_s=4, backend="highs", reduce=False)
+    st = sol.stats
+    assert st.relaxation_only and st.milp_nonzeros is None  # the whole MILP was never built
+    assert st.greedy_objective > exact.objective * 1.02  # the heuristics alone are not good enough
+    assert st.lns_improvements > 0 and st.lns_start_objective == st.greedy_objective
+    assert sol.objective < st.greedy_objective
+    assert sol.gap is not None and st.lower_bound is not None  # the gap proved, against the bound found
+    assert sol.gap == pytest.approx((sol.objective - st.lower_bound) / sol.objective)
+    assert st.stop_reason == ("gap<=1%" if sol.gap <= 0.01 else "time limit") or st.stop_reason == "optimal"
+    if not memory:  # the whole MILP's optimum, within the target gap
+        assert exact.status == "optimal" and sol.objective <= exact.objective * (1 + 0.01) + 1e-9
+    assert evaluate(p, sol.choice)[0] == pytest.approx(sol.objective)
+    if memory:
+        assert evaluate(p, sol.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
+
+
+def test_time_limit_is_honoured_and_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A problem too large to finish: the solve spends its budget, returns within it, and says so."""
+    import time
+
+    make_milp_too_large(monkeypatch)
+    p = frustrated_chain(5, 4000, strategies=6, memory=True)
+    start = time.perf_counter()
+    sol = solve_strategies(p, time_limit_s=3.0, backend="highs", reduce=False)
+    wall = time.perf_counter() - start
+    st = sol.stats
+    assert wall <= 3.0 + 1.0
+    assert st.budget_s == 3.0 and st.used_s == pytest.approx(sol.solve_time_s)
+    assert st.stop_reason in ("time limit", "gap<=1%")
+    if st.stop_reason == "time limit":
+        assert st.used_s >= 0.8 * 3.0 and (sol.gap is None or sol.gap > 0.01)
+    assert st.lns_rounds > 0 and sol.objective <= st.greedy_objective
+    assert sol.status == "feasible"
+
+
+def test_optimal_solves_stop_early_and_say_why() -> None:
+    p = frustrated_chain(3, 12)
+    sol = solve_strategies(p, time_limit_s=30, backend="highs")
+    assert sol.status == "optimal" and sol.stats.stop_reason == "optimal"
+    assert sol.stats.budget_s == 30 and sol.stats.used_s < 5
+    assert sol.stats.lns_rounds == 0
+
+
+def test_consistent_start_avoids_forbidden_pairs_greedy_order_cannot() -> None:
+    """Arc consistency looks ahead where best response in order does not.
+
+    Node 0 prefers strategy 0, but strategy 0 of node 0 allows only strategy 0 of node 1,
+    which node 2 forbids with each of its strategies: choosing in order without looking
+    ahead lands on a forbidden pair; spreading each choice's consequences first does not.
+    """
+    from autopar.solver.heuristics import consistent_start
+    from autopar.solver.lns import core_score
+    from autopar.solver.reduce import CoreProblem
+
+    inf = math.inf
+    costs = [np.array([0.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, 1.0])]
+    first = np.array([[0.0, inf], [0.0, 0.0]])  # node 0 at 0 needs node 1 at 0
+    second = np.array([[inf, inf], [0.0, 0.0]])  # node 1 at 0 is forbidden with node 2
+    empty = np.zeros(0, dtype=np.int64)
+    core = CoreProblem(
+        var_ids=np.arange(3),
+        keep=[np.arange(2)] * 3,
+        costs=costs,
+        factors=[((0, 1), first), ((1, 2), second)],
+        constant=0.0,
+        cap=np.zeros(0),
+        row_times=empty,
+        item_var=empty,
+        item_r0=empty,
+        item_r1=empty,
+        item_coef=[],
+    )
+    local = consistent_start(core, math.inf)
+    assert core_score(core, local)[0] == 0
+    assert local.tolist() == [1, 1, 0]

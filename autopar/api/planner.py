@@ -315,8 +315,8 @@ def _pipelined(
             for r in pipes
         ],
         charged=res.charged,
-        graph_nodes=sol.stats.get("nodes"),
-        nodes_after_reduction=sol.stats.get("nodes_after_reduction"),
+        graph_nodes=sol.stats.nodes,
+        nodes_after_reduction=sol.stats.nodes_after_reduction,
         ops=explain_records(captured, res),
     )
     stages = pipe.stages()
@@ -425,8 +425,8 @@ def _flat_result(captured, cluster, gbs, fixed: Fixed, best, results, warnings) 
         meshes_left_out=len(meshes) - len(results),
         meshes=[_mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status) for r in results],
         charged=best.charged,
-        graph_nodes=sol.stats.get("nodes"),
-        nodes_after_reduction=sol.stats.get("nodes_after_reduction"),
+        graph_nodes=sol.stats.nodes,
+        nodes_after_reduction=sol.stats.nodes_after_reduction,
         ops=explain_records(captured, best),
     )
     return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
@@ -463,7 +463,8 @@ def _least_peak(res) -> float:
     """The least peak memory a mesh's search saw: its answer's, or the least any choice reaches."""
     if res.solution.choice:
         return res.estimate.memory.peak
-    return res.solution.stats.get("min_peak_memory", math.inf)
+    peak = res.solution.stats.min_peak_memory
+    return math.inf if peak is None else peak
 
 
 def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:

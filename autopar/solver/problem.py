@@ -46,13 +46,87 @@ class StrategyProblem:
         return nodes, intervals, [*self.node_memory, *(m for _, _, m in extra)]
 
 
+STOP_REASONS = ("optimal", "gap<=1%", "time limit", "infeasible", "no answer")
+"""Why a solve stopped: proven optimal; proven within ``GAP_TARGET`` of its bound; out of
+time with a larger gap (or none proved); proven that nothing fits; out of time with no answer."""
+
+GAP_TARGET = 0.01
+"""A solve with time left keeps improving its answer until the proven gap is at most this."""
+
+
+@dataclass
+class SolverStats:
+    """What a solve did and found, one named field per figure; ``None`` when a step did not run.
+
+    Sizes come from the pipeline's steps (see :mod:`autopar.solver.solve`): the input, what
+    the exact reductions left, the MILP built on it. Times are seconds of wall clock.
+    ``budget_s`` is the time limit the call was given, ``used_s`` what it spent, and
+    ``stop_reason`` (one of :data:`STOP_REASONS`) why it returned: together they show
+    whether an answer came back early because it was proven good or because time ran out.
+    """
+
+    # the input and the reductions
+    nodes: int | None = None
+    edges: int | None = None
+    variables: int | None = None
+    strategies: int | None = None
+    memory_rows: int | None = None
+    nodes_after_reduction: int | None = None
+    factors_after_reduction: int | None = None
+    strategies_after_reduction: int | None = None
+    binding_memory_rows: int | None = None
+    memory_rows_after_reduction: int | None = None
+    reduce_time_s: float | None = None
+    # the heuristics: greedy, then memory priced into exact eliminations
+    greedy_time_s: float | None = None
+    greedy_objective: float | None = None  # the best heuristic answer, before the MILP
+    priced_bound: float | None = None
+    priced_objective: float | None = None
+    priced_time_s: float | None = None
+    # the whole MILP
+    relaxation_only: bool | None = None  # only its LP relaxation was (or would have been) solved
+    milp_nonzeros_at_least: int | None = None
+    milp_constraints: int | None = None
+    milp_variables: int | None = None
+    milp_nonzeros: int | None = None
+    memory_form: str | None = None
+    build_time_s: float | None = None
+    solver_status: str | None = None
+    solver_time_s: float | None = None
+    best_bound: float | None = None
+    # large neighbourhood search (autopar.solver.lns)
+    lns_rounds: int = 0
+    lns_improvements: int = 0
+    lns_time_s: float | None = None
+    lns_start_objective: float | None = None
+    # bounds and the answer
+    diffusion_bound: float | None = None
+    bound_time_s: float | None = None
+    lower_bound: float | None = None
+    peak_memory: float | None = None
+    infeasible_reason: str | None = None
+    min_peak_memory: float | None = None
+    min_peak_memory_exact: bool | None = None
+    # the budget
+    budget_s: float | None = None
+    used_s: float | None = None
+    stop_reason: str | None = None
+    # set by the mesh search when a seeded answer competes with the MILP's
+    found_by: str | None = None
+    milp_status: str | None = None
+    milp_gap: float | None = None
+    milp_objective: float | None = None
+    seed_status: str | None = None
+    seed_gap: float | None = None
+
+
 @dataclass
 class Solution:
     """One strategy index per node, with how sure the solver is about it.
 
     ``status`` is "optimal", "feasible" (time limit hit: the best answer found, with
     ``gap`` against the solver's bound when it has one), "infeasible" (``choice`` empty,
-    ``objective`` inf; with a memory limit, ``stats["min_peak_memory"]`` is the smallest
+    ``objective`` inf; with a memory limit, ``stats.min_peak_memory`` is the smallest
     peak any choice reaches) or "unknown" (time ran out before any answer was found).
     """
 
@@ -62,4 +136,4 @@ class Solution:
     gap: float | None
     solve_time_s: float
     backend: str
-    stats: dict = field(default_factory=dict)
+    stats: SolverStats = field(default_factory=SolverStats)

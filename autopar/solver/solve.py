@@ -69,10 +69,18 @@ The pipeline
    HiGHS and SCIP (one ``ModelProto`` filled from the arrays) or pywraplp for CBC
    (:mod:`autopar.solver.backends`), with the time that is left; a timer
    interrupts HiGHS at the deadline. Beyond ``HIGHS_MIP_MAX_NNZ`` nonzeros HiGHS's
-   branch and bound cannot be held to a time limit (see ``solve_strategies``), so only
-   the LP relaxation is solved there, then rounded and repaired; its optimum is the
-   bound.
-5. The answer is mapped back through the reductions and checked on the original
+   branch and bound cannot be held to a time limit (see ``_Run.planned_milp``), so only
+   the LP relaxation is solved there, with ``LARGE_MILP_SHARE`` of the time left, then
+   rounded and repaired; its optimum is the bound. The reductions stop at
+   ``REDUCE_SHARE`` of the budget, leaving a larger but exact problem.
+5. Anytime improvement: while time is left and the answer is not proven optimal nor
+   within ``GAP_TARGET`` (1%) of the best lower bound (the solver's, the priced one's,
+   or min-sum diffusion's), large neighbourhood search (:mod:`autopar.solver.lns`)
+   improves it by exact sub-MILPs over a few variables at a time, the others fixed.
+   When greedy and pricing find nothing that fits, the search starts from a choice
+   built by arc consistency with memory as its cost. ``Solution.stats`` records the
+   budget, the time used and why the solve stopped.
+6. The answer is mapped back through the reductions and checked on the original
    problem: objective recomputed, peak memory verified.
 
 This module keeps the public types and the entry point, :func:`solve_strategies`, which
@@ -91,14 +99,16 @@ from autopar.core.heap import long_lived_heap
 from autopar.solver.backends import (
     HIGHS_MIP_MAX_NNZ,
     MIN_SOLVER_TIME_S,
+    SolverResult,
     lp_seconds,
     resolve_backend,
     run_solver,
 )
 from autopar.solver.bound import diffusion_bound
-from autopar.solver.heuristics import Greedy, priced_answer
+from autopar.solver.heuristics import Greedy, least_memory_start, priced_answer
+from autopar.solver.lns import improve
 from autopar.solver.milp import Milp, build_milp, hint_values, merge_coo, milp_nonzeros_at_least
-from autopar.solver.problem import MEMORY_RTOL, Solution, StrategyProblem
+from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
 from autopar.solver.reduce import (
     CoreProblem,
     InfeasibleError,
@@ -302,29 +312,16 @@ def _min_peak_memory(
 
 # -- the entry point -----------------------------------------------------------------------------
 
+REDUCE_SHARE = 0.6
+"""The reductions stop at this share of the budget; what they leave undone the later steps take on."""
 
-def _infeasible(
-    p: StrategyProblem,
-    reason: str,
-    stats: dict,
-    start: float,
-    backend: str,
-    var_of_node: np.ndarray,
-    members: list[list[int]],
-    time_limit_s: float,
-    exact_peak: bool = True,
-) -> Solution:
-    stats["infeasible_reason"] = reason
-    message = f"no feasible strategy choice: {reason}"
-    if p.memory_limit is not None and math.isfinite(p.memory_limit):
-        peak, exact = _min_peak_memory(
-            p, var_of_node, members, backend, max(time_limit_s, 1.0), exact=exact_peak
-        )
-        stats["min_peak_memory"] = peak
-        stats["min_peak_memory_exact"] = exact
-        message += f"; the smallest memory that would fit is {peak:.6g} bytes"
-    logger.info("solve: %s", message)
-    return Solution([], math.inf, "infeasible", None, time.perf_counter() - start, backend, stats)
+LARGE_MILP_SHARE = 0.6
+"""When only the whole MILP's relaxation can be solved, it gets this share of the time left
+(and is not started when it would need more), and the neighbourhood search the rest; a
+MILP that HiGHS branches on gets all of it, being anytime itself."""
+
+Best = tuple[list[int], float, "float | None"]
+"""An answer on the original problem: a strategy per node, its objective, its peak memory."""
 
 
 def _local_from_values(milp: Milp, core: CoreProblem, values: np.ndarray) -> np.ndarray:
@@ -353,193 +350,318 @@ def solve_strategies(
     ``backend`` forces "highs", "scip" or "cbc"; by default the first available in that order.
     ``reduce=False`` skips the graph reductions and ``memory_form`` ("auto", "direct",
     "cumulative") picks how memory rows are written: both exist to test that the
-    alternatives agree. The time limit covers the whole call; when it stops the solver,
-    the best answer found so far (at worst the greedy one) comes back as "feasible".
+    alternatives agree. The time limit covers the whole call. The call is anytime: until
+    the answer is proven optimal or within ``GAP_TARGET`` of a lower bound, the time left
+    goes to improving it (the MILP, then large neighbourhood search); when time runs out
+    the best answer found comes back as "feasible". ``stats.stop_reason`` says which
+    happened, ``stats.used_s`` how much of ``stats.budget_s`` it took.
     When neither the solver nor memory pricing gives a lower bound, one comes from
-    :mod:`autopar.solver.bound` for the gap; ``bound=False`` skips that (the answer
-    is the same), for callers that only compare answers by their cost. The bound behind
-    the gap is ``stats["lower_bound"]``. When nothing fits, ``stats["min_peak_memory"]`` is
-    the smallest peak any choice reaches; ``exact_peak=False`` makes it a cheap lower bound
-    instead (``stats["min_peak_memory_exact"]`` says which), for callers that only need to
-    know whether fewer activations could fit.
+    :mod:`autopar.solver.bound` for the gap; ``bound=False`` skips that unless the search
+    needs it to know when to stop (the answer is the same), for callers that only compare
+    answers by their cost. The bound behind the gap is ``stats.lower_bound``. When nothing
+    fits, ``stats.min_peak_memory`` is the smallest peak any choice reaches;
+    ``exact_peak=False`` makes it a cheap lower bound instead (``stats.min_peak_memory_exact``
+    says which), for callers that only need to know whether fewer activations could fit.
     """
-    start = time.perf_counter()
     if not time_limit_s >= 0:
         raise ValueError(f"time_limit_s {time_limit_s} must be a non-negative number of seconds")
     if memory_form not in ("auto", "direct", "cumulative"):
         raise ValueError(f"memory_form {memory_form!r} is not one of auto, direct, cumulative")
-    validate(problem)
-    name = resolve_backend(backend)
-    deadline = start + time_limit_s
-    n = len(problem.node_costs)
-    var_of_node, members = _group_vars(problem)
-    limit = problem.memory_limit
-    if limit is not None and math.isinf(limit):
-        limit = None
-    tol = MEMORY_RTOL * limit if limit is not None else 0.0
-    costs, mats = _variable_graph(problem, var_of_node, members)
-    item_node, intervals, item_memory = problem.items()
-    rows = memory_rows(intervals, all_segments=not reduce) if limit is not None else None
-    item_mem = [np.asarray(m, dtype=float) for m in item_memory]
+    return _Run(problem, time_limit_s, backend, reduce, memory_form, bound, exact_peak).run()
 
-    def describe(k: int) -> str:
-        vs = members[k]
-        first = node_label(problem, vs[0])
+
+class _Run:
+    """One call of :func:`solve_strategies`: the problem, the clock, the stats, and the steps in order."""
+
+    def __init__(
+        self,
+        problem: StrategyProblem,
+        time_limit_s: float,
+        backend: str | None,
+        reduce: bool,
+        memory_form: str,
+        bound: bool,
+        exact_peak: bool,
+    ) -> None:
+        self.start = time.perf_counter()
+        validate(problem)
+        self.problem, self.budget, self.deadline = problem, time_limit_s, self.start + time_limit_s
+        self.reduce, self.memory_form, self.bound, self.exact_peak = reduce, memory_form, bound, exact_peak
+        self.name = resolve_backend(backend)
+        self.var_of_node, self.members = _group_vars(problem)
+        limit = problem.memory_limit
+        self.limit = None if limit is None or math.isinf(limit) else limit
+        self.tol = MEMORY_RTOL * self.limit if self.limit is not None else 0.0
+        self.costs, self.mats = _variable_graph(problem, self.var_of_node, self.members)
+        item_node, intervals, item_memory = problem.items()
+        self.rows = memory_rows(intervals, all_segments=not reduce) if self.limit is not None else None
+        self.item_var = self.var_of_node[item_node]
+        self.item_mem = [np.asarray(m, dtype=float) for m in item_memory]
+        self.stats = SolverStats(
+            nodes=len(problem.node_costs),
+            edges=len(problem.edges),
+            variables=len(self.members),
+            strategies=int(sum(len(c) for c in self.costs)),
+            memory_rows=self.rows.count if self.rows is not None else 0,
+            budget_s=time_limit_s,
+        )
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def describe(self, k: int) -> str:
+        vs = self.members[k]
+        first = node_label(self.problem, vs[0])
         return first if len(vs) == 1 else f"the group of {len(vs)} nodes with {first}"
 
-    stats: dict = {
-        "nodes": n,
-        "edges": len(problem.edges),
-        "variables": len(members),
-        "strategies": int(sum(len(c) for c in costs)),
-        "memory_rows": rows.count if rows is not None else 0,
-    }
-    reducer = Reducer(costs, mats.items(), var_of_node[item_node], item_mem, rows, limit, tol, describe)
-    try:
-        if reduce:
-            reducer.run()
-        else:
-            reducer.refresh_memory(all_binding=True)
-    except InfeasibleError as err:
-        left = deadline - time.perf_counter()
-        return _infeasible(problem, str(err), stats, start, name, var_of_node, members, left, exact_peak)
-    core = reducer.core()
-    binding = len(core.cap)
-    if reduce:
-        core = prune_rows(core)
-    stats.update(
-        nodes_after_reduction=core.n,
-        factors_after_reduction=len(core.factors),
-        strategies_after_reduction=int(core.sizes.sum()),
-        binding_memory_rows=binding,
-        memory_rows_after_reduction=len(core.cap),
-        reduce_time_s=time.perf_counter() - start,
-    )
+    def run(self) -> Solution:
+        """The pipeline of the module doc, one step a method."""
+        infeasible = self.reduced()
+        if infeasible is not None:
+            return infeasible
+        if self.core.n == 0:
+            best = self.finish(np.zeros(0, dtype=np.int64))
+            if best is None:
+                raise RuntimeError("reduction settled every node but the answer does not check out; please report")
+            self.stats.lower_bound = best[1]
+            return self.answer(best, "optimal", 0.0, "reduction", "optimal")
+        milp, relax, skip = self.planned_milp()
+        best, local = self.heuristics(skip)
+        result, proved = None, True
+        if milp is not None and not skip and self.left() >= MIN_SOLVER_TIME_S:
+            best, local, result, proved = self.whole_milp(milp, relax, best, local)
+        if best is None and local is not None:  # it fits, but on a forbidden pair: search off it
+            best, local, _, _ = self.improved(None, local, None, "lns")
+        if best is None:
+            if result is not None and result.status == "INFEASIBLE":
+                reason = f"{self.name} proved that no choice fits the memory limit and avoids the forbidden strategies"
+                return self.infeasible(reason, 10.0)
+            logger.warning("solve: no feasible answer found within %.3g s", self.budget)
+            self.stats.used_s, self.stats.stop_reason = time.perf_counter() - self.start, "no answer"
+            return Solution([], math.inf, "unknown", None, self.stats.used_s, self.name, self.stats)
+        if proved and result is not None and result.status in ("OPTIMAL", "LP_OPTIMAL"):
+            self.stats.lower_bound = best[1]
+            return self.answer(best, "optimal", 0.0, self.name, "optimal")
+        if result is not None and result.status == "INFEASIBLE":
+            logger.warning("solve: %s reports infeasible but the greedy answer fits; returning it", self.name)
+        used = self.name if result is not None else "greedy"
+        lower = self.lower_bound(result, best)
+        if _gap(best[1], lower) is None or _gap(best[1], lower) > GAP_TARGET:
+            best, local, optimal, used = self.improved(best, local, lower, used)
+            if optimal:
+                self.stats.lower_bound = best[1]
+                return self.answer(best, "optimal", 0.0, used, "optimal")
+        gap = _gap(best[1], lower)
+        stop = "gap<=1%" if gap is not None and gap <= GAP_TARGET else "time limit"
+        return self.answer(best, "feasible", gap, used, stop)
 
-    def finish(local: np.ndarray) -> tuple[list[int], float, float | None] | None:
-        choice = reducer.expand(core, local)[var_of_node].tolist()
-        objective = _objective(problem, choice)
-        peak = _peak_memory(problem, choice) if limit is not None else None
-        if not math.isfinite(objective) or (peak is not None and peak > limit + tol):
+    def reduced(self) -> Solution | None:
+        """Step 2, the exact reductions (the core is ``self.core``); a Solution when nothing fits."""
+        self.reducer = Reducer(
+            self.costs, self.mats.items(), self.item_var, self.item_mem, self.rows, self.limit, self.tol, self.describe
+        )
+        try:
+            if self.reduce:
+                self.reducer.run(self.start + REDUCE_SHARE * self.budget)
+            else:
+                self.reducer.refresh_memory(all_binding=True)
+        except InfeasibleError as err:
+            return self.infeasible(str(err), self.left())
+        core = self.reducer.core()
+        binding = len(core.cap)
+        if self.reduce:
+            core = prune_rows(core)
+        self.core = core
+        st = self.stats
+        st.nodes_after_reduction, st.factors_after_reduction = core.n, len(core.factors)
+        st.strategies_after_reduction = int(core.sizes.sum())
+        st.binding_memory_rows, st.memory_rows_after_reduction = binding, len(core.cap)
+        st.reduce_time_s = time.perf_counter() - self.start
+        return None
+
+    def finish(self, local: np.ndarray) -> Best | None:
+        """A core answer mapped back to the nodes and checked on the original problem; None if it fails."""
+        choice = self.reducer.expand(self.core, local)[self.var_of_node].tolist()
+        objective = _objective(self.problem, choice)
+        peak = _peak_memory(self.problem, choice) if self.limit is not None else None
+        if not math.isfinite(objective) or (peak is not None and peak > self.limit + self.tol):
             return None
         return choice, objective, peak
 
-    def answer(
-        best: tuple[list[int], float, float | None], status: str, gap: float | None, used: str
-    ) -> Solution:
-        stats["peak_memory"] = best[2] if best[2] is not None else _peak_memory(problem, best[0])
-        elapsed = time.perf_counter() - start
+    def answer(self, best: Best, status: str, gap: float | None, used: str, stop: str) -> Solution:
+        st = self.stats
+        st.peak_memory = best[2] if best[2] is not None else _peak_memory(self.problem, best[0])
+        st.used_s = elapsed = time.perf_counter() - self.start
+        st.stop_reason = stop
         logger.info(
-            "solve: %d nodes -> %d after reduction, %s objective %.6g (gap %s) by %s in %.2f s",
-            n,
-            core.n,
+            "solve: %d nodes -> %d after reduction, %s objective %.6g (gap %s) by %s in %.2f s of %.3g (%s)",
+            st.nodes,
+            self.core.n,
             status,
             best[1],
             "n/a" if gap is None else f"{gap:.2e}",
             used,
             elapsed,
+            self.budget,
+            stop,
         )
-        return Solution(best[0], best[1], status, gap, elapsed, used, stats)
+        return Solution(best[0], best[1], status, gap, elapsed, used, st)
 
-    if core.n == 0:
-        best = finish(np.zeros(0, dtype=np.int64))
-        if best is None:
-            raise RuntimeError(
-                "reduction settled every node but the answer does not check out; please report"
+    def infeasible(self, reason: str, time_limit_s: float) -> Solution:
+        """No choice fits: the reason, and with a memory limit the smallest peak any choice reaches."""
+        p, st = self.problem, self.stats
+        st.infeasible_reason = reason
+        message = f"no feasible strategy choice: {reason}"
+        if p.memory_limit is not None and math.isfinite(p.memory_limit):
+            peak, exact = _min_peak_memory(
+                p, self.var_of_node, self.members, self.name, max(time_limit_s, 1.0), exact=self.exact_peak
             )
-        stats["lower_bound"] = best[1]
-        return answer(best, "optimal", 0.0, "reduction")
+            st.min_peak_memory, st.min_peak_memory_exact = peak, exact
+            message += f"; the smallest memory that would fit is {peak:.6g} bytes"
+        logger.info("solve: %s", message)
+        st.used_s, st.stop_reason = time.perf_counter() - self.start, "infeasible"
+        return Solution([], math.inf, "infeasible", None, st.used_s, self.name, st)
 
-    greedy_start = time.perf_counter()
-    greedy = Greedy(core, tol).run(deadline)
-    best = finish(greedy) if greedy is not None else None
-    stats["greedy_time_s"] = time.perf_counter() - greedy_start
+    def planned_milp(self) -> tuple[Milp | None, bool, bool]:
+        """Step 4's model: (the MILP or None, whether only its relaxation is solved, whether to skip it).
 
-    milp = None
-    skip_solver = deadline - time.perf_counter() < MIN_SOLVER_TIME_S
-    if not skip_solver and name == "highs":
-        # The MILP has at least the nonzeros of its rows without memory: when even those are past
-        # what HiGHS can take on in the time left (see below), the MILP is not built at all.
-        least = milp_nonzeros_at_least(core)
-        if least > HIGHS_MIP_MAX_NNZ and lp_seconds(least) > deadline - time.perf_counter():
-            skip_solver = True
-            stats.update(relaxation_only=True, milp_nonzeros_at_least=least)
-    if not skip_solver:
+        HiGHS's branch and bound cannot be held to a time limit past ``HIGHS_MIP_MAX_NNZ``
+        nonzeros (its root waits on an interior-point "analytic centre" solve that no limit
+        or interrupt stops, tens of seconds here): the LP relaxation is solved instead,
+        rounded and repaired, and not even started when it cannot finish in its share.
+        When even the rows without memory are past that, the MILP is not built at all.
+        """
+        st = self.stats
+        if self.left() < MIN_SOLVER_TIME_S:
+            return None, False, True
+        if self.name == "highs":
+            least = milp_nonzeros_at_least(self.core)
+            if least > HIGHS_MIP_MAX_NNZ and lp_seconds(least) > LARGE_MILP_SHARE * self.left():
+                st.relaxation_only, st.milp_nonzeros_at_least = True, least
+                return None, True, True
         build_start = time.perf_counter()
-        milp = build_milp(core, limit if limit else 1.0, memory_form)
-        rows_, cols_, nnz_ = milp.shape
-        stats.update(
-            milp_constraints=rows_, milp_variables=cols_, milp_nonzeros=nnz_, memory_form=milp.memory_form
+        milp = build_milp(self.core, self.limit if self.limit else 1.0, self.memory_form)
+        st.milp_constraints, st.milp_variables, st.milp_nonzeros = milp.shape
+        st.memory_form, st.build_time_s = milp.memory_form, time.perf_counter() - build_start
+        relax = self.name == "highs" and milp.shape[2] > HIGHS_MIP_MAX_NNZ
+        st.relaxation_only = relax
+        return milp, relax, relax and lp_seconds(milp.shape[2]) > LARGE_MILP_SHARE * self.left()
+
+    def heuristics(self, skip_solver: bool) -> tuple[Best | None, np.ndarray | None]:
+        """Step 3: greedy, then memory priced into exact eliminations; the best and its core choice.
+
+        Pricing gets a quarter of the time left, half when the MILP will not run (the rest
+        is for the neighbourhood search).
+        """
+        st, core = self.stats, self.core
+        greedy_start = time.perf_counter()
+        local = Greedy(core, self.tol).run(self.deadline)
+        best = self.finish(local) if local is not None else None
+        st.greedy_time_s = time.perf_counter() - greedy_start
+        priced_start = time.perf_counter()
+        share = 0.5 if skip_solver else 0.25
+        priced, st.priced_bound = priced_answer(core, self.tol, priced_start + share * (self.deadline - priced_start))
+        if priced is not None:
+            priced = Greedy(core, self.tol).run(self.deadline, start=priced)
+            found = self.finish(priced) if priced is not None else None
+            st.priced_objective = found[1] if found is not None else None
+            if found is not None and (best is None or found[1] < best[1]):
+                best, local = found, priced
+        st.greedy_objective = best[1] if best is not None else None
+        st.priced_time_s = time.perf_counter() - priced_start
+        if best is None:
+            # Nothing that fits and avoids the forbidden pairs yet: start the search from the
+            # least memory, repaired and improved by greedy moves, when that fits at all.
+            start = least_memory_start(core, self.deadline)
+            local = Greedy(core, self.tol).run(self.deadline, start=start) if start is not None else None
+            best = self.finish(local) if local is not None else None
+        return best, local
+
+    def whole_milp(
+        self, milp: Milp, relax: bool, best: Best | None, local: np.ndarray | None
+    ) -> tuple[Best | None, np.ndarray | None, SolverResult, bool]:
+        """Step 4: the whole MILP with the time left (a share of it for the relaxation); whether it proved its answer."""
+        core, st, name = self.core, self.stats, self.name
+        hint = hint_values(milp, core, local) if best is not None and name != "highs" else None
+        share = LARGE_MILP_SHARE if relax else 1.0
+        result = run_solver(milp, name, share * self.left(), hint, relax=relax)
+        st.solver_status, st.solver_time_s, st.best_bound = result.status, result.wall_s, result.bound
+        proved = True
+        if result.values is None:
+            return best, local, result, proved
+        found_local = _local_from_values(milp, core, result.values)
+        x = result.values[: milp.n_x]
+        if relax and np.abs(x - np.round(x)).max() > 1e-9:
+            proved = False
+            found_local = Greedy(core, self.tol).run(self.deadline, start=found_local)
+        found = self.finish(found_local) if found_local is not None else None
+        if found is None and found_local is not None:
+            # Within the solver's tolerance but over the limit by more than MEMORY_RTOL once
+            # rounded: nudge it back under with the greedy repair, and claim no optimality.
+            logger.warning("solve: the %s answer overflows memory after rounding; repairing it", name)
+            found_local = Greedy(core, self.tol).run(self.deadline, start=found_local)
+            found = self.finish(found_local) if found_local is not None else None
+            proved = False
+        if found is not None and (best is None or found[1] <= best[1]):
+            best, local = found, found_local
+        return best, local, result, proved
+
+    def lower_bound(self, result: SolverResult | None, best: Best) -> float | None:
+        """The best lower bound known: the solver's, the priced one's, else min-sum diffusion's.
+
+        Diffusion gets a tenth of the time left at most; it runs when the caller asked for
+        a bound, or when the search needs one to know when to stop.
+        """
+        st = self.stats
+        bounds = [b for b in (result.bound if result is not None else None, st.priced_bound) if b is not None]
+        if not bounds and (self.bound or self.left() > MIN_SOLVER_TIME_S):
+            bound_start = time.perf_counter()
+            st.diffusion_bound = diffusion_bound(self.core, bound_start + 0.1 * max(self.left(), 0.0))
+            bounds.append(st.diffusion_bound)
+            st.bound_time_s = time.perf_counter() - bound_start
+        if not bounds:
+            return None
+        st.lower_bound = max(bounds)
+        return st.lower_bound
+
+    def improved(
+        self, best: Best | None, local: np.ndarray | None, lower: float | None, used: str
+    ) -> tuple[Best | None, np.ndarray | None, bool, str]:
+        """Step 5: large neighbourhood search with the time left (:mod:`autopar.solver.lns`).
+
+        Returns the best answer, its core choice, whether it is proven optimal, and who found it. Without a
+        ``best``, ``local`` fits the memory but uses a forbidden pair, and the search starts there.
+        """
+        st = self.stats
+        if local is None or self.left() < 0.1:
+            return best, local, False, used
+        lns_start = time.perf_counter()
+        if st.lns_start_objective is None:
+            st.lns_start_objective = best[1] if best is not None else math.inf
+        found = improve(
+            self.core,
+            local,
+            self.name,
+            self.deadline,
+            self.tol,
+            self.limit if self.limit else 1.0,
+            lower,
+            GAP_TARGET * 0.999,
         )
-        stats["build_time_s"] = time.perf_counter() - build_start
-        # Past this size HiGHS's branch and bound cannot be held to the time limit (its root
-        # waits on an interior-point "analytic centre" solve that no limit or interrupt stops,
-        # tens of seconds here): solve the LP relaxation instead, round it, repair it; and
-        # when even that cannot finish in the time left, do not start it.
-        relax = name == "highs" and nnz_ > HIGHS_MIP_MAX_NNZ
-        skip_solver = relax and lp_seconds(nnz_) > deadline - time.perf_counter()
-        stats["relaxation_only"] = relax
+        st.lns_rounds += found.rounds
+        st.lns_improvements += found.improvements
+        st.lns_time_s = (st.lns_time_s or 0.0) + time.perf_counter() - lns_start
+        if found.improvements or found.proved_optimal:
+            checked = self.finish(found.local)
+            if checked is not None and (best is None or checked[1] <= best[1]):
+                return checked, found.local, found.proved_optimal, "lns" if found.improvements else used
+        return best, local, False, used
 
-    # Memory priced into exact eliminations: a quarter of the time left, or all of it when
-    # the solver will not run.
-    priced_start = time.perf_counter()
-    share = 1.0 if skip_solver else 0.25
-    priced, priced_bound = priced_answer(core, tol, priced_start + share * (deadline - priced_start))
-    stats["priced_bound"] = priced_bound
-    if priced is not None:
-        priced = Greedy(core, tol).run(deadline, start=priced)
-        found = finish(priced) if priced is not None else None
-        stats["priced_objective"] = found[1] if found is not None else None
-        if found is not None and (best is None or found[1] < best[1]):
-            best, greedy = found, priced
-    stats["greedy_objective"] = best[1] if best is not None else None
-    stats["priced_time_s"] = time.perf_counter() - priced_start
 
-    result = None
-    proved = True
-    if milp is not None and not skip_solver and deadline - time.perf_counter() >= MIN_SOLVER_TIME_S:
-        hint = hint_values(milp, core, greedy) if best is not None and name != "highs" else None
-        result = run_solver(milp, name, deadline - time.perf_counter(), hint, relax=relax)
-        stats.update(solver_status=result.status, solver_time_s=result.wall_s, best_bound=result.bound)
-        if result.values is not None:
-            local = _local_from_values(milp, core, result.values)
-            x = result.values[: milp.n_x]
-            if relax and np.abs(x - np.round(x)).max() > 1e-9:
-                proved = False
-                local = Greedy(core, tol).run(deadline, start=local)
-            found = finish(local) if local is not None else None
-            if found is None:
-                # Within the solver's tolerance but over the limit by more than MEMORY_RTOL once
-                # rounded: nudge it back under with the greedy repair, and claim no optimality.
-                logger.warning("solve: the %s answer overflows memory after rounding; repairing it", name)
-                repaired = Greedy(core, tol).run(deadline, start=local)
-                found = finish(repaired) if repaired is not None else None
-                proved = False
-            if found is not None and (best is None or found[1] <= best[1]):
-                best = found
-    if best is None:
-        if result is not None and result.status == "INFEASIBLE":
-            reason = f"{name} proved that no choice fits the memory limit and avoids the forbidden strategies"
-            return _infeasible(problem, reason, stats, start, name, var_of_node, members, 10.0, exact_peak)
-        logger.warning("solve: no feasible answer found within %.3g s", time_limit_s)
-        return Solution([], math.inf, "unknown", None, time.perf_counter() - start, name, stats)
-    if proved and result is not None and result.status in ("OPTIMAL", "LP_OPTIMAL"):
-        stats["lower_bound"] = best[1]
-        return answer(best, "optimal", 0.0, name)
-    if result is not None and result.status == "INFEASIBLE":
-        logger.warning("solve: %s reports infeasible but the greedy answer fits; returning it", name)
-    gap = None
-    bounds = [b for b in (result.bound if result is not None else None, priced_bound) if b is not None]
-    if not bounds and bound:
-        # the LP relaxation's dual, approached by diffusion: a tenth of the time left at most
-        bound_start = time.perf_counter()
-        bounds.append(diffusion_bound(core, bound_start + 0.1 * max(deadline - bound_start, 0.0)))
-        stats["diffusion_bound"] = bounds[-1]
-        stats["bound_time_s"] = time.perf_counter() - bound_start
-    if bounds:
-        stats["lower_bound"] = max(bounds)
-        gap = max(0.0, (best[1] - max(bounds)) / (abs(best[1]) or 1.0))
-    return answer(best, "feasible", gap, name if result is not None else "greedy")
+def _gap(objective: float, lower: float | None) -> float | None:
+    if lower is None:
+        return None
+    return max(0.0, (objective - lower) / (abs(objective) or 1.0))
 
 
 def lower_bound(problem: StrategyProblem, time_limit_s: float = 1.0) -> float:

@@ -33,7 +33,7 @@ from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.solver import MEMORY_RTOL, Solution, StrategyProblem, lower_bound, solve_strategies
+from autopar.solver import MEMORY_RTOL, Solution, SolverStats, StrategyProblem, lower_bound, solve_strategies
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +185,10 @@ def _microbatch_counts(mp: MeshProblem, microbatches: int | None) -> list[int]:
     return counts
 
 
-def _no_answer(**stats: float) -> Solution:
-    """An infeasible solution proven without a solve (``stats``: what is known of the least peak)."""
-    return Solution([], math.inf, "infeasible", None, 0.0, "bound", {**stats, "min_peak_memory_exact": False})
+def _no_answer(min_peak_memory: float | None = None) -> Solution:
+    """An infeasible solution proven without a solve (``min_peak_memory``: a bound on the least peak, if known)."""
+    stats = SolverStats(min_peak_memory=min_peak_memory, min_peak_memory_exact=False)
+    return Solution([], math.inf, "infeasible", None, 0.0, "bound", stats)
 
 
 @dataclass
@@ -352,7 +353,7 @@ def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: f
     ``m0`` and ``S`` the least states' memory, no choice peaks below
     ``(m0 / m) P + (1 - m0 / m) S`` at ``m``.
     """
-    peak = solution.stats.get("min_peak_memory")
+    peak = solution.stats.min_peak_memory
     if peak is None:
         return True
     bound = (m0 / m) * peak + (1 - m0 / m) * states
@@ -560,7 +561,7 @@ def _best_on_mesh(
             res = seeded
     assert res is not None
     if plain is not None and res is not plain:
-        _against_bound(res, plain.solution.stats.get("lower_bound"), plain.microbatches == res.microbatches)
+        _against_bound(res, plain.solution.stats.lower_bound, plain.microbatches == res.microbatches)
     res.timings = dict(mp.timings)
     return res
 
@@ -577,7 +578,7 @@ def _bound_gap(best: ShardingResult, time_limit_s: float) -> None:
     elapsed = time.perf_counter() - start
     best.timings["solve_s"] = best.timings.get("solve_s", 0.0) + elapsed
     log.info("mesh %s: lower bound %.6g in %.2f s", best.mesh, lower, elapsed)
-    milp_lower = unrestricted.solution.stats.get("lower_bound")
+    milp_lower = unrestricted.solution.stats.lower_bound
     if milp_lower is not None and unrestricted.microbatches == best.microbatches:
         lower = max(lower, milp_lower)
     _against_bound(best, lower, True)
@@ -593,10 +594,11 @@ def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -
     ``comparable`` is False when the bound is for another number of micro-batches.
     """
     sol = res.solution
-    stats = dict(sol.stats)
+    stats = replace(sol.stats)
     if res.milp is not None:
         ms = res.milp.solution
-        stats.update(
+        stats = replace(
+            stats,
             found_by=res.source,
             milp_status=ms.status,
             milp_gap=ms.gap,
@@ -606,7 +608,7 @@ def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -
         )
     gap = sol.gap if res.milp is None else None  # a seed's own gap is on its restricted problem
     if lower is not None and comparable and math.isfinite(sol.objective):
-        stats["lower_bound"] = lower
+        stats.lower_bound = lower
         gap = max(0.0, (sol.objective - lower) / (abs(sol.objective) or 1.0))
     status = "optimal" if gap is not None and gap <= 1e-9 else "feasible"
     res.solution = replace(sol, status=status, gap=gap, stats=stats)
