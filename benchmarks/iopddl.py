@@ -1,13 +1,13 @@
 """The solver core on the IOPDDL contest problems, beside OR-tools CP-SAT given the same time.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/iopddl.py /tmp/iopddl                 # every problem there
-    PYTHONPATH=. .venv/bin/python benchmarks/iopddl.py /tmp/iopddl/B.json.gz --time-scale 0.25
+    PYTHONPATH=. .venv/bin/python benchmarks/iopddl.py iopddl-problems                 # every problem there
+    PYTHONPATH=. .venv/bin/python benchmarks/iopddl.py iopddl-problems/B.json.gz --time-scale 0.25
 
 The problems are the ASPLOS 2025 / EuroSys 2025 contest's (github.com/google/iopddl,
 ``benchmarks/asplos-2025-iopddl-X.json.gz``); nothing is downloaded here. From a clone::
 
-    mkdir -p /tmp/iopddl && for X in A B C D G K L M N P Q R S T U V; do
-        git -C iopddl show HEAD:benchmarks/asplos-2025-iopddl-$X.json.gz > /tmp/iopddl/$X.json.gz; done
+    mkdir -p iopddl-problems && for X in A B C D G K L M N P Q R S T U V; do
+        git -C iopddl show HEAD:benchmarks/asplos-2025-iopddl-$X.json.gz > iopddl-problems/$X.json.gz; done
 
 A file is named by its letter (``B.json.gz``) or keeps the contest's name; gzipped or not.
 Each is solved with the contest's time limit for it (``iopddl-benchmark-details.png`` in
