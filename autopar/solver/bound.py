@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from autopar.solver.reduce import CoreProblem
+from autopar.solver.core_problem import CoreProblem
 
 
 def diffusion_bound(core: CoreProblem, deadline: float, max_sweeps: int = 100, rtol: float = 1e-7) -> float:

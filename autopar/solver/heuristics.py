@@ -13,7 +13,9 @@ import time
 
 import numpy as np
 
-from autopar.solver.reduce import CoreProblem, InfeasibleError, Reducer, range_sums
+from autopar.solver.core_problem import CoreProblem, InfeasibleError
+from autopar.solver.memory_rows import range_sums
+from autopar.solver.reduce import Reducer
 
 
 class Greedy:

@@ -6,7 +6,7 @@ left goes to improving the best answer rather than being returned unspent.
 
 The sub-problem
 ---------------
-Take the reduced problem (:class:`~autopar.solver.reduce.CoreProblem`: variables ``i``
+Take the reduced problem (:class:`~autopar.solver.core_problem.CoreProblem`: variables ``i``
 with costs ``c_i``, factors ``T_f`` over scopes ``F_f``, memory items ``t`` of variable
 ``i_t`` holding ``m_t[s]`` over rows ``[r0_t, r1_t)`` with capacity ``cap_r``), an
 incumbent ``s^0`` that fits, and a neighbourhood ``W`` of variables. Fixing every
@@ -50,8 +50,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.solver.backends import run_solver
+from autopar.solver.core_problem import CoreProblem
+from autopar.solver.memory_rows import range_sums
 from autopar.solver.milp import build_milp
-from autopar.solver.reduce import CoreProblem, range_sums
 
 logger = logging.getLogger(__name__)
 

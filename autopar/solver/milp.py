@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.solver.reduce import CoreProblem, range_sums
+from autopar.solver.core_problem import CoreProblem
+from autopar.solver.memory_rows import range_sums
 
 
 @dataclass

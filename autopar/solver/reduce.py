@@ -16,7 +16,7 @@ unordered pair (parallel edges merged; edges inside a group land on the
 diagonal of the variable's costs; direction does not matter to the cost).
 Eliminating a variable can create a factor over more than two.
 
-Memory enters through *rows* (time steps, see :class:`MemoryRows`) and
+Memory enters through *rows* (time steps, see :mod:`autopar.solver.memory_rows`) and
 *items* (one per node, with its memory vector and the range of rows where it
 is live). An item matters only if its memory differs across the variable's
 remaining strategies and it is live in a *binding* row: one whose worst case
@@ -51,8 +51,9 @@ Reductions, applied from a work list until none fires:
   memory limit. Dominance is checked only for variables that are not about to
   be eliminated (elimination subsumes it).
 
-Memory rows left for the MILP are thinned by :func:`prune_rows` (a row implied
-by another is dropped).
+Memory rows left for the MILP are thinned by :mod:`autopar.solver.prune_rows` (a
+row implied by another is dropped). The data the reductions hand on is
+:mod:`autopar.solver.core_problem`'s.
 """
 
 from __future__ import annotations
@@ -67,65 +68,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.solver.core_problem import CoreProblem, InfeasibleError
+from autopar.solver.memory_rows import MemoryRows, memory_rows, range_sums
+from autopar.solver.prune_rows import prune_rows
+
+__all__ = [
+    "ELIMINATION_LIMIT",
+    "CoreProblem",
+    "InfeasibleError",
+    "MemoryRows",
+    "Record",
+    "Reducer",
+    "align",
+    "memory_rows",
+    "prune_rows",
+    "range_sums",
+]
+
 logger = logging.getLogger(__name__)
 
 # A pair factor counts as separable when its residual is below this fraction of its largest entry.
 _SEPARABLE_RTOL = 1e-12
 # Eliminations whose new factor table would exceed this many entries are not done.
 ELIMINATION_LIMIT = 4096
-
-
-class InfeasibleError(Exception):
-    """No assignment satisfies the problem; the message says why in one line."""
-
-
-@dataclass
-class MemoryRows:
-    """The time steps whose memory rows can matter, and where each node's live interval falls.
-
-    Only segments of the time axis on which the live set is locally maximal are kept:
-    something starts at the segment's first step and something ends right after its last.
-    Any other segment's live set is a subset of a neighbouring segment's, and memory is
-    non-negative, so its row is implied by that neighbour's.
-    """
-
-    times: np.ndarray  # first time step of each kept row, increasing
-    r0: np.ndarray  # per node: first kept row at which it is live
-    r1: np.ndarray  # per node: one past the last such row (r0 == r1: live at no kept row)
-
-    @property
-    def count(self) -> int:
-        return len(self.times)
-
-
-def memory_rows(intervals: np.ndarray, all_segments: bool = False) -> MemoryRows:
-    """Rows for live intervals ``[start, end)`` given as an (N, 2) integer array.
-
-    ``all_segments`` keeps every segment between consecutive interval boundaries (no
-    implied-row removal), which the unreduced formulation uses as a reference.
-    """
-    starts, ends = intervals[:, 0], intervals[:, 1]
-    live = ends > starts
-    if not live.any():
-        zero = np.zeros(len(starts), dtype=np.int64)
-        return MemoryRows(np.zeros(0, dtype=np.int64), zero, zero.copy())
-    s, e = starts[live], ends[live]
-    bounds = np.unique(np.concatenate([s, e]))
-    if all_segments:
-        times = bounds[:-1]
-    else:
-        times = bounds[:-1][np.isin(bounds[:-1], s) & np.isin(bounds[1:], e)]
-    r0 = np.searchsorted(times, starts, "left")
-    r1 = np.where(live, np.searchsorted(times, ends, "left"), r0)
-    return MemoryRows(times, r0.astype(np.int64), r1.astype(np.int64))
-
-
-def range_sums(r0: np.ndarray, r1: np.ndarray, weights: np.ndarray, n_rows: int) -> np.ndarray:
-    """Per row, the sum of ``weights[i]`` over items ``i`` whose range ``[r0, r1)`` covers it."""
-    if n_rows == 0:
-        return np.zeros(0)
-    delta = np.bincount(r0, weights, minlength=n_rows + 1) - np.bincount(r1, weights, minlength=n_rows + 1)
-    return np.cumsum(delta[:n_rows])
 
 
 @dataclass
@@ -140,38 +105,6 @@ class Record:
     nbrs: tuple[int, ...]
     snaps: tuple[np.ndarray, ...]
     table: np.ndarray
-
-
-@dataclass
-class CoreProblem:
-    """What is left for the MILP: variables that no reduction could settle.
-
-    Indices here are local (0..n-1); ``var_ids`` maps them back to reducer variables and
-    strategy ``s`` of core variable ``i`` is original strategy ``keep[i][s]``.
-    """
-
-    var_ids: np.ndarray
-    keep: list[np.ndarray]
-    costs: list[np.ndarray]
-    factors: list[tuple[tuple[int, ...], np.ndarray]]  # (increasing local scope, table over it)
-    constant: float  # cost already settled by the reductions
-    # Memory: rows that can bind, each with its capacity (limit minus what is live regardless of
-    # choices), and items with non-constant memory live in them. coef[t] is an item's memory above
-    # its minimum, per local strategy; its range [r0, r1) indexes the binding rows.
-    cap: np.ndarray
-    row_times: np.ndarray
-    item_var: np.ndarray
-    item_r0: np.ndarray
-    item_r1: np.ndarray
-    item_coef: list[np.ndarray]
-
-    @property
-    def n(self) -> int:
-        return len(self.var_ids)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return np.array([len(c) for c in self.costs], dtype=np.int64)
 
 
 def align(scope: tuple[int, ...], table: np.ndarray, target: list[int]) -> np.ndarray:
@@ -603,167 +536,3 @@ class Reducer:
 def _earlier(n: int) -> np.ndarray:
     """``[a, b]``: strategy ``b`` comes before ``a`` (ties in dominance keep the lowest index)."""
     return np.tri(n, k=-1, dtype=bool)
-
-
-def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``min(values[lo:hi])`` per query (inf for an empty range), with a sparse table."""
-    out = np.full(len(lo), np.inf)
-    if not len(values):
-        return out
-    levels = [values]
-    while 2 ** len(levels) <= len(values):
-        prev, step = levels[-1], 2 ** (len(levels) - 1)
-        levels.append(np.minimum(prev[:-step], prev[step:]))
-    ok = hi > lo
-    length = (hi - lo)[ok]
-    k = np.floor(np.log2(length)).astype(np.int64)
-    table_lo = np.empty(len(length))
-    table_hi = np.empty(len(length))
-    for level in np.unique(k).tolist():
-        sel = k == level
-        table_lo[sel] = levels[level][lo[ok][sel]]
-        table_hi[sel] = levels[level][hi[ok][sel] - 2**level]
-    out[ok] = np.minimum(table_lo, table_hi)
-    return out
-
-
-def _running_sums(
-    prefix: np.ndarray,
-    r0: np.ndarray,
-    r1: np.ndarray,
-    col: np.ndarray,
-    val: np.ndarray,
-    used: np.ndarray,
-    n_rows: int,
-) -> np.ndarray:
-    """Per kept row and used column, the sum of the (item, strategy) entries live there.
-
-    Built in place (at 10^7 entries a fresh array costs more in page faults than the sums);
-    entries are added in their given order, zeros left out, so every sum is the one a
-    full-width matrix holds.
-    """
-    nonzero = val != 0
-    where = np.searchsorted(used, col[nonzero])
-    dense = np.zeros((n_rows + 1, len(used)))
-    np.add.at(dense, (prefix[r0[nonzero]], where), val[nonzero])
-    np.add.at(dense, (prefix[r1[nonzero]], where), -val[nonzero])
-    return np.cumsum(dense[:-1], axis=0, out=dense[:-1])
-
-
-def prune_rows(core: CoreProblem, dense_budget: float = 2e8) -> CoreProblem:
-    """Drop memory rows implied by another row, and re-index the items' row ranges.
-
-    Row ``j`` is implied by row ``i`` when every item live at ``j`` is live at ``i`` and
-    ``cap_i <= cap_j`` (coefficients are non-negative). Items are intervals of rows, so the
-    rows whose live set contains ``j``'s form the range ``[max r0, min r1)`` over ``j``'s
-    items, and a range minimum of ``cap`` finds a dominating row. When few variables remain
-    (repeated layers grouped into one variable), rows are also compared as dense vectors
-    of per-variable coefficients, each shifted so its smallest entry is zero (valid because
-    every variable takes exactly one strategy): this catches rows with different items but
-    the same totals, the usual case once the layers share variables.
-    """
-    n_rows = len(core.cap)
-    if n_rows <= 1:
-        return core
-    order = np.argsort(core.item_r0, kind="stable")
-    starts, ends = core.item_r0[order].tolist(), core.item_r1[order].tolist()
-    first_end = np.full(n_rows, n_rows + 1, dtype=np.int64)
-    last_start = np.full(n_rows, -1, dtype=np.int64)
-    by_end: list[tuple[int, int]] = []  # (r1, r0) of items started
-    by_start: list[tuple[int, int]] = []  # (-r0, r1)
-    t = 0
-    for j in range(n_rows):
-        while t < len(starts) and starts[t] <= j:
-            heapq.heappush(by_end, (ends[t], starts[t]))
-            heapq.heappush(by_start, (-starts[t], ends[t]))
-            t += 1
-        while by_end and by_end[0][0] <= j:
-            heapq.heappop(by_end)
-        while by_start and by_start[0][1] <= j:
-            heapq.heappop(by_start)
-        if by_end:
-            first_end[j] = by_end[0][0]
-            last_start[j] = -by_start[0][0]
-    empty = last_start < 0
-    rows = np.arange(n_rows)
-    lo = np.where(empty, 0, last_start)
-    hi = np.where(empty, n_rows, first_end)
-    # a strictly smaller cap anywhere in the range, or an equal one at a smaller index
-    before = _range_min(core.cap, lo, np.maximum(rows, lo))
-    after = _range_min(core.cap, np.minimum(rows + 1, hi), hi)
-    keep = ~empty & ~(before <= core.cap) & ~(after < core.cap)
-
-    sizes = core.sizes
-    x0 = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    kept = np.nonzero(keep)[0]
-    if len(kept) > 1 and float(len(kept)) * x0[-1] <= 2e7:
-        prefix = np.concatenate([[0], np.cumsum(keep)])
-        # per row and column, the items' coefficients: a difference array over the rows
-        lengths = np.array([len(c) for c in core.item_coef], dtype=np.int64)
-        item = np.repeat(np.arange(len(lengths)), lengths)
-        col = (
-            x0[core.item_var[item]] + np.arange(len(item)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        )
-        val = np.concatenate(core.item_coef)
-        # Only the columns some item touches can be non-zero: the matrix keeps those (in order,
-        # so each variable's stay together), and is built in place, as at 10^7 entries a fresh
-        # array costs more in page faults than the sums themselves.
-        used = np.unique(col[val != 0])
-        dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
-        if (dense < 0).any():
-            # rounding left a negative sum, so a variable's minimum may be below its untouched
-            # columns' zero: keep every column, as the subtraction below will touch them all
-            used = np.arange(int(x0[-1]))
-            dense = _running_sums(prefix, core.item_r0[item], core.item_r1[item], col, val, used, len(kept))
-        cap = core.cap[kept].copy()
-        # Per row, each variable's smallest coefficient is subtracted; a variable with an untouched
-        # (zero) column has a zero minimum (sums are non-negative now), and subtracting zero does nothing.
-        var_of_used = np.searchsorted(x0, used, side="right") - 1
-        full = np.bincount(var_of_used, minlength=core.n) == sizes
-        seg = np.searchsorted(var_of_used, np.arange(core.n + 1))
-        for i in np.nonzero(full)[0].tolist():
-            low = dense[:, seg[i] : seg[i + 1]].min(axis=1)
-            if low.any():
-                dense[:, seg[i] : seg[i + 1]] -= low[:, None]
-                cap -= low
-        # Row totals over all the columns, zeros included, summed as one row-major matrix would be.
-        totals = np.empty(len(kept))
-        block = np.zeros((min(256, len(kept)), int(x0[-1])))
-        for a in range(0, len(kept), 256):
-            rows_ = dense[a : a + 256]
-            block[: len(rows_), used] = rows_
-            totals[a : a + 256] = block[: len(rows_)].sum(axis=1)
-        alive = np.ones(len(kept), dtype=bool)
-        budget = dense_budget
-        for r in np.argsort(cap - totals).tolist():
-            if budget <= 0:
-                break
-            if alive[r]:
-                dominated = np.zeros(len(kept), dtype=bool)
-                for a in range(0, len(kept), 256):  # in blocks: small temporaries stay in cache
-                    dominated[a : a + 256] = (dense[a : a + 256] <= dense[r]).all(axis=1)
-                dominated &= cap >= cap[r]
-                dominated[r] = False
-                alive &= ~dominated
-                budget -= len(kept) * int(x0[-1])  # as if all the columns were kept
-        kept = kept[alive]
-        keep = np.zeros(n_rows, dtype=bool)
-        keep[kept] = True
-    if keep.all():
-        return core
-    prefix = np.concatenate([[0], np.cumsum(keep)])
-    r0, r1 = prefix[core.item_r0], prefix[core.item_r1]
-    live = r1 > r0
-    return CoreProblem(
-        var_ids=core.var_ids,
-        keep=core.keep,
-        costs=core.costs,
-        factors=core.factors,
-        constant=core.constant,
-        cap=core.cap[keep],
-        row_times=core.row_times[keep],
-        item_var=core.item_var[live],
-        item_r0=r0[live],
-        item_r1=r1[live],
-        item_coef=[c for c, ok in zip(core.item_coef, live.tolist(), strict=True) if ok],
-    )

@@ -105,18 +105,14 @@ from autopar.solver.backends import (
     run_solver,
 )
 from autopar.solver.bound import diffusion_bound
+from autopar.solver.core_problem import CoreProblem, InfeasibleError
 from autopar.solver.heuristics import Greedy, least_memory_start, priced_answer
 from autopar.solver.lns import improve
+from autopar.solver.memory_rows import memory_rows, range_sums
 from autopar.solver.milp import Milp, build_milp, hint_values, merge_coo, milp_nonzeros_at_least
 from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
-from autopar.solver.reduce import (
-    CoreProblem,
-    InfeasibleError,
-    Reducer,
-    memory_rows,
-    prune_rows,
-    range_sums,
-)
+from autopar.solver.prune_rows import prune_rows
+from autopar.solver.reduce import Reducer
 from autopar.solver.validate import node_label, validate
 
 logger = logging.getLogger(__name__)
