@@ -54,7 +54,7 @@ memory rows are in units of ``M``, for the solvers' absolute tolerances.
 The pipeline
 ------------
 1. Validate (:mod:`autopar.solver.validate`), merge groups into shared
-   variables, merge parallel edges.
+   variables, merge parallel edges (:mod:`autopar.solver.variables`).
 2. Reduce exactly (:mod:`autopar.solver.reduce`): forbidden and dominated
    strategies, separable edges, fixed variables, and elimination of variables whose
    memory cannot matter. Without a memory limit this alone solves transformer-shaped
@@ -81,7 +81,9 @@ The pipeline
    built by arc consistency with memory as its cost. ``Solution.stats`` records the
    budget, the time used and why the solve stopped.
 6. The answer is mapped back through the reductions and checked on the original
-   problem: objective recomputed, peak memory verified.
+   problem: objective recomputed, peak memory verified (:mod:`autopar.solver.evaluate`).
+   When nothing fits, the smallest peak memory any choice reaches is reported
+   (:mod:`autopar.solver.min_peak`).
 
 This module keeps the public types and the entry point, :func:`solve_strategies`, which
 runs the pipeline; each step lives in the module named beside it.
@@ -106,207 +108,19 @@ from autopar.solver.backends import (
 )
 from autopar.solver.bound import diffusion_bound
 from autopar.solver.core_problem import CoreProblem, InfeasibleError
+from autopar.solver.evaluate import objective_of, peak_memory_of
 from autopar.solver.heuristics import Greedy, least_memory_start, priced_answer
 from autopar.solver.lns import improve
-from autopar.solver.memory_rows import memory_rows, range_sums
-from autopar.solver.milp import Milp, build_milp, hint_values, merge_coo, milp_nonzeros_at_least
+from autopar.solver.memory_rows import memory_rows
+from autopar.solver.milp import Milp, build_milp, hint_values, milp_nonzeros_at_least
+from autopar.solver.min_peak import min_peak_memory
 from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
 from autopar.solver.prune_rows import prune_rows
 from autopar.solver.reduce import Reducer
 from autopar.solver.validate import node_label, validate
+from autopar.solver.variables import group_vars, variable_graph
 
 logger = logging.getLogger(__name__)
-
-MIN_PEAK_MAX_NNZ = 20_000_000
-"""Above this many nonzeros the smallest-peak MILP is not built: its lower bound is returned instead."""
-
-
-# -- the variable graph --------------------------------------------------------------------------
-
-
-def _group_vars(p: StrategyProblem) -> tuple[np.ndarray, list[list[int]]]:
-    """Variable of each node (groups share one; numbered by their smallest node) and members."""
-    n = len(p.node_costs)
-    parent = list(range(n))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    for group in p.groups or []:
-        root = find(int(group[0]))
-        for v in group[1:]:
-            r = find(int(v))
-            if r != root:
-                parent[r] = root
-    var_of_node = np.empty(n, dtype=np.int64)
-    members: list[list[int]] = []
-    var_of_root: dict[int, int] = {}
-    for v in range(n):
-        r = find(v)
-        k = var_of_root.setdefault(r, len(members))
-        if k == len(members):
-            members.append([])
-        members[k].append(v)
-        var_of_node[v] = k
-    return var_of_node, members
-
-
-def _variable_graph(
-    p: StrategyProblem, var_of_node: np.ndarray, members: list[list[int]]
-) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    """Per-variable costs and per-pair matrices (parallel edges summed, in-group edges on the diagonal)."""
-    # repeated layers share cost lists: each list is converted once
-    vectors: dict[int, np.ndarray] = {}
-
-    def vector(row: list[float]) -> np.ndarray:
-        got = vectors.get(id(row))
-        if got is None:
-            got = vectors[id(row)] = np.asarray(row, dtype=float)
-        return got
-
-    costs = [np.sum([vector(p.node_costs[v]) for v in vs], axis=0) for vs in members]
-    mats: dict[tuple[int, int], np.ndarray] = {}
-    arrays: dict[tuple[int, int, int], np.ndarray] = {}
-    var_of = var_of_node.tolist()
-    sizes = [len(c) for c in p.node_costs]
-    for e, (u, v) in enumerate(p.edges):
-        a, b = var_of[u], var_of[v]
-        shape = (sizes[u], sizes[v])
-        m = arrays.get((id(p.edge_costs[e]), *shape))
-        if m is None:
-            m = arrays[(id(p.edge_costs[e]), *shape)] = np.asarray(p.edge_costs[e], dtype=float).reshape(
-                shape
-            )
-        if a == b:
-            costs[a] = costs[a] + np.diagonal(m)
-            continue
-        key, m = ((a, b), m) if a < b else ((b, a), m.T)
-        old = mats.get(key)
-        mats[key] = m if old is None else old + m
-    return costs, mats
-
-
-# -- exact evaluation on the original problem ----------------------------------------------------
-
-
-def _objective(p: StrategyProblem, choice: list[int]) -> float:
-    terms = [p.node_costs[v][s] for v, s in enumerate(choice)]
-    terms += [
-        p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]] for e, (u, v) in enumerate(p.edges)
-    ]
-    return math.fsum(terms)
-
-
-def _peak_memory(p: StrategyProblem, choice: list[int]) -> float:
-    """Largest total memory of the live nodes over all time steps for this choice."""
-    if not choice:
-        return 0.0
-    nodes, iv, item_mem = p.items()
-    mem = np.array([m[choice[v]] for v, m in zip(nodes.tolist(), item_mem, strict=True)], dtype=float)
-    live = iv[:, 1] > iv[:, 0]
-    if not live.any():
-        return 0.0
-    horizon = int(iv[live, 1].max())
-    delta = np.bincount(iv[live, 0], mem[live], minlength=horizon + 1)
-    delta -= np.bincount(iv[live, 1], mem[live], minlength=horizon + 1)
-    return float(max(np.cumsum(delta[:horizon]).max(), 0.0))
-
-
-# -- the smallest peak memory --------------------------------------------------------------------
-
-
-def _min_peak_memory(
-    p: StrategyProblem,
-    var_of_node: np.ndarray,
-    members: list[list[int]],
-    backend: str,
-    time_limit_s: float,
-    exact: bool = True,
-) -> tuple[float, bool]:
-    """The smallest peak memory any choice reaches, and whether it is exact.
-
-    Strategies with infinite node cost are excluded; edge costs, forbidden pairs included,
-    are ignored, so where those pairs matter this is a lower bound on what would fit.
-
-    Cheap in the usual case: when one strategy of a variable minimises the memory of all its
-    nodes at once, that strategy is optimal for the peak, and the peak is the largest sum of
-    per-node minima. Only groups whose members disagree need a small MILP over those groups;
-    ``exact=False`` skips it and returns that largest sum, a lower bound (its MILP holds every
-    row a long-lived item touches, seconds on a 7B training graph).
-    """
-    item_node, intervals, item_memory = p.items()
-    item_var = var_of_node[item_node]
-    rows = memory_rows(intervals)
-    if not rows.count:
-        return 0.0, True
-    allowed = []
-    for vs in members:
-        c = np.sum([np.asarray(p.node_costs[v], dtype=float) for v in vs], axis=0)
-        allowed.append(np.nonzero(np.isfinite(c))[0] if np.isfinite(c).any() else np.arange(len(c)))
-    active = np.nonzero(rows.r1 > rows.r0)[0]
-    mem = {i: np.asarray(item_memory[i], dtype=float)[allowed[item_var[i]]] for i in active.tolist()}
-    item_min = np.array([mem[i].min() for i in active.tolist()])
-    floor = range_sums(rows.r0[active], rows.r1[active], item_min, rows.count)
-    items_of_var: list[list[int]] = [[] for _ in members]
-    for i in mem:
-        items_of_var[item_var[i]].append(i)
-    hard: list[int] = []
-    for k in range(len(members)):
-        live = [mem[i] for i in items_of_var[k]]
-        if len(live) > 1:
-            stack = np.stack(live)
-            if not (stack == stack.min(axis=1, keepdims=True)).all(axis=0).any():
-                hard.append(k)
-    if not hard:
-        return float(floor.max()), True
-    if not exact:
-        return float(floor.max()), False
-    # minimise P  s.t.  sum_s x_{k,s} = 1 (hard k),  floor_r + sum (m - min) x - P <= 0 (rows they touch)
-    hard_set = set(hard)
-    nonzeros = sum(
-        int(rows.r1[i] - rows.r0[i]) * len(mem[i]) for i in active.tolist() if int(item_var[i]) in hard_set
-    )
-    if nonzeros > MIN_PEAK_MAX_NNZ:  # its rows would not fit in memory (a 70B graph: tens of GB)
-        return float(floor.max()), False
-    sizes = np.array([len(allowed[k]) for k in hard], dtype=np.int64)
-    x0 = dict(zip(hard, np.concatenate([[0], np.cumsum(sizes)])[:-1].tolist(), strict=True))
-    n_x = int(sizes.sum())
-    r_list, c_list, v_list = [np.repeat(np.arange(len(hard)), sizes)], [np.arange(n_x)], [np.ones(n_x)]
-    for t, i in enumerate(active.tolist()):
-        k = int(item_var[i])
-        if k in hard_set:
-            coef = mem[i] - item_min[t]
-            span = np.arange(rows.r0[i], rows.r1[i])
-            r_list.append(len(hard) + np.repeat(span, len(coef)))
-            c_list.append(np.tile(x0[k] + np.arange(len(coef)), len(span)))
-            v_list.append(np.tile(coef, len(span)))
-    r_all = np.concatenate(r_list + [len(hard) + np.arange(rows.count)])
-    c_all = np.concatenate(c_list + [np.full(rows.count, n_x)])
-    v_all = np.concatenate(v_list + [-np.ones(rows.count)])
-    r_all, c_all, v_all = merge_coo(r_all, c_all, v_all, n_x + 1)
-    n_rows = len(hard) + rows.count
-    milp = Milp(
-        lb=np.concatenate([np.zeros(n_x), [floor.max()]]),
-        ub=np.concatenate([np.ones(n_x), [np.inf]]),
-        obj=np.concatenate([np.zeros(n_x), [1.0]]),
-        integer=np.concatenate([np.ones(n_x, dtype=bool), [False]]),
-        row_lb=np.concatenate([np.ones(len(hard)), np.full(rows.count, -np.inf)]),
-        row_ub=np.concatenate([np.ones(len(hard)), -floor]),
-        indptr=np.concatenate([[0], np.cumsum(np.bincount(r_all, minlength=n_rows))]).astype(np.int64),
-        indices=c_all,
-        data=v_all,
-        n_x=n_x,
-    )
-    result = run_solver(milp, backend, time_limit_s, None)
-    if result.values is not None:
-        return float(result.values[n_x]), result.status == "OPTIMAL"
-    return float(floor.max()), False
-
-
-# -- the entry point -----------------------------------------------------------------------------
 
 REDUCE_SHARE = 0.6
 """The reductions stop at this share of the budget; what they leave undone the later steps take on."""
@@ -384,11 +198,11 @@ class _Run:
         self.problem, self.budget, self.deadline = problem, time_limit_s, self.start + time_limit_s
         self.reduce, self.memory_form, self.bound, self.exact_peak = reduce, memory_form, bound, exact_peak
         self.name = resolve_backend(backend)
-        self.var_of_node, self.members = _group_vars(problem)
+        self.var_of_node, self.members = group_vars(problem)
         limit = problem.memory_limit
         self.limit = None if limit is None or math.isinf(limit) else limit
         self.tol = MEMORY_RTOL * self.limit if self.limit is not None else 0.0
-        self.costs, self.mats = _variable_graph(problem, self.var_of_node, self.members)
+        self.costs, self.mats = variable_graph(problem, self.var_of_node, self.members)
         item_node, intervals, item_memory = problem.items()
         self.rows = memory_rows(intervals, all_segments=not reduce) if self.limit is not None else None
         self.item_var = self.var_of_node[item_node]
@@ -478,15 +292,15 @@ class _Run:
     def finish(self, local: np.ndarray) -> Best | None:
         """A core answer mapped back to the nodes and checked on the original problem; None if it fails."""
         choice = self.reducer.expand(self.core, local)[self.var_of_node].tolist()
-        objective = _objective(self.problem, choice)
-        peak = _peak_memory(self.problem, choice) if self.limit is not None else None
+        objective = objective_of(self.problem, choice)
+        peak = peak_memory_of(self.problem, choice) if self.limit is not None else None
         if not math.isfinite(objective) or (peak is not None and peak > self.limit + self.tol):
             return None
         return choice, objective, peak
 
     def answer(self, best: Best, status: str, gap: float | None, used: str, stop: str) -> Solution:
         st = self.stats
-        st.peak_memory = best[2] if best[2] is not None else _peak_memory(self.problem, best[0])
+        st.peak_memory = best[2] if best[2] is not None else peak_memory_of(self.problem, best[0])
         st.used_s = elapsed = time.perf_counter() - self.start
         st.stop_reason = stop
         logger.info(
@@ -509,7 +323,7 @@ class _Run:
         st.infeasible_reason = reason
         message = f"no feasible strategy choice: {reason}"
         if p.memory_limit is not None and math.isfinite(p.memory_limit):
-            peak, exact = _min_peak_memory(
+            peak, exact = min_peak_memory(
                 p, self.var_of_node, self.members, self.name, max(time_limit_s, 1.0), exact=self.exact_peak
             )
             st.min_peak_memory, st.min_peak_memory_exact = peak, exact
@@ -672,8 +486,8 @@ def lower_bound(problem: StrategyProblem, time_limit_s: float = 1.0) -> float:
     """
     start = time.perf_counter()
     validate(problem)
-    var_of_node, members = _group_vars(problem)
-    costs, mats = _variable_graph(problem, var_of_node, members)
+    var_of_node, members = group_vars(problem)
+    costs, mats = variable_graph(problem, var_of_node, members)
     reducer = Reducer(costs, mats.items(), np.zeros(0, dtype=np.int64), [], None, None, 0.0, str)
     try:
         reducer.run()
