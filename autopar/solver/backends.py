@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -80,11 +81,43 @@ def run_solver(
     """
     if backend == "cbc":
         return _run_pywraplp(milp, time_limit_s, hint)
-    from ortools.math_opt import callback_pb2, model_parameters_pb2, model_pb2, parameters_pb2, result_pb2
+    from ortools.math_opt import callback_pb2, parameters_pb2
     from ortools.math_opt.core.python import solver as core_solver
-    from ortools.util.python.pybind_solve_interrupter import PySolveInterrupter
 
     start = time.perf_counter()
+    model = _model_proto(milp, relax)
+    # On models with millions of nonzeros the solvers take seconds to notice a stop and
+    # return; leave them an allowance in proportion so that the caller's limit holds.
+    time_limit_s -= min(0.25 * time_limit_s, 4e-6 * len(milp.data)) + (time.perf_counter() - start)
+    params = _solve_parameters(milp, backend, time_limit_s)
+    model_params = _hint_parameters(backend, hint, len(milp.lb))
+    kind = parameters_pb2.SOLVER_TYPE_HIGHS if backend == "highs" else parameters_pb2.SOLVER_TYPE_GSCIP
+    interrupter, timer = _interrupter(backend, time_limit_s)
+    try:
+        res = core_solver.solve(
+            model,
+            kind,
+            parameters_pb2.SolverInitializerProto(),
+            params,
+            model_params,
+            None,
+            callback_pb2.CallbackRegistrationProto(),
+            None,
+            interrupter,
+        )
+    except Exception as err:  # a solver error is reported, and the greedy answer stands
+        logger.warning("solve: %s failed: %s", backend, err)
+        return SolverResult("ERROR", None, None, time.perf_counter() - start)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return _read_result(res, milp, relax, start)
+
+
+def _model_proto(milp: Milp, relax: bool) -> Any:
+    """The MathOpt ``ModelProto`` of the arrays, filled column by column and row by row in bulk."""
+    from ortools.math_opt import model_pb2
+
     n = len(milp.lb)
     model = model_pb2.ModelProto()
     model.variables.ids.extend(range(n))
@@ -103,9 +136,13 @@ def run_solver(
     matrix.row_ids.extend(np.repeat(np.arange(m), np.diff(milp.indptr)).tolist())
     matrix.column_ids.extend(milp.indices.tolist())
     matrix.coefficients.extend(milp.data.tolist())
-    # On models with millions of nonzeros the solvers take seconds to notice a stop and
-    # return; leave them an allowance in proportion so that the caller's limit holds.
-    time_limit_s -= min(0.25 * time_limit_s, 4e-6 * len(milp.data)) + (time.perf_counter() - start)
+    return model
+
+
+def _solve_parameters(milp: Milp, backend: str, time_limit_s: float) -> Any:
+    """The time limit, the gap, tight feasibility tolerances, and HiGHS's settings for large models."""
+    from ortools.math_opt import parameters_pb2
+
     params = parameters_pb2.SolveParametersProto()
     params.time_limit.FromNanoseconds(int(max(time_limit_s, MIN_SOLVER_TIME_S) * 1e9))
     params.relative_gap_tolerance = _MIP_REL_GAP
@@ -125,39 +162,43 @@ def run_solver(
         # (feasibility jump, randomized rounding) comes in seconds and the time limit holds.
         params.highs.string_options["presolve"] = "off"
         params.highs.double_options["mip_heuristic_effort"] = 0.0
+    return params
+
+
+def _hint_parameters(backend: str, hint: np.ndarray | None, n: int) -> Any:
+    """The model parameters: the hint, for SCIP only (HiGHS through OR-tools crashes on one)."""
+    from ortools.math_opt import model_parameters_pb2
+
     model_params = model_parameters_pb2.ModelSolveParametersProto()
     if backend == "scip" and hint is not None:
         h = model_params.solution_hints.add()
         h.variable_values.ids.extend(range(n))
         h.variable_values.values.extend(hint.tolist())
-    kind = parameters_pb2.SOLVER_TYPE_HIGHS if backend == "highs" else parameters_pb2.SOLVER_TYPE_GSCIP
-    # HiGHS checks its own limit only between steps that can take seconds on large models;
-    # an interrupter fired by a timer stops it sooner. (SCIP keeps to its limit, and with an
-    # interrupter OR-tools 9.15's SCIP wrapper prints an error from its event handler.)
-    interrupter = timer = None
-    if backend == "highs":
-        interrupter = PySolveInterrupter()
-        timer = threading.Timer(max(time_limit_s, MIN_SOLVER_TIME_S), interrupter.interrupt)
-        timer.daemon = True
-        timer.start()
-    try:
-        res = core_solver.solve(
-            model,
-            kind,
-            parameters_pb2.SolverInitializerProto(),
-            params,
-            model_params,
-            None,
-            callback_pb2.CallbackRegistrationProto(),
-            None,
-            interrupter,
-        )
-    except Exception as err:  # a solver error is reported, and the greedy answer stands
-        logger.warning("solve: %s failed: %s", backend, err)
-        return SolverResult("ERROR", None, None, time.perf_counter() - start)
-    finally:
-        if timer is not None:
-            timer.cancel()
+    return model_params
+
+
+def _interrupter(backend: str, time_limit_s: float) -> tuple[Any, threading.Timer | None]:
+    """For HiGHS, an interrupter and the started timer that fires it at the time limit.
+
+    HiGHS checks its own limit only between steps that can take seconds on large models;
+    an interrupter fired by a timer stops it sooner. (SCIP keeps to its limit, and with an
+    interrupter OR-tools 9.15's SCIP wrapper prints an error from its event handler.)
+    """
+    if backend != "highs":
+        return None, None
+    from ortools.util.python.pybind_solve_interrupter import PySolveInterrupter
+
+    interrupter = PySolveInterrupter()
+    timer = threading.Timer(max(time_limit_s, MIN_SOLVER_TIME_S), interrupter.interrupt)
+    timer.daemon = True
+    timer.start()
+    return interrupter, timer
+
+
+def _read_result(res: Any, milp: Milp, relax: bool, start: float) -> SolverResult:
+    """Status, values and dual bound (in cost units) from MathOpt's result; wall time since ``start``."""
+    from ortools.math_opt import result_pb2
+
     reason = result_pb2.TerminationReasonProto.Name(res.termination.reason).removeprefix(
         "TERMINATION_REASON_"
     )
@@ -167,7 +208,7 @@ def run_solver(
     values = None
     if res.solutions and res.solutions[0].HasField("primal_solution"):
         sol = res.solutions[0].primal_solution
-        values = np.zeros(n)
+        values = np.zeros(len(milp.lb))
         values[np.asarray(sol.variable_values.ids, dtype=np.int64)] = sol.variable_values.values
     bound = res.termination.objective_bounds.dual_bound
     bound = bound / milp.scale if math.isfinite(bound) else None

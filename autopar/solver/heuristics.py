@@ -260,79 +260,99 @@ def priced_answer(core: CoreProblem, tol: float, deadline: float) -> tuple[np.nd
     with ``x`` the priced optimum), which gives a gap when the MILP has none. Returns
     ``(None, None)`` when an elimination would be too large or there is too little time.
     """
-    n_rows = len(core.cap)
-    if not n_rows or core.n * 2e-4 > deadline - time.perf_counter():
+    if not len(core.cap) or core.n * 2e-4 > deadline - time.perf_counter():
         return None, None
-    weight = np.zeros(n_rows)
-    coef = np.zeros((len(core.item_coef), int(core.sizes.max())))
-    for t, c in enumerate(core.item_coef):
-        coef[t, : len(c)] = c
-    items = np.arange(len(core.item_coef))
-    bound = -math.inf
+    pricing = _Pricing(core, tol, deadline)
+    started = time.perf_counter()
+    local, over = pricing.solve(0.0)
+    if local is None:
+        return None, None
+    if over.max() <= tol:
+        return pricing.result(local)
+    if (time.perf_counter() - started) * 12 > deadline - time.perf_counter():
+        return pricing.result(None)  # no time for the dozen or so solves the search takes
+    fitting = pricing.raise_price(over)
+    if fitting is None:
+        return pricing.result(None)
+    return pricing.result(pricing.cheapest(*fitting))
 
-    def cost(local: np.ndarray) -> float:
+
+class _Pricing:
+    """The state of :func:`priced_answer`'s search: the per-row weights and the best bound so far."""
+
+    def __init__(self, core: CoreProblem, tol: float, deadline: float) -> None:
+        self.core, self.tol, self.deadline = core, tol, deadline
+        self.weight = np.zeros(len(core.cap))
+        self.coef = np.zeros((len(core.item_coef), int(core.sizes.max())))
+        for t, c in enumerate(core.item_coef):
+            self.coef[t, : len(c)] = c
+        self.items = np.arange(len(core.item_coef))
+        self.bound = -math.inf
+
+    def cost(self, local: np.ndarray) -> float:
+        core = self.core
         total = sum(float(c[local[i]]) for i, c in enumerate(core.costs))
         return total + sum(float(t[tuple(local[list(s)])]) for s, t in core.factors)
 
-    def solve(lam: float) -> tuple[np.ndarray | None, np.ndarray]:
-        nonlocal bound
-        prefix = np.concatenate([[0.0], np.cumsum(weight)])
+    def solve(self, lam: float) -> tuple[np.ndarray | None, np.ndarray]:
+        """The exact optimum with memory priced at ``lam`` and each row's overflow under it (None: none found)."""
+        core = self.core
+        prefix = np.concatenate([[0.0], np.cumsum(self.weight)])
         price = lam * (prefix[core.item_r1] - prefix[core.item_r0])
         costs = [c.copy() for c in core.costs]
         for t, i in enumerate(core.item_var.tolist()):
             costs[i] = costs[i] + price[t] * core.item_coef[t]
         reducer = Reducer(costs, core.factors, np.zeros(0, dtype=np.int64), [], None, None, 0.0, str)
         try:
-            reducer.run(deadline)  # unfinished, it leaves variables alive: no answer
+            reducer.run(self.deadline)  # unfinished, it leaves variables alive: no answer
         except InfeasibleError:
             return None, np.zeros(0)
         if reducer.alive.any():
             return None, np.zeros(0)
         local = reducer.expand(reducer.core(), np.zeros(0, dtype=np.int64))
-        over = range_sums(core.item_r0, core.item_r1, coef[items, local[core.item_var]], n_rows) - core.cap
-        bound = max(bound, cost(local) + lam * float(weight @ (over - tol)))
+        used = self.coef[self.items, local[core.item_var]]
+        over = range_sums(core.item_r0, core.item_r1, used, len(core.cap)) - core.cap
+        self.bound = max(self.bound, self.cost(local) + lam * float(self.weight @ (over - self.tol)))
         return local, over
 
-    def result(best: np.ndarray | None) -> tuple[np.ndarray | None, float | None]:
-        return best, (bound + core.constant if math.isfinite(bound) else None)
+    def result(self, best: np.ndarray | None) -> tuple[np.ndarray | None, float | None]:
+        return best, (self.bound + self.core.constant if math.isfinite(self.bound) else None)
 
-    started = time.perf_counter()
-    local, over = solve(0.0)
-    if local is None:
-        return None, None
-    if over.max() <= tol:
-        return result(local)
-    if (time.perf_counter() - started) * 12 > deadline - time.perf_counter():
-        return result(None)  # no time for the dozen or so solves the search takes
-    spread = [float(np.ptp(c[np.isfinite(c)])) for c in core.costs if np.isfinite(c).sum() > 1]
-    lam = (float(np.mean(spread)) if spread else 1.0) / max(float(coef.max()), 1e-300) or 1.0
-    best, best_cost, low = None, math.inf, 0.0
-    for _ in range(40):  # raise the price, spreading it over every row that overflowed
-        if time.perf_counter() > deadline:
-            return result(None)
-        weight[int(np.argmax(over))] += 1.0
-        lam *= 2.0
-        local, over = solve(lam)
-        if local is None:
-            return result(None)
-        if over.max() <= tol:
-            best, best_cost = local, cost(local)
-            break
-        low = lam
-    if best is None:
-        return result(None)
-    high = lam
-    for _ in range(8):  # then look for the cheapest price that still fits
-        if time.perf_counter() > deadline:
-            break
-        mid = 0.5 * (low + high)
-        local, over = solve(mid)
-        if local is None:
-            break
-        if over.max() <= tol:
-            high = mid
-            if cost(local) < best_cost:
-                best, best_cost = local, cost(local)
-        else:
-            low = mid
-    return result(best)
+    def raise_price(self, over: np.ndarray) -> tuple[np.ndarray, float, float, float] | None:
+        """Double the price, spreading it over every row that overflowed, until an answer fits.
+
+        Returns that answer, its cost, and the last price that did not fit and the one that
+        did; None when time runs out, a priced problem is not solved, or no price fits.
+        """
+        spread = [float(np.ptp(c[np.isfinite(c)])) for c in self.core.costs if np.isfinite(c).sum() > 1]
+        lam = (float(np.mean(spread)) if spread else 1.0) / max(float(self.coef.max()), 1e-300) or 1.0
+        low = 0.0
+        for _ in range(40):
+            if time.perf_counter() > self.deadline:
+                return None
+            self.weight[int(np.argmax(over))] += 1.0
+            lam *= 2.0
+            local, over = self.solve(lam)
+            if local is None:
+                return None
+            if over.max() <= self.tol:
+                return local, self.cost(local), low, lam
+            low = lam
+        return None
+
+    def cheapest(self, best: np.ndarray, best_cost: float, low: float, high: float) -> np.ndarray:
+        """Bisect the price between ``low`` and ``high`` for the cheapest answer that still fits."""
+        for _ in range(8):
+            if time.perf_counter() > self.deadline:
+                break
+            mid = 0.5 * (low + high)
+            local, over = self.solve(mid)
+            if local is None:
+                break
+            if over.max() <= self.tol:
+                high = mid
+                if self.cost(local) < best_cost:
+                    best, best_cost = local, self.cost(local)
+            else:
+                low = mid
+        return best

@@ -113,102 +113,158 @@ def milp_nonzeros_at_least(core: CoreProblem) -> int:
     return total
 
 
+@dataclass
+class _Parts:
+    """The MILP's arrays as lists of pieces, appended step by step and concatenated once."""
+
+    rows: list[np.ndarray]
+    cols: list[np.ndarray]
+    vals: list[np.ndarray]
+    lb: list[np.ndarray]
+    ub: list[np.ndarray]
+    obj: list[np.ndarray]
+    integer: list[np.ndarray]
+    row_lb: list[np.ndarray]
+    row_ub: list[np.ndarray]
+    n_rows: int
+    n_cols: int
+
+
+@dataclass
+class _MemoryEntries:
+    """The (item, strategy) pairs with memory above the item's minimum, in units of the memory scale."""
+
+    col: np.ndarray  # the x column of the pair
+    r0: np.ndarray  # the item's first row
+    r1: np.ndarray  # one past its last row
+    val: np.ndarray
+
+    @property
+    def span(self) -> np.ndarray:
+        return self.r1 - self.r0
+
+
 def build_milp(core: CoreProblem, memory_scale: float, memory_form: str) -> Milp:
     """The marginal-form MILP of the core problem (see the module docstring)."""
-    sizes = core.sizes
-    n = core.n
-    x0 = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    n_x = int(x0[-1])
+    x0 = np.concatenate([[0], np.cumsum(core.sizes)]).astype(np.int64)
     cost = np.concatenate(core.costs + [t.ravel() for _, t in core.factors])
     scale = _objective_scale(cost)
-    finite = np.isfinite(cost)
-
-    # One strategy per variable, then the factors' marginals.
-    rows = [np.repeat(np.arange(n), sizes)]
-    cols = [np.arange(n_x)]
-    vals = [np.ones(n_x)]
-    f_rows, f_cols, f_vals, n_rows, n_cols = _factor_rows(core, x0, n, n_x)
-    rows += f_rows
-    cols += f_cols
-    vals += f_vals
-    lb = [np.zeros(n_cols)]
-    ub = [np.where(finite, 1.0, 0.0)]
-    obj = [np.where(finite, cost * scale, 0.0)]
-    integer = [np.arange(n_cols) < n_x]
-    row_lb = [np.ones(n), np.zeros(n_rows - n)]
-    row_ub = [np.ones(n), np.zeros(n_rows - n)]
-
+    parts = _choice_and_factor_parts(core, x0, cost, scale)
     form = "none"
-    n_mem = len(core.cap)
-    if n_mem and len(core.item_coef):
-        # (item, strategy) pairs with memory above the item's minimum
-        lengths = np.array([len(c) for c in core.item_coef], dtype=np.int64)
-        pi = np.repeat(np.arange(len(lengths)), lengths)
-        ps = np.arange(len(pi)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        pval = np.concatenate(core.item_coef) / memory_scale
-        nonzero = pval > 0
-        pi, ps, pval = pi[nonzero], ps[nonzero], pval[nonzero]
-        pcol = x0[core.item_var[pi]] + ps
-        r0, r1 = core.item_r0[pi], core.item_r1[pi]
-        span = r1 - r0
-        direct_nnz = int(span.sum())
-        form = memory_form
-        if form == "auto":
-            # entries of one variable in one row merge, so a row holds at most one per column
-            merged = min(direct_nnz, n_mem * len(np.unique(pcol)))
-            form = "direct" if merged <= 3 * (2 * len(pi) + 2 * n_mem) else "cumulative"
-        cap = core.cap / memory_scale
-        if form == "direct" and n_mem * n_x <= direct_nnz:
-            # many items per variable (grouped layers): sum them densely with a difference array
-            delta = np.zeros((n_mem + 1, n_x))
-            np.add.at(delta, (r0, pcol), pval)
-            np.add.at(delta, (r1, pcol), -pval)
-            dense = np.cumsum(delta[:-1], axis=0)
-            mr, mc = np.nonzero(dense > 1e-12 * pval.max())
-            mv = dense[mr, mc]
-        elif form == "direct":
-            offs = np.arange(direct_nnz) - np.repeat(np.cumsum(span) - span, span)
-            mr, mc, mv = merge_coo(
-                np.repeat(r0, span) + offs, np.repeat(pcol, span), np.repeat(pval, span), n_cols
-            )
+    if len(core.cap) and len(core.item_coef):
+        entries = _memory_entries(core, x0, memory_scale)
+        form = _memory_form(memory_form, len(core.cap), entries)
         if form == "direct":
-            row_lb.append(np.full(n_mem, -np.inf))
-            row_ub.append(cap)
+            _add_direct_rows(parts, core.cap / memory_scale, entries, int(x0[-1]))
         else:
-            # u_r - u_{r-1} - (entering) + (leaving) = 0, with 0 <= u_r <= cap_r
-            u = n_cols + np.arange(n_mem)
-            leaves = r1 < n_mem
-            mr = np.concatenate([r0, r1[leaves], np.arange(n_mem), np.arange(1, n_mem)])
-            mc = np.concatenate([pcol, pcol[leaves], u, u[:-1]])
-            mv = np.concatenate([-pval, pval[leaves], np.ones(n_mem), -np.ones(n_mem - 1)])
-            mr, mc, mv = merge_coo(mr, mc, mv, n_cols + n_mem)
-            lb.append(np.zeros(n_mem))
-            ub.append(np.maximum(cap, 0.0))
-            obj.append(np.zeros(n_mem))
-            integer.append(np.zeros(n_mem, dtype=bool))
-            row_lb.append(np.zeros(n_mem))
-            row_ub.append(np.zeros(n_mem))
-        keep = mv != 0
-        rows.append(mr[keep] + n_rows)
-        cols.append(mc[keep])
-        vals.append(mv[keep])
-        n_rows += n_mem
+            _add_cumulative_rows(parts, core.cap / memory_scale, entries)
+    return _assemble(parts, core.constant, scale, memory_scale, int(x0[-1]), form)
 
-    all_rows = np.concatenate(rows)
-    all_cols = np.concatenate(cols)
+
+def _choice_and_factor_parts(core: CoreProblem, x0: np.ndarray, cost: np.ndarray, scale: float) -> _Parts:
+    """One strategy per variable, then the factors' marginals; the columns are every x, then every y."""
+    n, sizes, n_x = core.n, core.sizes, int(x0[-1])
+    finite = np.isfinite(cost)
+    f_rows, f_cols, f_vals, n_rows, n_cols = _factor_rows(core, x0, n, n_x)
+    return _Parts(
+        rows=[np.repeat(np.arange(n), sizes), *f_rows],
+        cols=[np.arange(n_x), *f_cols],
+        vals=[np.ones(n_x), *f_vals],
+        lb=[np.zeros(n_cols)],
+        ub=[np.where(finite, 1.0, 0.0)],
+        obj=[np.where(finite, cost * scale, 0.0)],
+        integer=[np.arange(n_cols) < n_x],
+        row_lb=[np.ones(n), np.zeros(n_rows - n)],
+        row_ub=[np.ones(n), np.zeros(n_rows - n)],
+        n_rows=n_rows,
+        n_cols=n_cols,
+    )
+
+
+def _memory_entries(core: CoreProblem, x0: np.ndarray, memory_scale: float) -> _MemoryEntries:
+    lengths = np.array([len(c) for c in core.item_coef], dtype=np.int64)
+    pi = np.repeat(np.arange(len(lengths)), lengths)
+    ps = np.arange(len(pi)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pval = np.concatenate(core.item_coef) / memory_scale
+    nonzero = pval > 0
+    pi, ps, pval = pi[nonzero], ps[nonzero], pval[nonzero]
+    return _MemoryEntries(x0[core.item_var[pi]] + ps, core.item_r0[pi], core.item_r1[pi], pval)
+
+
+def _memory_form(memory_form: str, n_mem: int, entries: _MemoryEntries) -> str:
+    """The form asked for, or under "auto" direct unless it holds over three times the cumulative's nonzeros."""
+    if memory_form != "auto":
+        return memory_form
+    # entries of one variable in one row merge, so a row holds at most one per column
+    merged = min(int(entries.span.sum()), n_mem * len(np.unique(entries.col)))
+    return "direct" if merged <= 3 * (2 * len(entries.col) + 2 * n_mem) else "cumulative"
+
+
+def _add_direct_rows(parts: _Parts, cap: np.ndarray, e: _MemoryEntries, n_x: int) -> None:
+    """``sum_{live} m x <= cap`` per row."""
+    n_mem, span = len(cap), e.span
+    direct_nnz = int(span.sum())
+    if n_mem * n_x <= direct_nnz:
+        # many items per variable (grouped layers): sum them densely with a difference array
+        delta = np.zeros((n_mem + 1, n_x))
+        np.add.at(delta, (e.r0, e.col), e.val)
+        np.add.at(delta, (e.r1, e.col), -e.val)
+        dense = np.cumsum(delta[:-1], axis=0)
+        mr, mc = np.nonzero(dense > 1e-12 * e.val.max())
+        mv = dense[mr, mc]
+    else:
+        offs = np.arange(direct_nnz) - np.repeat(np.cumsum(span) - span, span)
+        mr, mc, mv = merge_coo(
+            np.repeat(e.r0, span) + offs, np.repeat(e.col, span), np.repeat(e.val, span), parts.n_cols
+        )
+    parts.row_lb.append(np.full(n_mem, -np.inf))
+    parts.row_ub.append(cap)
+    _add_memory_entries(parts, mr, mc, mv, n_mem)
+
+
+def _add_cumulative_rows(parts: _Parts, cap: np.ndarray, e: _MemoryEntries) -> None:
+    """``u_r - u_{r-1} - (entering) + (leaving) = 0``, with ``0 <= u_r <= cap_r``."""
+    n_mem, n_cols = len(cap), parts.n_cols
+    u = n_cols + np.arange(n_mem)
+    leaves = e.r1 < n_mem
+    mr = np.concatenate([e.r0, e.r1[leaves], np.arange(n_mem), np.arange(1, n_mem)])
+    mc = np.concatenate([e.col, e.col[leaves], u, u[:-1]])
+    mv = np.concatenate([-e.val, e.val[leaves], np.ones(n_mem), -np.ones(n_mem - 1)])
+    mr, mc, mv = merge_coo(mr, mc, mv, n_cols + n_mem)
+    parts.lb.append(np.zeros(n_mem))
+    parts.ub.append(np.maximum(cap, 0.0))
+    parts.obj.append(np.zeros(n_mem))
+    parts.integer.append(np.zeros(n_mem, dtype=bool))
+    parts.row_lb.append(np.zeros(n_mem))
+    parts.row_ub.append(np.zeros(n_mem))
+    _add_memory_entries(parts, mr, mc, mv, n_mem)
+
+
+def _add_memory_entries(parts: _Parts, mr: np.ndarray, mc: np.ndarray, mv: np.ndarray, n_mem: int) -> None:
+    keep = mv != 0
+    parts.rows.append(mr[keep] + parts.n_rows)
+    parts.cols.append(mc[keep])
+    parts.vals.append(mv[keep])
+    parts.n_rows += n_mem
+
+
+def _assemble(parts: _Parts, constant: float, scale: float, memory_scale: float, n_x: int, form: str) -> Milp:
+    """The pieces concatenated, the entries sorted by row then column into CSR."""
+    all_rows = np.concatenate(parts.rows)
+    all_cols = np.concatenate(parts.cols)
     order = np.lexsort((all_cols, all_rows))
-    indptr = np.concatenate([[0], np.cumsum(np.bincount(all_rows, minlength=n_rows))]).astype(np.int64)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(all_rows, minlength=parts.n_rows))]).astype(np.int64)
     return Milp(
-        lb=np.concatenate(lb),
-        ub=np.concatenate(ub),
-        obj=np.concatenate(obj),
-        integer=np.concatenate(integer),
-        row_lb=np.concatenate(row_lb),
-        row_ub=np.concatenate(row_ub),
+        lb=np.concatenate(parts.lb),
+        ub=np.concatenate(parts.ub),
+        obj=np.concatenate(parts.obj),
+        integer=np.concatenate(parts.integer),
+        row_lb=np.concatenate(parts.row_lb),
+        row_ub=np.concatenate(parts.row_ub),
         indptr=indptr,
         indices=all_cols[order].astype(np.int64),
-        data=np.concatenate(vals)[order].astype(float),
-        offset=core.constant * scale,
+        data=np.concatenate(parts.vals)[order].astype(float),
+        offset=constant * scale,
         scale=scale,
         memory_scale=memory_scale,
         n_x=n_x,
