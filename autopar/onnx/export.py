@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.capture.joint import CapturedGraph, _hf_no_cache, node_module, node_phase
+from autopar.capture.inputs import hf_no_cache
+from autopar.capture.joint import CapturedGraph, node_module, node_phase
 from autopar.core.errors import RuntimeMismatchError
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.graph_stats import model_fingerprint
@@ -147,7 +148,7 @@ def _export(model: nn.Module, example_inputs: Any) -> tuple[Any, list[str] | Non
         args, kwargs = (example_inputs,), {}
     else:
         args, kwargs = tuple(example_inputs), {}
-    _hf_no_cache(model, kwargs)
+    hf_no_cache(model, kwargs)
     was_training = model.training
     model.eval()
     try:

@@ -2,7 +2,7 @@
 
 Capture writes a mean class loss (cross-entropy, NLL) as ``S / W``: the sum of
 the per-target losses over the total weight of the targets not equal to
-``ignore_index`` (:func:`autopar.capture.joint._mean_as_sum_over_weight`).  A step
+``ignore_index`` (:func:`autopar.capture.replay._mean_as_sum_over_weight`).  A step
 of ``m`` micro-batches, each with its own ``L_k = S_k / W_k``, must give the
 loss of the whole batch and its gradient:
 
