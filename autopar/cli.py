@@ -231,6 +231,7 @@ def _write(fn, path: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``plan``, ``show``, ``diff`` and ``export-onnx``, one subcommand a function."""
     parser = argparse.ArgumentParser(
         prog="autopar",
         description="Plan parallel training of a PyTorch model on a cluster, and inspect saved plans. "
@@ -238,7 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each pass does")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan(sub)
+    _add_show(sub)
+    _add_diff(sub)
+    _add_export_onnx(sub)
+    return parser
 
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
         help="plan a model for a cluster and print the plan",
@@ -247,12 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
         "Example: autopar plan examples.models:gpt2_small --cluster dgx-h100 --nodes 2 --json plan.json",
     )
     p.add_argument("model", help="module:factory, where factory() returns (model, example_inputs)")
+    _add_cluster_options(p)
+    _add_training_options(p)
+    _add_fixed_options(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="save the plan as JSON (for show, diff, export-onnx)")
+    out.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
+    out.add_argument(
+        "--show-pipeline", metavar="PNG", help="draw the pipeline schedule's timeline (one row per device)"
+    )
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     where = p.add_argument_group("cluster (a preset, a device, or local CPU processes)")
     where.add_argument("--cluster", default="dgx-h100", help="preset name, e.g. dgx-a100, dgx-h100 (default)")
     where.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     where.add_argument("--device", help="device name instead of a preset, e.g. A100-80GB")
     where.add_argument("--gpus-per-node", type=int, default=8, help="with --device (default 8)")
     where.add_argument("--local", type=int, metavar="N", help="N local CPU processes over gloo")
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     train.add_argument("--batch", type=int, help="global batch size (default: the example batch)")
     train.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default) or fp32")
@@ -265,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="solver time budget in seconds (default 60)",
     )
+
+
+def _add_fixed_options(p: argparse.ArgumentParser) -> None:
     fix = p.add_argument_group("fix part of the plan")
     fix.add_argument("--dp", type=int, help="data-parallel size")
     fix.add_argument("--tp", type=int, help="tensor-parallel size")
@@ -277,14 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("none", "selective", "full"),
         help="none, selective (Megatron's: every layer's attention core) or full (every layer); default: op by op",
     )
-    out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="save the plan as JSON (for show, diff, export-onnx)")
-    out.add_argument("--report", metavar="PATH", help="write a self-contained HTML report of the plan")
-    out.add_argument(
-        "--show-pipeline", metavar="PNG", help="draw the pipeline schedule's timeline (one row per device)"
-    )
-    p.set_defaults(func=_cmd_plan)
 
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "show",
         help="print a saved plan, explain one op or layer, write its report",
@@ -304,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=_cmd_show)
 
+
+def _add_diff(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "diff",
         help="compare two saved plans",
@@ -314,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("b", help="the second plan.json")
     d.set_defaults(func=_cmd_diff)
 
+
+def _add_export_onnx(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "export-onnx",
         help="export a model's inference graph to ONNX, annotated with a plan",
@@ -324,7 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plan", required=True, metavar="PATH", help="plan.json made for this model")
     e.add_argument("--out", required=True, metavar="PATH", help="where to write the .onnx file")
     e.set_defaults(func=_cmd_export_onnx)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,36 @@ def write_report(plan: PlanData, path: str | Path) -> Path:
 def report_html(plan: PlanData) -> str:
     """The HTML page of ``plan`` as a string (see :func:`write_report`)."""
     pngs = all_pngs(plan)
-    est, mem = plan.estimate, plan.estimate.memory
+    parts = [
+        *_head(plan),
+        "<h2>Configuration</h2>",
+        _configuration(plan),
+        "<h2>Memory per device</h2>",
+        _img(pngs["memory"], "memory per device by category, with the peak and the limit"),
+        _memory_table(plan),
+        "<h2>Time per step</h2>",
+        _img(pngs["time"], "step time by part: compute, exposed communication, optimizer, bubble"),
+        *_time_tables(plan),
+        "<h2>Pipeline</h2>",
+        _stages(plan),
+    ]
+    if plan.mesh.get("pp", 1) > 1:
+        parts.append(_img(pngs["pipeline"], "pipeline timeline"))
+    parts += [
+        "<h2>Sharding per layer</h2>",
+        _param_table(plan),
+        _ops_table(plan),
+        "<h2>Search</h2>",
+        _search(plan),
+        '<p class="sub">Written by autopar. Explain one op or layer with '
+        "<code>autopar show plan.json --explain NAME</code>.</p>",
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _head(plan: PlanData) -> list[str]:
+    """The document head, the title, the headline cards and the plan's warnings."""
     e = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -73,8 +102,10 @@ def report_html(plan: PlanData) -> str:
     ]
     if plan.warnings:
         parts.append("".join(f'<div class="warn">warning: {e(w)}</div>' for w in plan.warnings))
+    return parts
 
-    parts.append("<h2>Configuration</h2>")
+
+def _configuration(plan: PlanData) -> str:
     cfg = [
         ("mesh", plan.mesh_str()),
         ("ZeRO stage", str(plan.zero)),
@@ -89,36 +120,23 @@ def report_html(plan: PlanData) -> str:
     ]
     if plan.solver:
         cfg.append(("search", solver_line(plan.solver, plan.mesh)))
-    parts.append(_kv_table(cfg))
+    return _kv_table(cfg)
 
-    parts.append("<h2>Memory per device</h2>")
-    parts.append(_img(pngs["memory"], "memory per device by category, with the peak and the limit"))
-    parts.append(
-        _table(
-            ["params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"],
-            [
-                [
-                    *(
-                        size(v)
-                        for v in (
-                            mem.params,
-                            mem.grads,
-                            mem.optimizer,
-                            mem.activations,
-                            mem.buffers,
-                            mem.peak,
-                        )
-                    ),
-                    size(est.memory_limit),
-                    "yes" if est.fits else "NO",
-                ]
-            ],
-            numeric=range(7),
-        )
+
+def _memory_table(plan: PlanData) -> str:
+    est, mem = plan.estimate, plan.estimate.memory
+    categories = (mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.peak)
+    return _table(
+        ["params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"],
+        [[*(size(v) for v in categories), size(est.memory_limit), "yes" if est.fits else "NO"]],
+        numeric=range(7),
     )
 
-    parts.append("<h2>Time per step</h2>")
-    parts.append(_img(pngs["time"], "step time by part: compute, exposed communication, optimizer, bubble"))
+
+def _time_tables(plan: PlanData) -> list[str]:
+    """The step time by part, then the collectives of one step."""
+    est = plan.estimate
+    parts = []
     hfu = ["HFU"] if est.hfu_differs else []  # hardware FLOPs, recompute counted: shown where it differs
     parts.append(
         _table(
@@ -153,24 +171,7 @@ def report_html(plan: PlanData) -> str:
                 numeric=(2, 3, 4),
             )
         )
-
-    parts.append("<h2>Pipeline</h2>")
-    parts.append(_stages(plan))
-    if plan.mesh.get("pp", 1) > 1:
-        parts.append(_img(pngs["pipeline"], "pipeline timeline"))
-
-    parts.append("<h2>Sharding per layer</h2>")
-    parts.append(_param_table(plan))
-    parts.append(_ops_table(plan))
-
-    parts.append("<h2>Search</h2>")
-    parts.append(_search(plan))
-    parts.append(
-        '<p class="sub">Written by autopar. Explain one op or layer with '
-        "<code>autopar show plan.json --explain NAME</code>.</p>"
-    )
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return parts
 
 
 def _cards(plan: PlanData) -> str:

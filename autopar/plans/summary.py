@@ -152,10 +152,30 @@ def peak_line(plan) -> str:
 
 def summary_text(plan: PlanData, width: int = 100) -> str:
     """A table a person reads: the configuration, time and memory per device."""
-    est, mem = plan.estimate, plan.estimate.memory
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False)
+    console.print(_config_table(plan))
+    console.print(_time_table(plan))
+    console.print(_memory_table(plan))
+    if peak_line(plan):
+        console.print(peak_line(plan))
+    tables = (
+        _pipeline_table(plan) if plan.stages else None,
+        _collectives_table(plan),
+        _param_table(plan),
+        _meshes_table(plan),
+        _alternatives_table(plan),
+    )
+    for table in tables:
+        if table is not None:
+            console.print(table)
+    for w in plan.warnings:
+        console.print(f"warning: {w}")
+    return buf.getvalue()
 
+
+def _config_table(plan: PlanData) -> Table:
+    """The cluster, the mesh, what is sharded, ZeRO, recompute, the batch and the search."""
     cfg = Table(
         title=f"autopar plan: {plan.model} ({plan.num_params / 1e9:.3g}B params)", show_header=False
     )
@@ -173,8 +193,11 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
     cfg.add_row("precision / optimizer", f"{plan.precision} / {plan.optimizer}")
     if plan.solver:
         cfg.add_row("search", solver_line(plan.solver, plan.mesh))
-    console.print(cfg)
+    return cfg
 
+
+def _time_table(plan: PlanData) -> Table:
+    est = plan.estimate
     time_t = Table(title="time per step")
     hfu = ("HFU",) if est.hfu_differs else ()  # hardware FLOPs: recompute counted
     for col in ("step", "compute (recompute)", "comm (exposed / total)", "optimizer", "samples/s", "MFU", *hfu):
@@ -188,8 +211,11 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
         f"{est.mfu * 100:.1f}%",
         *(f"{est.hfu * 100:.1f}%" for _ in hfu),
     )
-    console.print(time_t)
+    return time_t
 
+
+def _memory_table(plan: PlanData) -> Table:
+    est, mem = plan.estimate, plan.estimate.memory
     mem_t = Table(title="memory per device (GB)")
     for col in ("params", "grads", "optimizer", "activations", "buffers", "peak", "limit", "fits"):
         mem_t.add_column(col, justify="right")
@@ -201,67 +227,75 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
         f"{est.memory_limit / GB:.1f}",
         "yes" if est.fits else "NO",
     )
-    console.print(mem_t)
-    if peak_line(plan):
-        console.print(peak_line(plan))
+    return mem_t
 
-    if plan.stages:
-        console.print(_pipeline_table(plan))
 
-    if est.collectives:
-        coll = Table(title="collectives per step")
-        for col in ("collective", "axis", "count", "bytes each", "time"):
-            coll.add_column(col, justify="right")
-        for c in est.collectives:
-            coll.add_row(c["kind"], c["axis"], str(c["count"]), size(c["bytes"]), secs(c["time_s"]))
-        console.print(coll)
+def _collectives_table(plan: PlanData) -> Table | None:
+    if not plan.estimate.collectives:
+        return None
+    coll = Table(title="collectives per step")
+    for col in ("collective", "axis", "count", "bytes each", "time"):
+        coll.add_column(col, justify="right")
+    for c in plan.estimate.collectives:
+        coll.add_row(c["kind"], c["axis"], str(c["count"]), size(c["bytes"]), secs(c["time_s"]))
+    return coll
+
+
+def _param_table(plan: PlanData) -> Table | None:
     params = plan.param_placements()
-    if params:
-        pt = Table(title="parameter placements (layers folded)")
-        for col in ("parameter", "copies", *plan.mesh_axes()):
-            pt.add_column(col, justify="left" if col == "parameter" else "right")
-        for (name, placement), count in params.items():
-            pt.add_row(name, str(count), *placement)
-        console.print(pt)
+    if not params:
+        return None
+    pt = Table(title="parameter placements (layers folded)")
+    for col in ("parameter", "copies", *plan.mesh_axes()):
+        pt.add_column(col, justify="left" if col == "parameter" else "right")
+    for (name, placement), count in params.items():
+        pt.add_row(name, str(count), *placement)
+    return pt
+
+
+def _meshes_table(plan: PlanData) -> Table | None:
+    """The meshes the search compared, when there was more than one."""
     meshes = plan.solver.meshes
-    if len(meshes) > 1:
-        left = plan.solver.meshes_left_out
-        mt = Table(
-            title="meshes searched",
-            caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
+    if len(meshes) <= 1:
+        return None
+    left = plan.solver.meshes_left_out
+    mt = Table(
+        title="meshes searched",
+        caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
+    )
+    for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
+        mt.add_column(col, justify="right")
+    for r in meshes:
+        mt.add_row(
+            mesh_text(r.mesh),
+            str(r.microbatches),
+            r.status,
+            r.source,
+            secs(r.step_time_s),
+            f"{r.peak_bytes / GB:.2f}",
+            "yes" if r.fits else "no",
         )
-        for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
-            mt.add_column(col, justify="right")
-        for r in meshes:
-            mt.add_row(
-                mesh_text(r.mesh),
-                str(r.microbatches),
-                r.status,
-                r.source,
-                secs(r.step_time_s),
-                f"{r.peak_bytes / GB:.2f}",
-                "yes" if r.fits else "no",
-            )
-        console.print(mt)
+    return mt
+
+
+def _alternatives_table(plan: PlanData) -> Table | None:
+    """The best configuration found for each ZeRO stage, when more than one was costed."""
     alts = plan.solver.alternatives
-    if len(alts) > 1:
-        alt_t = Table(title="best configuration per ZeRO stage")
-        for col in ("mesh", "ZeRO", "micro-batches", "step", "peak memory (GB)", "fits"):
-            alt_t.add_column(col, justify="right")
-        for a in alts:
-            mesh = mesh_text(a.mesh)
-            alt_t.add_row(
-                mesh,
-                str(a.zero),
-                str(a.microbatches),
-                secs(a.step_time_s),
-                f"{a.peak_bytes / GB:.2f}",
-                "yes" if a.fits else "no",
-            )
-        console.print(alt_t)
-    for w in plan.warnings:
-        console.print(f"warning: {w}")
-    return buf.getvalue()
+    if len(alts) <= 1:
+        return None
+    alt_t = Table(title="best configuration per ZeRO stage")
+    for col in ("mesh", "ZeRO", "micro-batches", "step", "peak memory (GB)", "fits"):
+        alt_t.add_column(col, justify="right")
+    for a in alts:
+        alt_t.add_row(
+            mesh_text(a.mesh),
+            str(a.zero),
+            str(a.microbatches),
+            secs(a.step_time_s),
+            f"{a.peak_bytes / GB:.2f}",
+            "yes" if a.fits else "no",
+        )
+    return alt_t
 
 
 def _pipeline_table(plan: PlanData) -> Table:
