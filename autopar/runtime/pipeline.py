@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
     SEND_B,
     SEND_F,
     _Action,
+    _ComputationType,
 )
 
 from autopar.codegen.stage_split import StageGraphs, ValueSpec
@@ -74,77 +75,119 @@ def run_schedule(
 
     Each forward and backward runs inside ``draws(micro-batch)``: the state its random ops draw under.
     """
-    pending_recv: dict[tuple[str, int, int], list] = {}
-    sends: list = []
+    exchange = _Exchange(stages, peer)
+    for a in actions:
+        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
+        runner = runners[s]
+        if kind in (RECV_F, RECV_B):
+            exchange.post_receive(kind, runner.graphs, s, mb)
+        elif kind == SEND_F:
+            exchange.send(runner.to_send.pop(mb), peer(s + 1), 0, s, mb)
+        elif kind == SEND_B:
+            exchange.send(runner.to_send_back.pop(mb), peer(s - 1), 1, s - 1, mb)
+        elif kind == FORWARD:
+            _forward(runners, s, mb, stages, exchange, draws)
+        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            _backward(runners, s, mb, exchange, draws)
+    exchange.finish()
 
-    def recv(specs: list[ValueSpec], src: int, direction: int, boundary: int, mb: int):
+
+class _Exchange:
+    """This rank's point-to-point transfers: receives posted and not yet waited on, sends in flight."""
+
+    def __init__(self, stages: int, peer: Callable[[int], int]) -> None:
+        self.stages, self.peer = stages, peer
+        self.pending_recv: dict[tuple[str, int, int], tuple[list[torch.Tensor], list]] = {}
+        self.sends: list = []
+
+    def post_receive(self, kind: _ComputationType, g: StageGraphs, s: int, mb: int) -> None:
+        # a receive dropped before its wait would let the backend write into freed memory
+        key = ("f" if kind == RECV_F else "b", s, mb)
+        if key in self.pending_recv:
+            raise RuntimeError(f"pipeline schedule posts receive {key} twice")
+        if kind == RECV_F:
+            self.pending_recv[key] = self._recv(g.recv_forward, self.peer(s - 1), 0, s - 1, mb)
+        else:
+            self.pending_recv[key] = self._recv(g.recv_backward, self.peer(s + 1), 1, s, mb)
+
+    def _recv(
+        self, specs: list[ValueSpec], src: int, direction: int, boundary: int, mb: int
+    ) -> tuple[list[torch.Tensor], list]:
         bufs = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
         works = [
-            dist.irecv(b, src=src, tag=_tag(direction, boundary, mb, i, stages)) for i, b in enumerate(bufs)
+            dist.irecv(b, src=src, tag=_tag(direction, boundary, mb, i, self.stages)) for i, b in enumerate(bufs)
         ]
         return bufs, works
 
-    def send(tensors: list[torch.Tensor], dst: int, direction: int, boundary: int, mb: int) -> None:
+    def send(self, tensors: list[torch.Tensor], dst: int, direction: int, boundary: int, mb: int) -> None:
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            sends.append((t, dist.isend(t, dst=dst, tag=_tag(direction, boundary, mb, i, stages))))
+            self.sends.append((t, dist.isend(t, dst=dst, tag=_tag(direction, boundary, mb, i, self.stages))))
 
-    def wait(key: tuple[str, int, int]) -> list[torch.Tensor]:
-        bufs, works = pending_recv.pop(key)
+    def wait(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
+        bufs, works = self.pending_recv.pop(key)
         for w in works:
             w.wait()
         return bufs
 
-    for a in actions:
-        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
-        runner = runners[s]
-        g = runner.graphs
-        if kind in (RECV_F, RECV_B):
-            # a receive dropped before its wait would let the backend write into freed memory
-            key = ("f" if kind == RECV_F else "b", s, mb)
-            if key in pending_recv:
-                raise RuntimeError(f"pipeline schedule posts receive {key} twice")
-            if kind == RECV_F:
-                pending_recv[key] = recv(g.recv_forward, peer(s - 1), 0, s - 1, mb)
-            else:
-                pending_recv[key] = recv(g.recv_backward, peer(s + 1), 1, s, mb)
-        elif kind == SEND_F:
-            send(runner.to_send.pop(mb), peer(s + 1), 0, s, mb)
-        elif kind == SEND_B:
-            send(runner.to_send_back.pop(mb), peer(s - 1), 1, s - 1, mb)
-        elif kind == FORWARD:
-            if mb in runner.received:
-                received = runner.received.pop(mb)
-            else:
-                received = wait(("f", s, mb)) if g.recv_forward else []
-            with draws(mb):
-                out = g.forward(*runner.args(g.forward_args, mb), *received)
-            n_send, n_saved = len(g.send_forward), len(g.saved)
-            sent = list(out[:n_send])
-            runner.saved[mb] = list(out[n_send : n_send + n_saved])
-            if g.updates:
-                runner.on_updates(g.updates, list(out[n_send + n_saved : n_send + n_saved + len(g.updates)]))
-            if g.has_loss:
-                runner.losses[mb] = out[-1]
-            if s + 1 < stages and s + 1 in runners:  # the next stage is on this rank: hand over directly
-                runners[s + 1].received[mb] = sent
-            elif g.send_forward:
-                runner.to_send[mb] = sent
-        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
-            if g.recv_backward:
-                grads_in = runner.received_back.pop(mb) if mb in runner.received_back else wait(("b", s, mb))
-            else:
-                grads_in = []
-            with draws(mb):
-                out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
-            n_back = len(g.send_backward)
-            back = list(out[:n_back])
-            runner.on_grads(mb, g.grads, list(out[n_back:]))
-            if s > 0 and s - 1 in runners:
-                runners[s - 1].received_back[mb] = back
-            elif g.send_backward:
-                runner.to_send_back[mb] = back
-    for _, w in sends:
-        w.wait()
-    if pending_recv:
-        raise RuntimeError(f"pipeline schedule never consumed receives {sorted(pending_recv)}")
+    def finish(self) -> None:
+        """Wait for every send; a receive never waited on is a schedule error."""
+        for _, w in self.sends:
+            w.wait()
+        if self.pending_recv:
+            raise RuntimeError(f"pipeline schedule never consumed receives {sorted(self.pending_recv)}")
+
+
+def _forward(
+    runners: dict[int, StageRunner],
+    s: int,
+    mb: int,
+    stages: int,
+    exchange: _Exchange,
+    draws: Callable[[int], contextlib.AbstractContextManager],
+) -> None:
+    """Stage ``s``'s forward of micro-batch ``mb``: its activations saved, its outputs handed on or queued."""
+    runner = runners[s]
+    g = runner.graphs
+    if mb in runner.received:
+        received = runner.received.pop(mb)
+    else:
+        received = exchange.wait(("f", s, mb)) if g.recv_forward else []
+    with draws(mb):
+        out = g.forward(*runner.args(g.forward_args, mb), *received)
+    n_send, n_saved = len(g.send_forward), len(g.saved)
+    sent = list(out[:n_send])
+    runner.saved[mb] = list(out[n_send : n_send + n_saved])
+    if g.updates:
+        runner.on_updates(g.updates, list(out[n_send + n_saved : n_send + n_saved + len(g.updates)]))
+    if g.has_loss:
+        runner.losses[mb] = out[-1]
+    if s + 1 < stages and s + 1 in runners:  # the next stage is on this rank: hand over directly
+        runners[s + 1].received[mb] = sent
+    elif g.send_forward:
+        runner.to_send[mb] = sent
+
+
+def _backward(
+    runners: dict[int, StageRunner],
+    s: int,
+    mb: int,
+    exchange: _Exchange,
+    draws: Callable[[int], contextlib.AbstractContextManager],
+) -> None:
+    """Stage ``s``'s backward of micro-batch ``mb``: gradients to ``on_grads``, input gradients handed back."""
+    runner = runners[s]
+    g = runner.graphs
+    if g.recv_backward:
+        grads_in = runner.received_back.pop(mb) if mb in runner.received_back else exchange.wait(("b", s, mb))
+    else:
+        grads_in = []
+    with draws(mb):
+        out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
+    n_back = len(g.send_backward)
+    back = list(out[:n_back])
+    runner.on_grads(mb, g.grads, list(out[n_back:]))
+    if s > 0 and s - 1 in runners:
+        runners[s - 1].received_back[mb] = back
+    elif g.send_backward:
+        runner.to_send_back[mb] = back
