@@ -599,6 +599,92 @@ def _one_chunk_in_flight(graph: fx.Graph, chunk_outputs: list[int]) -> None:
         following.prepend(wait)
 
 
+def _early_zero_grads(
+    gm: fx.GraphModule,
+    stages: list[int],
+    grad_pl: list[tuple],
+    early: dict[int, torch.Tensor],
+    mesh: DeviceMesh,
+) -> dict[fx.Node, Callable[[Any], None]]:
+    """Per gradient node of a ZeRO parameter, what the interpreter calls with its value.
+
+    A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
+    reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
+    The converted gradient goes into ``early`` and its placement into ``grad_pl``.
+    """
+    _, grad_nodes, _ = graph_results(gm, len(stages))
+    on_value = {}
+    for i, node in enumerate(grad_nodes):
+        if stages[i] and isinstance(node, fx.Node) and node not in on_value:
+
+            def convert(g: Any, i: int = i) -> None:
+                early[i], grad_pl[i] = _zero_grad(g, grad_pl[i], stages[i], mesh)
+
+            on_value[node] = convert
+    return on_value
+
+
+def _local_joint(
+    interp: _ShardInterpreter,
+    captured: CapturedGraph,
+    mesh: DeviceMesh,
+    phs: list[fx.Node],
+    arg_pl: list[tuple],
+    grad_pl: list[tuple],
+    stages: list[int],
+    early: dict[int, torch.Tensor],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The function ``make_fx`` traces: local shards in, the captured graph run on DTensors, local results out."""
+    n_params = len(captured.params)
+
+    def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dt = [
+            DTensor.from_local(
+                t,
+                mesh,
+                placements(pl),
+                run_check=False,
+                shape=ph.meta["val"].shape,
+                stride=ph.meta["val"].stride(),
+            )
+            for t, pl, ph in zip(local, arg_pl, phs, strict=True)
+        ]
+        loss, *results = interp.run(*dt)
+        grads, updates = results[:n_params], results[n_params:]
+        out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
+        for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
+            if g is None:
+                out.append(None)
+            elif stages[i]:
+                if i not in early:  # a gradient node shared with another parameter
+                    early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
+                out.append(early[i])
+            else:
+                out.append(_to(g, placements(pl)).to_local())
+        for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
+            out.append(_to(u, placements(arg_pl[n_params + b])).to_local())
+        return tuple(out)
+
+    return local_joint
+
+
+def _trace_local(
+    local_joint: Callable[..., tuple[torch.Tensor, ...]], fake_local: list[torch.Tensor], keep_sources: bool
+) -> fx.GraphModule:
+    """``make_fx`` of the local joint on fake local shards, DTensor's one expected warning muted."""
+    # DTensor warns, once per trace, that a 2-D gather runs as two collectives: the plan costed it so
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
+            # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
+            # are real tensors: the trace records them as constants of the local graph
+            return make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)
+    finally:
+        quiet.setLevel(level)
+
+
 def shard_graph(
     captured: CapturedGraph,
     plan_placements: dict[str, dict],
@@ -624,47 +710,10 @@ def shard_graph(
     param_ph = [p.placeholder for p in captured.params]
     grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
     stages = [zero_stages.get(ph, 0) for ph in param_ph]
-    # A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
-    # reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
     early: dict[int, torch.Tensor] = {}
-    _, grad_nodes, _ = graph_results(gm, len(param_ph))
-    on_value = {}
-    for i, node in enumerate(grad_nodes):
-        if stages[i] and isinstance(node, fx.Node) and node not in on_value:
-
-            def convert(g: Any, i: int = i) -> None:
-                early[i], grad_pl[i] = _zero_grad(g, grad_pl[i], stages[i], mesh)
-
-            on_value[node] = convert
+    on_value = _early_zero_grads(gm, stages, grad_pl, early, mesh)
     interp = _ShardInterpreter(gm, plan_placements, mesh, on_value)
-
-    def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        dt = [
-            DTensor.from_local(
-                t,
-                mesh,
-                placements(pl),
-                run_check=False,
-                shape=ph.meta["val"].shape,
-                stride=ph.meta["val"].stride(),
-            )
-            for t, pl, ph in zip(local, arg_pl, phs, strict=True)
-        ]
-        loss, *results = interp.run(*dt)
-        grads, updates = results[: len(param_ph)], results[len(param_ph) :]
-        out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
-        for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
-            if g is None:
-                out.append(None)
-            elif stages[i]:
-                if i not in early:  # a gradient node shared with another parameter
-                    early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
-                out.append(early[i])
-            else:
-                out.append(_to(g, placements(pl)).to_local())
-        for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
-            out.append(_to(u, placements(arg_pl[len(param_ph) + b])).to_local())
-        return tuple(out)
+    local_joint = _local_joint(interp, captured, mesh, phs, arg_pl, grad_pl, stages, early)
 
     fake_local = []
     for ph, pl in zip(phs, arg_pl, strict=True):
@@ -675,17 +724,7 @@ def shard_graph(
                 d = int(s[2:-1])
                 shape[d] //= mesh.size(i)
         fake_local.append(torch.empty(shape, dtype=v.dtype))
-    # DTensor warns, once per trace, that a 2-D gather runs as two collectives: the plan costed it so
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
-            # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
-            # are real tensors: the trace records them as constants of the local graph
-            local_gm = make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)
-    finally:
-        quiet.setLevel(level)
+    local_gm = _trace_local(local_joint, fake_local, keep_sources)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
     # make_fx records those ops too; nothing reads them
     local_gm.graph.eliminate_dead_code()
