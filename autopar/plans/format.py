@@ -1,4 +1,8 @@
-"""How plans print numbers: one formatter per kind of quantity, shared by every view."""
+"""How plans print numbers: one formatter per kind of quantity, shared by every view.
+
+The tables use fixed decimals so columns line up; the sentences (why an op was
+sharded as it was) use the ``_brief`` forms, three significant figures.
+"""
 
 from __future__ import annotations
 
@@ -27,4 +31,21 @@ def size(b: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if b >= scale:
             return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def secs_brief(s: float) -> str:
+    """Seconds to three significant figures, for a number inside a sentence: 1.23 s, 45.6 ms, 7.89 us."""
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def size_brief(b: float) -> str:
+    """Bytes to three significant figures, sign kept, for a number inside a sentence: 1.23 GB, -45.6 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3g} {unit}"
     return f"{b:.0f} B"

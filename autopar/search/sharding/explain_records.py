@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.core.mesh import SHARDING_AXES as AXES
 from autopar.core.module_paths import layer_key
+from autopar.plans.format import secs_brief, size_brief
 
 if TYPE_CHECKING:
     from autopar.search.sharding.instance import ShardingProblem
@@ -312,11 +313,11 @@ class _Context:
             else:
                 reason = (
                     f"cheapest of its {len(others) + 1} allowed strategies with its neighbours' placements "
-                    f"as chosen; next best {bname} costs {_t(gap)} more ({_component(costs, chosen, best)})"
+                    f"as chosen; next best {bname} costs {secs_brief(gap)} more ({_component(costs, chosen, best)})"
                 )
             return reason + _vs_replicated(costs, chosen, strategies)
         # a cheaper alternative was left: name why
-        lead = f"{bname} would cost {_t(saving)} less here"
+        lead = f"{bname} would cost {secs_brief(saving)} less here"
         mem_more = self.held(i, best) - self.held(i, chosen)
         limit = p.memory_limit
         if res.source != "milp":
@@ -326,8 +327,8 @@ class _Context:
             )
         if mem_more > 0 and limit and res.estimate.memory.peak + mem_more > limit:
             return (
-                f"{lead} but needs {_b(mem_more)} more per device, and the plan's peak "
-                f"{_b(res.estimate.memory.peak)} is near the {_b(limit)} limit"
+                f"{lead} but needs {size_brief(mem_more)} more per device, and the plan's peak "
+                f"{size_brief(res.estimate.memory.peak)} is near the {size_brief(limit)} limit"
             )
         n = self.copies.get(i, 1)
         if n > 1:
@@ -336,7 +337,7 @@ class _Context:
                 f"{lead} in this copy, not over all of them"
             )
         if mem_more > 0 and limit:
-            return f"{lead} but needs {_b(mem_more)} more per device while memory is tight elsewhere in its live range"
+            return f"{lead} but needs {size_brief(mem_more)} more per device while memory is tight elsewhere in its live range"
         if res.solution.status != "optimal":
             return f"{lead}; the solver stopped at its time limit ({res.solution.status})"
         return f"{lead} alone, but the joint optimum over the whole graph keeps {cname}"
@@ -347,9 +348,9 @@ def _component(costs, chosen: int, other: int) -> str:
     dm = costs[other][1] - costs[chosen][1]
     parts = []
     if abs(dc) > 0:
-        parts.append(f"compute {'+' if dc > 0 else '-'}{_t(abs(dc))}")
+        parts.append(f"compute {'+' if dc > 0 else '-'}{secs_brief(abs(dc))}")
     if abs(dm) > 0:
-        parts.append(f"communication {'+' if dm > 0 else '-'}{_t(abs(dm))}")
+        parts.append(f"communication {'+' if dm > 0 else '-'}{secs_brief(abs(dm))}")
     return ", ".join(parts) or "same cost"
 
 
@@ -367,21 +368,6 @@ def _vs_replicated(costs, chosen: int, strategies) -> str:
     if not (math.isfinite(costs[r][0]) and costs[r][1] < _FORBIDDEN_S):
         return ""
     return (
-        f"; replicated it would take compute {_t(costs[r][0])} and communication {_t(costs[r][1])}, "
-        f"against {_t(costs[chosen][0])} and {_t(costs[chosen][1])}"
+        f"; replicated it would take compute {secs_brief(costs[r][0])} and communication {secs_brief(costs[r][1])}, "
+        f"against {secs_brief(costs[chosen][0])} and {secs_brief(costs[chosen][1])}"
     )
-
-
-def _t(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
-
-
-def _b(b: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.3g} {unit}"
-    return f"{b:.0f} B"
