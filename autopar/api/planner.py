@@ -478,7 +478,8 @@ def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
     weight: dict[int, int] = {}
     for p in captured.params:
         entry = placements.get(p.placeholder, {})
-        stage = 3 if entry.get("outputs", [["R"]])[0][0] != "R" else int(entry.get("zero", 0))
+        outs = entry.get("outputs")
+        stage = 3 if outs and not outs[0][0].is_replicate() else int(entry.get("zero", 0))
         weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
     return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
 

@@ -42,7 +42,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, graph_results
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import from_dtensor, to_dtensor
+from autopar.core.placements import (
+    AVG,
+    PARTIAL,
+    REPLICATE,
+    SUM,
+    Placements,
+    from_dtensor,
+    replicated,
+    to_dtensor_all,
+)
 from autopar.cost_models.compute import is_view
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
@@ -59,15 +68,6 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 _RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
 
 
-def placement(s: str) -> Placement:
-    """DTensor placement of the plain form ``"R"``, ``"S(d)"``, ``"P"``, ``"P(avg)"``."""
-    return to_dtensor(s)
-
-
-def placements(spec: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
-    return tuple(placement(s) for s in spec)
-
-
 @dataclass
 class LocalGraph:
     """One rank's joint graph and how its arguments and results are laid out.
@@ -78,15 +78,15 @@ class LocalGraph:
     parameter without gradient) and the new value of each buffer the forward
     updates (``CapturedGraph.updated``) as the local shard of its own placement.
     ``zero_stages[i]`` is parameter ``i``'s ZeRO stage (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
-    partial sum (``"P"`` on the dp axis) or, when the plan already reduced it,
-    replicated (``"R"``); under ZeRO-2 the graph returns only this rank's flat
+    partial sum (P on the dp axis) or, when the plan already reduced it,
+    replicated (R); under ZeRO-2 the graph returns only this rank's flat
     chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
     ``grad_placements[i]`` is the placement of the whole gradient it was cut from.
     """
 
     gm: fx.GraphModule
-    arg_placements: list[tuple[str, ...]]
-    grad_placements: list[tuple[str, ...] | None]
+    arg_placements: list[Placements]
+    grad_placements: list[Placements | None]
     zero_stages: list[int] = field(default_factory=list)
     updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
 
@@ -132,14 +132,14 @@ def _tensor_leaves(args: Any, kwargs: Any) -> list[fx.Node]:
     return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _redistribute(x: Any, target: tuple[str, ...] | None) -> Any:
+def _redistribute(x: Any, target: Placements | None) -> Any:
     if target is None or not isinstance(x, DTensor):
         return x
-    want = placements(target)
+    want = to_dtensor_all(target)
     if tuple(x.placements) == want:
         return x
     current = tuple(from_dtensor(p) for p in x.placements)
-    if current == tuple(target):  # a masked partial is a partial sum: same plain form, keep it
+    if current == tuple(target):  # a masked partial is a partial sum to autopar: keep it
         return x
     return _to(x, want)
 
@@ -154,8 +154,8 @@ def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
     mesh = x.device_mesh
     have = list(x.placements)
     for i, p in enumerate(have):
-        if isinstance(p, Partial) and p.reduce_op == "avg" and want[i] != p:
-            have[i] = Partial("sum")
+        if isinstance(p, Partial) and p.reduce_op == AVG and want[i] != p:
+            have[i] = Partial(SUM)
             x = _relabel(x.to_local() / mesh.size(i), x, have)
     step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
     if tuple(have) != step:
@@ -164,7 +164,7 @@ def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
         coord = mesh.get_coordinate()
         local = x.to_local()
         for i, w in enumerate(want):
-            if step[i] != w and w.reduce_op == "sum" and coord[i] != 0:
+            if step[i] != w and w.reduce_op == SUM and coord[i] != 0:
                 local = torch.zeros_like(local)
         x = _relabel(local, x, list(want))
     return x
@@ -288,7 +288,7 @@ class _ShardInterpreter(fx.Interpreter):
             # a factory (arange, full, ...) or an op on constants: whole on every rank
             return self._whole(n.target(*args, **kwargs), entry)
         args, kwargs = self._bring(n, args, kwargs, entry)
-        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
+        if n.target is aten.embedding.default and any(p.is_shard(0) for p in entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
         if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
             # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
@@ -325,7 +325,7 @@ class _ShardInterpreter(fx.Interpreter):
         that shards the output (``"fast"`` mode), so ranks holding copies draw
         the same numbers and ranks holding different shards draw their own.
         """
-        spec = placements(entry["outputs"][0])
+        spec = to_dtensor_all(entry["outputs"][0])
         vals = n.meta["val"]
         whole = vals[0] if isinstance(vals, (tuple, list)) else vals
         coord = self.mesh.get_coordinate()
@@ -352,7 +352,7 @@ class _ShardInterpreter(fx.Interpreter):
         q_at = random_ops.KEYED_KERNELS[n.target]
         q, k = n.args[q_at].meta["val"], n.args[q_at + 1].meta["val"]
         scores = [*q.shape[:-1], k.shape[-2]]
-        spec = placements(entry["inputs"][q_at])
+        spec = to_dtensor_all(entry["inputs"][q_at])
         coord = self.mesh.get_coordinate()
         _, offset = _local_box(scores, spec, coord, self.mesh.shape)
         stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
@@ -370,7 +370,7 @@ class _ShardInterpreter(fx.Interpreter):
             p = next(outs, None)
             if isinstance(o, torch.Tensor) and p is not None:
                 o = DTensor.from_local(
-                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
+                    o, self.mesh, to_dtensor_all(p), run_check=False, shape=v.shape, stride=v.stride()
                 )
             wrapped.append(o)
         return pytree.tree_unflatten(wrapped, spec)
@@ -387,8 +387,8 @@ class _ShardInterpreter(fx.Interpreter):
         res = []
         for o in flat:
             if isinstance(o, torch.Tensor):
-                p = next(outs, None) or ("R",) * self.mesh.ndim
-                o = _from_whole(o, self.mesh, placements(p))
+                p = next(outs, None) or replicated(self.mesh.ndim)
+                o = _from_whole(o, self.mesh, to_dtensor_all(p))
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 
@@ -405,7 +405,7 @@ class _ShardInterpreter(fx.Interpreter):
         rows = weight.shape[0]
         offset, coord = 0, self.mesh.get_coordinate()
         for i, p in enumerate(spec):
-            if p == "S(0)":
+            if p.is_shard(0):
                 rows //= self.mesh.size(i)
                 offset += coord[i] * rows
         idx = indices.to_local() if isinstance(indices, DTensor) else indices
@@ -416,7 +416,7 @@ class _ShardInterpreter(fx.Interpreter):
         return DTensor.from_local(
             local,
             self.mesh,
-            placements(out_spec),
+            to_dtensor_all(out_spec),
             run_check=False,
             shape=torch.Size([*indices.shape, weight.shape[1]]),
             stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
@@ -547,7 +547,7 @@ def flat_chunk_numel(numel: int, parts: int) -> int:
     return -(-numel // parts)
 
 
-def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, tuple]:
+def _zero_grad(g: DTensor, spec: Placements, stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, Placements]:
     """A ZeRO-1/2 parameter's gradient as it leaves the graph, and the placement of the whole gradient.
 
     The data-parallel sum is not completed here when it is still pending: under
@@ -559,17 +559,17 @@ def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) 
     """
     first = g.placements[0]
     summed = isinstance(first, Partial)
-    keep = (first if first.reduce_op == "sum" else Partial("sum")) if summed else Replicate()
-    local = _to(g, (keep, *placements(spec[1:]))).to_local()
+    keep = (first if first.reduce_op == SUM else Partial(SUM)) if summed else Replicate()
+    local = _to(g, (keep, *to_dtensor_all(spec[1:]))).to_local()
     if stage == 1:
-        return local, ("P" if summed else "R", *spec[1:])
+        return local, (PARTIAL if summed else REPLICATE, *spec[1:])
     n = mesh.size(0)
     flat = local.reshape(-1)
     pad = flat_chunk_numel(flat.numel(), n) * n - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     if summed:
-        return funcol.reduce_scatter_single(flat, "sum", 0, (mesh, 0)), tuple(spec)
+        return funcol.reduce_scatter_single(flat, SUM, 0, (mesh, 0)), tuple(spec)
     return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
 
 
@@ -643,7 +643,7 @@ def shard_graph(
             DTensor.from_local(
                 t,
                 mesh,
-                placements(pl),
+                to_dtensor_all(pl),
                 run_check=False,
                 shape=ph.meta["val"].shape,
                 stride=ph.meta["val"].stride(),
@@ -661,9 +661,9 @@ def shard_graph(
                     early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
                 out.append(early[i])
             else:
-                out.append(_to(g, placements(pl)).to_local())
+                out.append(_to(g, to_dtensor_all(pl)).to_local())
         for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
-            out.append(_to(u, placements(arg_pl[len(param_ph) + b])).to_local())
+            out.append(_to(u, to_dtensor_all(arg_pl[len(param_ph) + b])).to_local())
         return tuple(out)
 
     fake_local = []
@@ -671,9 +671,8 @@ def shard_graph(
         v = ph.meta["val"]
         shape = list(v.shape)
         for i, s in enumerate(pl):
-            if s.startswith("S("):
-                d = int(s[2:-1])
-                shape[d] //= mesh.size(i)
+            if s.is_shard():
+                shape[s.dim] //= mesh.size(i)
         fake_local.append(torch.empty(shape, dtype=v.dtype))
     # DTensor warns, once per trace, that a 2-D gather runs as two collectives: the plan costed it so
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")

@@ -62,7 +62,7 @@ def zero_stages(params: Sequence, chosen: dict[str, dict], plan: Plan) -> dict[s
     for p in params:
         entry = chosen.get(p.placeholder, {})
         stage = int(entry.get("zero", default) or 0)
-        if stage <= 0 or tuple(entry["outputs"][0])[0] != "R":
+        if stage <= 0 or not entry["outputs"][0][0].is_replicate():
             continue
         if stage > 2:
             log.warning(

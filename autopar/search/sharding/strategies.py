@@ -1,8 +1,8 @@
 """Strategies: for every node of the joint graph, its candidate shardings on a device mesh.
 
 The solver picks one strategy per node; this pass only says what is *possible*.
-Everything it returns is plain data (strings and tuples), so the solver, the cost
-models and the plan never see a DTensor object.
+Everything it returns is plain data (autopar's placements in tuples), so the
+solver, the cost models and the plan never see a DTensor object.
 
 Where the rules come from, and why:
 
@@ -20,14 +20,14 @@ Where the rules come from, and why:
   solver can tie them to it instead of choosing freely.
 * **Anything else is replicated**, with one warning per op name, never a crash.
 
-A placement is written per mesh dim as ``"R"`` (replicate), ``"S(d)"`` (shard
-tensor dim ``d``) or ``"P"`` (partial sum; DTensor's masked partial of a
+A placement (:mod:`autopar.core.placements`) is, per mesh dim, R (replicate),
+S(d) (shard tensor dim ``d``) or P (partial sum; DTensor's masked partial of a
 vocab-sharded embedding is a partial sum too).  A partial that reduces by another
-operation is ``"P(avg)"``, ``"P(max)"``...: a mean-reduced loss over a
-batch-sharded input is ``"P(avg)"`` and without it data parallelism would have to
-gather the logits.  Strided shards have no plain form; strategies that need them
-are dropped (the same result stays reachable through the strategies kept, the
-all-"R" one at worst).
+operation is P(avg), P(max)...: a mean-reduced loss over a batch-sharded input
+is P(avg) and without it data parallelism would have to gather the logits.
+Strided shards have no such placement; strategies that need them are dropped
+(the same result stays reachable through the strategies kept, the all-R one at
+worst).
 """
 
 from __future__ import annotations
@@ -48,17 +48,28 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import placement_types as dt
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
     _insert_single_dim_replication_strategy,
 )
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.core.mesh import SHARDING_AXES, fake_mesh
-from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
+from autopar.core.placements import (
+    AVG,
+    REPLICATE,
+    SUM,
+    Placement,
+    Placements,
+    Row,
+    from_dtensor,
+    replicated,
+    shard,
+    to_dtensor_all,
+)
 from autopar.search.sharding import strategy_rules
 from autopar.search.sharding.node_keys import (
     NodeKey,
@@ -117,36 +128,35 @@ def divides(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[i
     """
     ways: dict[int, int] = {}
     for p, n in zip(placements, mesh_shape, strict=True):
-        d = shard_dim(p)
-        if d is None:
+        if not p.is_shard():
             continue
-        if d < 0 or d >= len(shape):
+        if p.dim < 0 or p.dim >= len(shape):
             return False
-        ways[d] = ways.get(d, 1) * n
+        ways[p.dim] = ways.get(p.dim, 1) * n
     return all(int(shape[d]) % w == 0 for d, w in ways.items())
 
 
 def _canon(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
-    """A mesh dim of size 1 holds the whole tensor whatever it is called: write it "R".
+    """A mesh dim of size 1 holds the whole tensor whatever it is called: call it replicated.
 
     This keeps a (64, 1) mesh from listing each strategy several times over.
     """
     if all(n > 1 for n in mesh_shape):
         return placements
-    return tuple("R" if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
+    return tuple(REPLICATE if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
 
 
 def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
     """Every placement of a graph input: R or S(d) per mesh dim, shards dividing evenly.
 
-    No "P": an input holds real values, not pieces of a sum.  Dims of size 1 stay
-    replicated, and mesh dims of size 1 only carry "R".
+    No partial: an input holds real values, not pieces of a sum.  Dims of size 1
+    stay replicated, and mesh dims of size 1 are only replicated.
     """
-    per_dim: list[list[str]] = []
+    per_dim: list[list[Placement]] = []
     for n in mesh_shape:
-        opts = ["R"]
+        opts = [REPLICATE]
         if n > 1:
-            opts += [f"S({d})" for d, size in enumerate(shape) if int(size) > 1 and int(size) % n == 0]
+            opts += [shard(d) for d, size in enumerate(shape) if int(size) > 1 and int(size) % n == 0]
         per_dim.append(opts)
     return [p for p in itertools.product(*per_dim) if divides(p, shape, mesh_shape)]
 
@@ -314,7 +324,7 @@ class _Enumerator:
                 if p is not None:
                     seen.setdefault(p, None)
             if not seen:  # a producer whose output the rules never placed: treat as replicated
-                seen[("R",) * len(self.mesh_shape)] = None
+                seen[replicated(len(self.mesh_shape))] = None
             got = tuple(seen)
             self._cands[node] = got
         return got
@@ -336,7 +346,7 @@ class _Enumerator:
             cands = tuple(itertools.islice(itertools.cycle(cands), pad))
         return OpStrategy(
             [
-                OpSpec(DTensorSpec(self.mesh, tuple(to_dtensor(s) for s in p), tensor_meta=tm))
+                OpSpec(DTensorSpec(self.mesh, to_dtensor_all(p), tensor_meta=tm))
                 for p in cands
             ]
         )
@@ -404,7 +414,7 @@ class _Enumerator:
             return "autopar", self._prune(strats, inputs, in_shapes, out_shapes)
         if not inputs:
             # Factory ops (arange, full, zeros, scalar_tensor...): every rank makes the whole tensor.
-            r = ("R",) * len(self.mesh_shape)
+            r = replicated(len(self.mesh_shape))
             return "autopar", [Strategy(tuple(r if s is not None else None for s in out_shapes), ())]
         if not isinstance(op, torch._ops.OpOverload):
             return "replicated-fallback", []
@@ -463,12 +473,12 @@ class _Enumerator:
             rules = single.func(op, schema.args_meta, schema.kwargs_meta)
             n_out = len(rules[0]) - len(inputs) if rules else len(outs)
             rules = _insert_single_dim_replication_strategy(rules, n_out, len(inputs), out_meta)
-            rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
-            plain: list[list[str | None]] = []
+            rules = _fill_single_dim_strategy_placeholders({dt.Shard(0)}, rules)
+            plain: list[Row] = []
             for r in rules:
                 row = [None if p is None else from_dtensor(p, j >= n_out) for j, p in enumerate(r)]
                 if any(s is None and p is not None for s, p in zip(row, r, strict=True)):
-                    continue  # a strided shard: no plain form
+                    continue  # a strided shard: not a placement autopar has
                 plain.append(row)
             return self._expand_plain(plain, n_out, in_shapes, out_shapes)
         func = prop.op_strategy_funcs.get(op)
@@ -505,7 +515,7 @@ class _Enumerator:
 
     def _decomp_rules(
         self, schema: OpSchema, op: torch._ops.OpOverload, inputs: list[fx.Node]
-    ) -> tuple[list[list[str | None]], int] | None:
+    ) -> tuple[list[Row], int] | None:
         """DTensor's decomposition path: trace the op's decomposition per input placement.
 
         Its public entry wants one runtime placement per input; we give each input a
@@ -524,7 +534,7 @@ class _Enumerator:
             if isinstance(a, OpStrategy):
                 return DTensorSpec(
                     self.mesh,
-                    (Replicate(),) * self.mesh.ndim,
+                    (dt.Replicate(),) * self.mesh.ndim,
                     tensor_meta=a.strategies[0].output_spec.tensor_meta,
                 )
             if isinstance(a, TupleStrategy):
@@ -539,17 +549,17 @@ class _Enumerator:
             {k: spec_of(v) for k, v in schema.kwargs_schema.items()},
             schema_info=self.prop.op_to_schema_info.get(op),
         )
-        options: list[list[Placement]] = []
+        options: list[list[dt.Placement]] = []
         for m in metas:
-            opts: list[Placement] = [Replicate(), Partial()]
-            opts += [Shard(d) for d in range(len(m.shape)) if m.shape[d] > 1]
+            opts: list[dt.Placement] = [dt.Replicate(), dt.Partial()]
+            opts += [dt.Shard(d) for d in range(len(m.shape)) if m.shape[d] > 1]
             options.append(opts)
         # DTensor reads one placement per argument leaf, tensor or not (``floor_divide(x, 2)``): None for the rest
         leaves = pytree.tree_leaves((spec_schema.args_schema, spec_schema.kwargs_schema))
         is_spec = [isinstance(leaf, DTensorSpec) for leaf in leaves]
         if sum(is_spec) != len(metas):
             return None
-        rows: list[list[str | None]] = []
+        rows: list[Row] = []
         for combo in itertools.product(*options):
             tensors = iter(combo)
             per_leaf = tuple(next(tensors) if s else None for s in is_spec)
@@ -626,7 +636,7 @@ class _Enumerator:
                 strats.append(Strategy(tuple(outs), tuple(ins)))
         return strats
 
-    def _plain(self, placements: Iterable[Placement], is_input: bool = False) -> Placements | None:
+    def _plain(self, placements: Iterable[dt.Placement], is_input: bool = False) -> Placements | None:
         out = []
         for p in placements:
             s = from_dtensor(p, is_input)
@@ -635,7 +645,7 @@ class _Enumerator:
             out.append(s)
         return _canon(tuple(out), self.mesh_shape)
 
-    def _product(self, rows: list[list[str | None]], n_out: int) -> Iterable[list[Placements | None]]:
+    def _product(self, rows: list[Row], n_out: int) -> Iterable[list[Placements | None]]:
         """Per-mesh-dim rules → full-mesh rows: one rule per mesh dim, every combination."""
         ndim = len(self.mesh_shape)
         for combo in itertools.product(rows, repeat=ndim):
@@ -650,8 +660,8 @@ class _Enumerator:
                     bad = True
                     break
                 else:
-                    kinds = {c for c in col if c.startswith("P")}  # type: ignore[union-attr]
-                    if len(kinds) > 1 and kinds != {"P", "P(avg)"}:
+                    reductions = {c.reduce_op for c in col if c is not None and c.is_partial()}
+                    if len(reductions) > 1 and reductions != {SUM, AVG}:
                         bad = True  # DTensor has no tensor partial by max on one dim and sum on another
                         break
                     row.append(_canon(col, self.mesh_shape))  # type: ignore[arg-type]
@@ -660,7 +670,7 @@ class _Enumerator:
 
     def _expand_plain(
         self,
-        rules: list[list[str | None]],
+        rules: list[Row],
         n_out: int,
         in_shapes: list[tuple[int, ...]],
         out_shapes: list[tuple[int, ...] | None],
@@ -687,7 +697,7 @@ class _Enumerator:
         one kind, yet none of those inputs' producers can ever hand over that partial
         there and no input is sharded there, so each would be cut into pieces locally
         only for the op's result to be reduced later.  Computing on the whole inputs is never worse, so linear ops
-        (whose DTensor rules list every partial kind) stop spreading "P(avg)" over rotary
+        (whose DTensor rules list every partial kind) stop spreading P(avg) over rotary
         tables and masks.  A partial one input really brings (a row-parallel matmul's
         output) may still pull its partners along: that is the residual add of
         sequence parallelism.
@@ -713,20 +723,20 @@ class _Enumerator:
             kept.setdefault(s, None)
         return list(kept)
 
-    def _partials_offered(self, node: fx.Node) -> set[tuple[int, str]]:
-        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.startswith("P")}
+    def _partials_offered(self, node: fx.Node) -> set[tuple[int, Placement]]:
+        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.is_partial()}
 
     @staticmethod
-    def _invents_partial(s: Strategy, offered: list[set[tuple[int, str]]]) -> bool:
-        wanted: dict[tuple[int, str], bool] = {}
+    def _invents_partial(s: Strategy, offered: list[set[tuple[int, Placement]]]) -> bool:
+        wanted: dict[tuple[int, Placement], bool] = {}
         sharded: set[int] = set()
         for p, have in zip(s.inputs, offered, strict=True):
             if p is None:
                 continue
             for d, q in enumerate(p):
-                if q.startswith("P"):
+                if q.is_partial():
                     wanted[(d, q)] = wanted.get((d, q), False) or (d, q) in have
-                elif q.startswith("S"):
+                elif q.is_shard():
                     sharded.add(d)
         # A contraction over shards (addmm's row-parallel form) makes its own partial;
         # its bias, cut into a partial to be added once, is not an invention.
@@ -746,7 +756,7 @@ class _Enumerator:
         return NodeStrategies(node.name, op_name, [src.name], strats, "follower")
 
     def _replicated(self, node: fx.Node, op_name: str, warn: bool) -> NodeStrategies:
-        r = ("R",) * len(self.mesh_shape)
+        r = replicated(len(self.mesh_shape))
         inputs = tensor_inputs(node)
         outs = tuple(r if isinstance(v, torch.Tensor) else None for v in output_vals(node))
         if warn:
