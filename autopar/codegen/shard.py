@@ -41,6 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import (
     AVG,
@@ -52,7 +53,6 @@ from autopar.core.placements import (
     replicated,
     to_dtensor_all,
 )
-from autopar.cost_models.compute import is_view
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
 from autopar.search.sharding.strategies import decomposition
@@ -60,7 +60,6 @@ from autopar.search.sharding.strategies import decomposition
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 # Ops whose DTensor dispatch is a handler narrower than DTensor's own strategies for them: convolutions go
 # through ``_tp_conv``'s handler (a dim map, built for spatially split inputs), which refuses a batch split
 # over two mesh dims that the single-dim strategy offers. Every strategy offered splits the batch and makes
@@ -123,7 +122,7 @@ class LocalGraph:
         return Counter(
             n.target._opname
             for n in self.gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "_opname", "") in COLLECTIVES
+            if n.op == "call_function" and getattr(n.target, "_opname", "") in FUNCTIONAL_COLLECTIVES
         )
 
 
@@ -443,94 +442,6 @@ class _ShardInterpreter(fx.Interpreter):
         return pytree.tree_unflatten(res, spec)
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "_opname", "") in COLLECTIVES
-
-
-def _is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor"
-
-
-def schedule_collectives(graph: fx.Graph) -> None:
-    """Overlap each collective with compute, with one in flight per process group.
-
-    Functional collectives return at once and ``wait_tensor`` blocks; the trace
-    puts each wait right after its collective, which serialises communication
-    with compute.  Here, per process group:
-
-    * a wait moves to where its value is first read;
-    * a collective moves up to where its inputs exist, but a value that is read
-      later (a parameter gathered for a layer, a result a replayed op reads in
-      the backward) no earlier than the first read of the group's previous
-      such value: one value prefetched ahead, as FSDP does, and not every
-      gathered parameter of the step alive from its start;
-    * a collective whose result only leaves the graph (a gradient's reduction)
-      starts as soon as its input exists, as DDP's bucket hooks do;
-    * before a collective starts, the group's previous one is waited for, so at
-      most one is in flight per group.  Gloo's CPU collectives corrupted the heap
-      with several in flight on one group (a crash every few hundred steps);
-      one at a time makes it rare (it is gloo's: README, Pipelines) and still
-      overlaps each with the compute around it.
-    """
-    nodes = list(graph.nodes)
-    output = nodes[-1]
-    for node in nodes:  # waits to their first reader
-        if _is_wait(node) and node.users:
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            first = min(node.users, key=lambda u: order[u])
-            if first is not output:
-                first.prepend(node)
-            else:
-                output.prepend(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    waits = {}
-    for node in graph.nodes:
-        if _is_wait(node) and node.args and _is_collective(node.args[0]):
-            waits[node.args[0]] = node
-
-    def leaves(n: fx.Node) -> bool:
-        """Only the output reads ``n``, directly or through views (a gradient reshaped to its parameter's shape)."""
-        return all(u is output or (is_view(u) and leaves(u)) for u in n.users)
-
-    def first_read(c: fx.Node) -> int | None:
-        """Where the collective's result is first read inside the graph; None when only the output reads it."""
-        w = waits.get(c)
-        users = [u for u in (w.users if w is not None else ()) if not (u is output or (is_view(u) and leaves(u)))]
-        return min(order[u] for u in users) if users else None
-
-    by_group: dict[str, list[fx.Node]] = {}
-    for c in (n for n in graph.nodes if _is_collective(n)):
-        by_group.setdefault(str(c.args[-1]), []).append(c)
-    nodes = list(graph.nodes)
-    for group in by_group.values():
-        reads = {c: first_read(c) for c in group}
-        read_order = sorted((c for c in group if reads[c] is not None), key=lambda c: (reads[c], order[c]))
-        previous_read = {c: reads[p] for p, c in zip(read_order, read_order[1:], strict=False)}
-        for c in group:
-            ready = max((order[a] + 1 for a in c.all_input_nodes if a.op != "placeholder"), default=0)
-            target = max(ready, previous_read.get(c, 0))
-            w = waits.get(c)
-            if w is not None:
-                target = min(target, order[w])
-            while _is_collective(nodes[target]):  # anchor on a node that does not move
-                target += 1
-            if target < order[c]:
-                nodes[target].prepend(c)  # nodes[] and order[] are the positions before any move
-    # one in flight per group: wait for the previous collective before the next one starts
-    pending: dict[str, fx.Node] = {}
-    for node in list(graph.nodes):
-        if _is_wait(node) and node.args and _is_collective(node.args[0]):
-            group = str(node.args[0].args[-1])
-            if pending.get(group) is node.args[0]:
-                del pending[group]
-        elif _is_collective(node):
-            group = str(node.args[-1])
-            previous = pending.get(group)
-            if previous is not None and previous in waits:
-                node.prepend(waits[previous])
-            pending[group] = node
-
-
 def source_of(node: fx.Node) -> str | None:
     """The captured node a node of a local graph traced with ``keep_sources`` came from; None if none."""
     sources = node.meta.get("from_node")
@@ -571,32 +482,6 @@ def _zero_grad(g: DTensor, spec: Placements, stage: int, mesh: DeviceMesh) -> tu
     if summed:
         return funcol.reduce_scatter_single(flat, SUM, 0, (mesh, 0)), tuple(spec)
     return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
-
-
-def _one_chunk_in_flight(graph: fx.Graph, chunk_outputs: list[int]) -> None:
-    """ZeRO-2: wait for each gradient's reduce-scatter before the next one starts.
-
-    A collective's input stays alive until its wait, and waits sit where their
-    value is first read: for gradient chunks that is the graph's output, so
-    every whole gradient would live to the end of the backward, which is the
-    memory ZeRO-2 is there to save.  One reduction in flight still overlaps
-    each with the backward computing the next gradient.
-    """
-    output = next(n for n in graph.nodes if n.op == "output")
-    results = output.args[0]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    pairs = []
-    for k in chunk_outputs:
-        wait = results[k]
-        if (
-            isinstance(wait, fx.Node)
-            and getattr(wait.target, "_opname", "") == "wait_tensor"
-            and getattr(wait.args[0].target, "_opname", "") == "reduce_scatter_tensor"
-        ):
-            pairs.append((wait.args[0], wait))
-    pairs.sort(key=lambda p: order[p[0]])
-    for (_, wait), (following, _) in zip(pairs, pairs[1:], strict=False):
-        following.prepend(wait)
 
 
 def shard_graph(
@@ -690,7 +575,7 @@ def shard_graph(
     local_gm.graph.eliminate_dead_code()
     if not keep_sources:
         schedule_collectives(local_gm.graph)
-    _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
+    one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
     local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))

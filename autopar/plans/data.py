@@ -167,6 +167,18 @@ class PlanData:
         return out
 
 
+def param_zero_stage(entry: dict[str, Any]) -> int:
+    """A parameter's ZeRO stage from its entry: 3 when its placement shards it over dp, else its own ``"zero"``.
+
+    ZeRO-3 is a placement (the parameter sharded over the dp mesh dim, the first),
+    so the entry of a sharded parameter writes no stage; a replicated one writes 0, 1 or 2.
+    """
+    outs = entry.get("outputs") or [None]
+    if outs[0] is not None and not outs[0][0].is_replicate():
+        return 3
+    return int(entry.get("zero", 0) or 0)
+
+
 def _entry_json(entry: dict[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
     """``entry`` with ``convert`` applied to each placement list of its outputs and inputs (None stays None)."""
     out = dict(entry)

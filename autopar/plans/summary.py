@@ -19,7 +19,7 @@ from rich.table import Table
 
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import replicated, texts
-from autopar.plans.data import PlanData
+from autopar.plans.data import PlanData, param_zero_stage
 from autopar.plans.format import GB, secs, size
 from autopar.plans.records import mesh_text, solver_line
 
@@ -59,8 +59,7 @@ def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[
         n = math.prod(p.shape)
         total += n
         out = entry["outputs"][0] or replicated(len(axes))
-        stage = 3 if not out[0].is_replicate() else int(entry.get("zero", 0) or 0)
-        zero[str(stage)] += n
+        zero[str(param_zero_stage(entry))] += n
         split["+".join(a for a, pl in zip(axes, out, strict=False) if not pl.is_replicate()) or "none"] += n
     return {"param_elements": total, "zero_elements": dict(zero), "split_elements": dict(split)}
 

@@ -128,7 +128,7 @@ class ZeroChunks:
         reduce-scattered, or a gradient the plan already reduced, of which the
         chunk is cut locally.  One reduction at a time: gloo's CPU collectives
         corrupt the heap with several in flight on one group (see
-        :func:`autopar.codegen.shard.schedule_collectives`), and nothing is left
+        :func:`autopar.codegen.collective_order.schedule_collectives`), and nothing is left
         to overlap them with at the end of the step.
         """
         for i, (g, summed) in partial.items():

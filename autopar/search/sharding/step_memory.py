@@ -12,7 +12,7 @@ over the whole step.  The runtime (:mod:`autopar.runtime`) holds more:
   strategies (:func:`parameter_items`), so that the MILP's limit sees them;
 * **a gradient being reduced** — the backward's gradient stays alive until
   its reduction has completed, and the runtime keeps one reduction in flight
-  (:func:`autopar.codegen.shard.schedule_collectives`): until the next
+  (:func:`autopar.codegen.collective_order.schedule_collectives`): until the next
   gradient is made.  ZeRO-1 reduces once, after the step's last micro-batch:
   each chunk then exists beside its whole gradient (:func:`gradient_buffers`);
 * **redistributed values** — every data edge whose two ends' placements
