@@ -15,13 +15,8 @@ from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
-from autopar.search.sharding.strategies import (
-    NodeStrategies,
-    Strategy,
-    divides,
-    enumerate_strategies,
-    tensor_placements,
-)
+from autopar.search.sharding.placement_sets import divides, tensor_placements
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 pytest.importorskip("transformers")
 

@@ -55,7 +55,7 @@ from autopar.core.placements import (
 )
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
-from autopar.search.sharding.strategies import decomposition
+from autopar.search.sharding.dtensor_rules import decomposition
 
 log = logging.getLogger(__name__)
 

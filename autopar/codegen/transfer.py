@@ -30,7 +30,8 @@ import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.search.sharding.node_keys import tensor_inputs
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, divides, enumerate_strategies
+from autopar.search.sharding.placement_sets import divides
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 log = logging.getLogger(__name__)
 
