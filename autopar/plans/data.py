@@ -157,7 +157,7 @@ class PlanData:
 
     def param_placements(self) -> dict[tuple[str, Placements], int]:
         """(parameter name with layer numbers folded to '*', placement per mesh dim) -> how many parameters."""
-        out: dict[tuple[str, tuple[str, ...]], int] = {}
+        out: dict[tuple[str, Placements], int] = {}
         for entry in self.placements.values():
             if "param" not in entry:
                 continue

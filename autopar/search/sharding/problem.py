@@ -161,7 +161,7 @@ class BuildContext:
     opt_traffic: float  # bytes per parameter element one optimizer update reads and writes
     memo: Memo = field(default_factory=Memo)
 
-    def pieces(self, p: tuple[str, ...]) -> int:
+    def pieces(self, p: Placements) -> int:
         """How many pieces placement ``p`` cuts a tensor into on this mesh."""
         f = self.memo.shard_factors.get(p)
         if f is None:
