@@ -23,7 +23,7 @@ import onnx
 
 from autopar.core.errors import AutoparError, PlanFormatError
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import REPLICATE, Placements, parse_all, shard, text
+from autopar.core.placements import REPLICATE, Placements, parse_all, shard, texts
 from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def validate_onnx_plan(model: onnx.ModelProto, source: str = "the model") -> Onn
                 placements = _check_spec(sp, shapes[name], mesh, offset, world, label, notes.get(name))
                 if result.placements.setdefault(name, placements) != placements:
                     raise OnnxError(
-                        f"{name!r} is annotated {text(result.placements[name])} on one node and {text(placements)} "
+                        f"{name!r} is annotated {texts(result.placements[name])} on one node and {texts(placements)} "
                         f"on {label!r}"
                     )
                 if isinstance(notes.get(name), dict) and notes[name].get("plan_node"):
@@ -341,7 +341,7 @@ def _check_spec(
         agrees = False
     if not agrees:
         raise OnnxError(
-            f"node {label!r}: the spec of {name!r} says {text(decoded)}, its {NODE_KEY} note "
-            f"{','.join(str(p) for p in written)}"
+            f"node {label!r}: the spec of {name!r} says {texts(decoded)}, its {NODE_KEY} note "
+            f"{[str(p) for p in written]}"
         )
     return placements

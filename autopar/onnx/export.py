@@ -27,7 +27,7 @@ from torch import nn
 from autopar.capture.joint import CapturedGraph, _hf_no_cache, node_module, node_phase
 from autopar.core.errors import RuntimeMismatchError
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import Placements, text, texts
+from autopar.core.placements import Placements, texts
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.onnx.annotations import (
@@ -354,7 +354,7 @@ def _annotate(ir_model: Any, plan: Plan, found: dict[Any, _Found]) -> None:
                 if dim is not None and dim % n:
                     raise OnnxError(
                         f"{value.name} (shape {list(shape)}) cannot be split {n} ways on axis {axis} as the plan "
-                        f"places it ({text(f.placements)}): export with inputs of the shapes the plan was made for"
+                        f"places it ({texts(f.placements)}): export with inputs of the shapes the plan was made for"
                     )
             specs.append(
                 ir.ShardingSpec(
