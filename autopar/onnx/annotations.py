@@ -100,7 +100,7 @@ def _layout(placements: Placements, rank: int, mesh: tuple[int, ...], offset: in
     for mesh_axis, p in enumerate(placements):
         if not p.is_shard():
             if not p.is_replicate():
-                raise OnnxError(f"not a placement ONNX can express: {p}")
+                raise OnnxError(f"not a placement ONNX can express: {str(p)!r}")
             continue
         d = p.dim + rank if p.dim < 0 else p.dim
         if not 0 <= d < rank:
