@@ -250,7 +250,7 @@ def test_placements_survive_encoding() -> None:
     assert spec.sharded == ((0, 8, 4),) and spec.devices == (0, 1, 2, 3)
     assert encode([S(1), S(0)], (8, 4), mesh, 0, 4).devices == (0, 2, 1, 3)
     # a split over a mesh axis of size 1 stays written (one shard), so it reads back as written
-    spec = encode(["S(0)", "S(1)"], (8, 4), (1, 4), 0, 4)
+    spec = encode([S(0), S(1)], (8, 4), (1, 4), 0, 4)
     assert spec.sharded == ((0, 8, 1), (1, 4, 4)) and decode(spec, 2, (1, 4), 0, 4) == (S(0), S(1))
 
 
