@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopar  # noqa: E402
+from autopar.plans.data import param_zero_stage  # noqa: E402
 from examples.models import llama  # noqa: E402
 
 GB = 1e9
@@ -36,7 +37,7 @@ def stage_shares(plan: autopar.Plan, shapes: dict[str, int]) -> str:
     weight: dict[int, int] = {}
     for entry in plan.placements.values():
         if "param" in entry:
-            stage = 3 if entry["outputs"][0][0] != "R" else int(entry.get("zero", 0))
+            stage = param_zero_stage(entry)
             weight[stage] = weight.get(stage, 0) + shapes[entry["param"]]
     total = sum(weight.values()) or 1
     return " ".join(f"{z}:{100 * w / total:.0f}%" for z, w in sorted(weight.items()))

@@ -8,7 +8,7 @@
 Four local processes; ranks {0, 1} and {2, 3} form groups, as a tp axis does.
 Each step issues twelve functional all-reduces and all-gathers on the group
 (``--pattern many``) and only then waits for them, the pattern that
-``autopar.codegen.shard.schedule_collectives`` forbids; ``--pattern one``
+``autopar.codegen.collective_order.schedule_collectives`` forbids; ``--pattern one``
 waits for each before the next, as autopar's graphs do; ``--pattern sync``
 calls torch.distributed's blocking collectives instead. The abort is rare on
 an idle machine and frequent with the CPUs oversubscribed: run two copies at

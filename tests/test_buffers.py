@@ -20,6 +20,9 @@ from torch import nn
 
 import autopar
 from autopar.capture.joint import capture, graph_results, model_loss
+from autopar.core.placements import PARTIAL as P
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.verify.oracle import check_plans, group_error, plan_with_layout, plan_with_pipeline
 from examples.models import resnet_tiny
@@ -65,8 +68,8 @@ def test_a_training_batch_norm_splits_the_batch_with_partial_sums():
         op="call_function", target=torch.ops.aten._native_batch_norm_legit_functional.default
     )
     rows = {(s.inputs[0], s.outputs[0]) for s in strategies[sums[0].name].strategies}
-    assert (("S(0)", "S(0)"), ("P", "P")) in rows  # the batch split over dp and tp: partial sums
-    assert (("S(1)", "R"), ("S(0)", "R")) in rows  # channels split over dp: the sums split alike
+    assert ((S(0), S(0)), (P, P)) in rows  # the batch split over dp and tp: partial sums
+    assert ((S(1), R), (S(0), R)) in rows  # channels split over dp: the sums split alike
 
 
 class _WritesIntoItsInput(nn.Module):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.capture.joint import model_loss
+from autopar.core.placements import REPLICATE as R
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import full_optimizer_state, load_single, save_single
 from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner, flat_range_boxes
@@ -110,7 +111,7 @@ def _resume(factory, cluster, plan: dict, src: str, dst: str, own_state: bool) -
     pm.save(dst, opt)
     stepped = _parallel_state(pm, opt, names)
     specs = [pm._specs[i] for i in pm._params] if hasattr(pm, "_params") else pm._param_specs  # pipeline or not
-    layout = (set(pm.zero_stages), {s[0][:2] for s in specs})  # ZeRO-1/2 stages, dp placements
+    layout = (set(pm.zero_stages), {s[0].is_shard() for s in specs})  # ZeRO-1/2 stages, whether dp shards
     return (loaded, stepped, layout) if dist.get_rank() == 0 else None
 
 
@@ -228,9 +229,9 @@ def test_checkpoints_round_trip_across_plans_and_one_device_bit_for_bit(tmp_path
     for (factory, plans, dirs, first), chain in zip(named, results, strict=True):
         writer, held = "one device", first
         for k, ((name, plan, _), (loaded, stepped, layout)) in enumerate(zip(plans, chain, strict=True)):
-            stages, dp_placements = layout
+            stages, dp_shards = layout
             assert stages == {plan.zero if plan.zero in (1, 2) else 0}, (name, stages)
-            assert ("S(" in dp_placements) == (plan.zero == 3), (name, dp_placements)
+            assert (True in dp_shards) == (plan.zero == 3), (name, dp_shards)
             _assert_equal(loaded, held, f"{name} loading what {writer} saved")
             single_loaded, single_stepped = _load_and_step_single(factory, dirs[k])
             _assert_equal(single_loaded, held, f"one device loading what {writer} saved")
@@ -335,7 +336,7 @@ def test_a_weight_held_twice_on_one_rank_is_saved_once_and_loaded_into_both(tmp_
                 grad = torch.randn(4, 3)
                 a.grad, b.grad, c.grad = grad, grad.clone(), torch.randn(5)
                 opt.step()
-            held = [(w, a, ("R", "R"), 0), (v, c, ("R", "R"), 1), (w, b, ("R", "R"), 2)]
+            held = [(w, a, (R, R), 0), (v, c, (R, R), 1), (w, b, (R, R), 2)]
             return (a, b, c), opt, sharded_layout(mesh, held, None, [w, v, w])
 
         (a, _, c), opt, layout = rank(0, LR, 2)

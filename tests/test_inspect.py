@@ -7,6 +7,9 @@ import pytest
 
 import autopar
 import autopar.api.planner as api
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
+from autopar.core.placements import text as placement_text
 from autopar.plans.inspection import UnknownNameError, diff, explain_plan, record_of
 from autopar.plans.plan import Plan
 from autopar.plans.records import SearchRecord
@@ -64,7 +67,7 @@ def test_records_are_compact_json_and_bounded(planned):
         assert r["alts"] and r["why"] and r["n"] >= len(r["alts"])
         # the chosen strategy is listed first and is the plan's placement
         placed = plan.placements[name]["outputs"]
-        assert r["alts"][0]["out"] == " | ".join(",".join(p) if p else "-" for p in placed)
+        assert r["alts"][0]["out"] == " | ".join(placement_text(p) if p else "-" for p in placed)
     # the FLOP-heavy ops and every parameter are there
     assert any(r.get("flops", 0) > 0 for r in recs.values())
     params = {e["param"] for e in plan.placements.values() if "param" in e}
@@ -143,7 +146,7 @@ def test_diff_names_what_changed(plan):
     b.estimate.memory.activations *= 0.5
     b.warnings.append("something to look at")
     node = next(n for n, e in b.placements.items() if e.get("param") == "transformer.h.0.mlp.c_fc.weight")
-    b.placements[node]["outputs"] = [["S(0)", "R"]]
+    b.placements[node]["outputs"] = [(S(0), R)]
     d = diff(plan, b, "old", "new")
     text = str(d)
     for needle in (
@@ -179,7 +182,7 @@ def _one_node_result(source="milp", status="optimal", limit=None, peak=0.0, chos
     problem = SimpleNamespace(
         node_costs=[[1.0, 2.0]], node_memory=[[20.0, 10.0]], edges=[], edge_costs=[], memory_limit=limit
     )
-    strategies = [[Strategy(((("R", "R")),), ()), Strategy(((("S(0)", "R")),), ())]]
+    strategies = [[Strategy((((R, R)),), ()), Strategy((((S(0), R)),), ())]]
     sp = SimpleNamespace(problem=problem, strategies=strategies)
     res = SimpleNamespace(
         sp=sp,

@@ -20,6 +20,9 @@ import torch
 
 import autopar
 from autopar.core.errors import RuntimeMismatchError
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
+from autopar.core.placements import texts
 from autopar.onnx import OnnxError, OnnxPlan, export_onnx, read_onnx_plan, validate_onnx_plan
 from autopar.onnx.annotations import NODE_KEY, PLAN_KEY, decode, encode
 from autopar.verify.oracle import plan_with_layout
@@ -108,19 +111,19 @@ def test_annotations_read_back_as_the_plan(exported: Exported) -> None:
             assert back.plan_nodes[init.name] == params[canon[init.name]], init.name
     assert set(params) <= {canon.get(n, n) for n in back.placements}
     # non-trivial: weights and activations split over tp, the batch over dp
-    sharded = {t: p for t, p in back.placements.items() if any(x.startswith("S(") for x in p)}
-    assert any(p[1].startswith("S(") for t, p in sharded.items() if t.endswith(".weight"))
-    assert any(p[1].startswith("S(") for t, p in sharded.items() if not t.endswith(".weight"))
-    assert back.placements["input_ids"] == ["S(0)", "R"]
+    sharded = {t: p for t, p in back.placements.items() if any(x.is_shard() for x in p)}
+    assert any(p[1].is_shard() for t, p in sharded.items() if t.endswith(".weight"))
+    assert any(p[1].is_shard() for t, p in sharded.items() if not t.endswith(".weight"))
+    assert back.placements["input_ids"] == (S(0), R)
     ops = [t for t in back.plan_nodes if not t.endswith((".weight", ".bias")) and t != "input_ids"]
     assert len(ops) > 50, "forward ops should be paired, not only parameters"
 
 
 def test_partial_is_written_replicated_and_read_back_partial(exported: Exported) -> None:
     back = read_onnx_plan(exported.path)
-    partial = [t for t, p in back.placements.items() if any(x.startswith("P") for x in p)]
+    partial = [t for t, p in back.placements.items() if any(x.is_partial() for x in p)]
     if exported.name == "llama":  # the row-parallel linear's output is its view after the all-reduce
-        assert back.placements["linear_3"] == ["R", "R"]
+        assert back.placements["linear_3"] == (R, R)
         return
     assert partial, "GPT-2's row-parallel addmm has a partial output"
     proto = onnx.load(exported.path, load_external_data=False)
@@ -132,7 +135,7 @@ def test_partial_is_written_replicated_and_read_back_partial(exported: Exported)
                     groups = {g.key: sorted(g.value) for g in sp.index_to_device_group_map}
                     assert [groups[d] for d in sp.device] == [[0, 1, 2, 3]]
                     note = json.loads(next(p.value for p in node.metadata_props if p.key == NODE_KEY))
-                    assert note[partial[0]]["placements"] == back.placements[partial[0]]
+                    assert note[partial[0]]["placements"] == texts(back.placements[partial[0]])  # written in the plain form
                     return
     raise AssertionError(f"no spec for {partial[0]}")
 
@@ -234,21 +237,21 @@ def test_corrupted_annotations_are_rejected(gpt2: Exported, corruption: str) -> 
 
 def test_placements_survive_encoding() -> None:
     mesh, shape = (2, 2), (4, 6, 8)
-    options = ["R", "S(0)", "S(1)", "S(2)"]
+    options = [R, S(0), S(1), S(2)]
     for placements in itertools.product(options, repeat=2):
-        spec = encode(list(placements), shape, mesh, offset=0, world=4)
-        assert decode(spec, 3, mesh, 0, 4) == list(placements)
+        spec = encode(placements, shape, mesh, offset=0, world=4)
+        assert decode(spec, 3, mesh, 0, 4) == placements
     # tp-sharded columns: one shard per tp rank, each held by both dp ranks (a group)
-    spec = encode(["R", "S(1)"], (64, 192), mesh, 0, 4)
+    spec = encode([R, S(1)], (64, 192), mesh, 0, 4)
     assert spec.sharded == ((1, 192, 2),)
     assert [dict(spec.groups)[d] for d in spec.devices] == [(0, 2), (1, 3)]
     # both axes split one dim dp-major, as DTensor does
-    spec = encode(["S(0)", "S(0)"], (8, 3), mesh, 0, 4)
+    spec = encode([S(0), S(0)], (8, 3), mesh, 0, 4)
     assert spec.sharded == ((0, 8, 4),) and spec.devices == (0, 1, 2, 3)
-    assert encode(["S(1)", "S(0)"], (8, 4), mesh, 0, 4).devices == (0, 2, 1, 3)
+    assert encode([S(1), S(0)], (8, 4), mesh, 0, 4).devices == (0, 2, 1, 3)
     # a split over a mesh axis of size 1 stays written (one shard), so it reads back as written
-    spec = encode(["S(0)", "S(1)"], (8, 4), (1, 4), 0, 4)
-    assert spec.sharded == ((0, 8, 1), (1, 4, 4)) and decode(spec, 2, (1, 4), 0, 4) == ["S(0)", "S(1)"]
+    spec = encode([S(0), S(1)], (8, 4), (1, 4), 0, 4)
+    assert spec.sharded == ((0, 8, 1), (1, 4, 4)) and decode(spec, 2, (1, 4), 0, 4) == (S(0), S(1))
 
 
 def test_stages_and_plans_without_placements(tmp_path, caplog) -> None:
@@ -263,7 +266,7 @@ def test_stages_and_plans_without_placements(tmp_path, caplog) -> None:
     back = export_onnx(model, staged, tmp_path / "mlp.onnx", inputs)
     assert back.num_devices == 4 and set(back.stages.values()) == {0, 1}
     assert back.placements["up.weight"] == plan.placements["p_up_weight"]["outputs"][0]
-    assert back.placements["x"] == ["S(0)", "R"]  # positional inputs pair by order
+    assert back.placements["x"] == (S(0), R)  # positional inputs pair by order
     proto = onnx.load(str(tmp_path / "mlp.onnx"))
     for node in proto.graph.node:
         for dc in node.device_configurations:

@@ -30,6 +30,7 @@ import autopar
 from autopar.capture.joint import capture, node_phase
 from autopar.codegen.shard import shard_graph
 from autopar.codegen.stage_split import split_stages
+from autopar.core.placements import REPLICATE as R
 from autopar.cost_models.memory import precision_spec
 from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
 from autopar.cost_models.schedule import schedule_actions
@@ -199,7 +200,7 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
     model, inputs = gpt2_tiny4()
     captured = capture(model, inputs)
     placements = {
-        n.name: {"outputs": [["R", "R"]], "inputs": [["R", "R"]] * len(n.all_input_nodes)}
+        n.name: {"outputs": [(R, R)], "inputs": [(R, R)] * len(n.all_input_nodes)}
         for n in captured.gm.graph.nodes
         if n.op != "output"
     }

@@ -6,10 +6,15 @@ from collections import Counter
 
 import pytest
 
+from autopar.core.placements import AVG, partial, to_dtensor_all
+from autopar.core.placements import PARTIAL as P
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import collectives_between, redistribute_time, shard_factor
 from autopar.hardware.cluster import Cluster, MeshShape
 
+P_AVG = partial(AVG)
 CLUSTER = Cluster.preset("dgx-h100", nodes=2)
 MESH = MeshShape(dp=2, tp=8, pp=1)
 SHAPE = (2, 8)
@@ -17,20 +22,20 @@ LINKS = [CLUSTER.axis_link(MESH, "dp"), CLUSTER.axis_link(MESH, "tp")]
 
 
 def test_shard_factor():
-    assert shard_factor(("S(0)", "S(1)"), SHAPE) == 16
-    assert shard_factor(("R", "S(1)"), SHAPE) == 8
-    assert shard_factor(("P", "R"), SHAPE) == 1
+    assert shard_factor((S(0), S(1)), SHAPE) == 16
+    assert shard_factor((R, S(1)), SHAPE) == 8
+    assert shard_factor((P, R), SHAPE) == 1
 
 
 @pytest.mark.parametrize(
     "src, dst, expected",
     [
-        (("R", "R"), ("R", "S(1)"), []),
-        (("R", "P"), ("R", "R"), [("all_reduce", 1, 1e9)]),
-        (("R", "P"), ("R", "S(0)"), [("reduce_scatter", 1, 1e9)]),
-        (("S(0)", "S(1)"), ("S(0)", "R"), [("all_gather", 1, 0.5e9)]),
-        (("R", "S(0)"), ("R", "S(1)"), [("all_to_all", 1, 1e9 / 8)]),
-        (("P", "P"), ("R", "R"), [("all_reduce", 0, 1e9), ("all_reduce", 1, 1e9)]),
+        ((R, R), (R, S(1)), []),
+        ((R, P), (R, R), [("all_reduce", 1, 1e9)]),
+        ((R, P), (R, S(0)), [("reduce_scatter", 1, 1e9)]),
+        ((S(0), S(1)), (S(0), R), [("all_gather", 1, 0.5e9)]),
+        ((R, S(0)), (R, S(1)), [("all_to_all", 1, 1e9 / 8)]),
+        ((P, P), (R, R), [("all_reduce", 0, 1e9), ("all_reduce", 1, 1e9)]),
     ],
 )
 def test_collectives_between(src, dst, expected):
@@ -38,32 +43,32 @@ def test_collectives_between(src, dst, expected):
 
 
 def test_forbidden_and_times():
-    assert collectives_between(("S(0)", "R"), ("P", "R"), 1e9, SHAPE) is None
-    assert redistribute_time(("S(0)", "R"), ("P", "R"), 1e9, SHAPE, LINKS) == math.inf
+    assert collectives_between((S(0), R), (P, R), 1e9, SHAPE) is None
+    assert redistribute_time((S(0), R), (P, R), 1e9, SHAPE, LINKS) == math.inf
     # tp stays inside a node (NVLink); dp crosses nodes (InfiniBand): the same all-reduce is slower on dp
-    t_tp = redistribute_time(("R", "P"), ("R", "R"), 1e9, SHAPE, LINKS)
+    t_tp = redistribute_time((R, P), (R, R), 1e9, SHAPE, LINKS)
     assert t_tp == pytest.approx(collective_time("all_reduce", 1e9, 8, LINKS[1]))
-    t_dp = redistribute_time(("P", "R"), ("R", "R"), 1e9, SHAPE, LINKS)
+    t_dp = redistribute_time((P, R), (R, R), 1e9, SHAPE, LINKS)
     assert t_dp > t_tp * 2
 
 
 def test_nested_shards_follow_dtensor():
     """Two mesh dims sharding one tensor dim: the outer one cannot change while the inner one holds its shard."""
     # (R, S(1)) -> (S(1), S(1)): the tp shard a rank holds changes, so tp gathers first
-    assert collectives_between(("R", "S(1)"), ("S(1)", "S(1)"), 1024.0, (2, 2)) == [("all_gather", 1, 1024.0)]
+    assert collectives_between((R, S(1)), (S(1), S(1)), 1024.0, (2, 2)) == [("all_gather", 1, 1024.0)]
     # (S(2), S(2)) -> (R, S(2)): gather tp, then dp, then slice tp again
-    assert collectives_between(("S(2)", "S(2)"), ("R", "S(2)"), 1024.0, (2, 2)) == [
+    assert collectives_between((S(2), S(2)), (R, S(2)), 1024.0, (2, 2)) == [
         ("all_gather", 1, 512.0),
         ("all_gather", 0, 1024.0),
     ]
     # different tensor dims stay independent: one gather on the dim that changes, local to the other
-    assert collectives_between(("S(0)", "S(1)"), ("R", "S(1)"), 1024.0, (2, 2)) == [("all_gather", 0, 512.0)]
+    assert collectives_between((S(0), S(1)), (R, S(1)), 1024.0, (2, 2)) == [("all_gather", 0, 512.0)]
     # the nested shard that must change is the outer one, the inner one moves with it
-    assert collectives_between(("S(1)", "S(1)"), ("S(1)", "R"), 1024.0, (2, 2)) == [("all_gather", 1, 512.0)]
-    assert collectives_between(("R", "S(1)"), ("S(1)", "R"), 1024.0, (2, 2)) == [("all_gather", 1, 1024.0)]
-    assert collectives_between(("S(1)", "R"), ("S(1)", "S(1)"), 1024.0, (2, 2)) == []
+    assert collectives_between((S(1), S(1)), (S(1), R), 1024.0, (2, 2)) == [("all_gather", 1, 512.0)]
+    assert collectives_between((R, S(1)), (S(1), R), 1024.0, (2, 2)) == [("all_gather", 1, 1024.0)]
+    assert collectives_between((S(1), R), (S(1), S(1)), 1024.0, (2, 2)) == []
     # re-sharding a nested pair on another tensor dim: gather the inner shard, then swap the outer one
-    assert collectives_between(("S(0)", "S(0)"), ("S(1)", "S(1)"), 1024.0, (2, 2)) == [
+    assert collectives_between((S(0), S(0)), (S(1), S(1)), 1024.0, (2, 2)) == [
         ("all_gather", 1, 512.0),
         ("all_to_all", 0, 512.0),
     ]
@@ -71,7 +76,7 @@ def test_nested_shards_follow_dtensor():
 
 def test_mesh_dim_order_sets_the_bytes():
     """DTensor reduces mesh dim 1 while dim 0 still shards: the all-reduce moves the dp-local half."""
-    assert collectives_between(("S(0)", "P"), ("R", "R"), 1024.0, (2, 4)) == [
+    assert collectives_between((S(0), P), (R, R), 1024.0, (2, 4)) == [
         ("all_reduce", 1, 512.0),
         ("all_gather", 0, 1024.0),
     ]
@@ -79,24 +84,24 @@ def test_mesh_dim_order_sets_the_bytes():
 
 def test_partials_of_other_kinds_as_the_runtime_moves_them():
     # an average reduces like a sum
-    assert collectives_between(("P(avg)", "R"), ("R", "R"), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
-    assert collectives_between(("R", "P(avg)"), ("R", "S(0)"), 1024.0, SHAPE) == [
+    assert collectives_between((P_AVG, R), (R, R), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
+    assert collectives_between((R, P_AVG), (R, S(0)), 1024.0, SHAPE) == [
         ("reduce_scatter", 1, 1024.0)
     ]
     # an average becomes a sum by a local rescale; a sum becomes an average through a replica
-    assert collectives_between(("P(avg)", "R"), ("P", "R"), 1024.0, SHAPE) == []
-    assert collectives_between(("P", "R"), ("P(avg)", "R"), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
-    assert collectives_between(("P(avg)", "R"), ("P(avg)", "S(1)"), 1024.0, SHAPE) == []
+    assert collectives_between((P_AVG, R), (P, R), 1024.0, SHAPE) == []
+    assert collectives_between((P, R), (P_AVG, R), 1024.0, SHAPE) == [("all_reduce", 0, 1024.0)]
+    assert collectives_between((P_AVG, R), (P_AVG, S(1)), 1024.0, SHAPE) == []
 
 
 def test_a_mesh_dim_of_one_rank_moves_nothing():
-    assert collectives_between(("R", "S(0)"), ("R", "R"), 1024.0, (4, 1)) == []
-    assert collectives_between(("S(0)", "P"), ("R", "R"), 1024.0, (4, 1)) == [("all_gather", 0, 1024.0)]
+    assert collectives_between((R, S(0)), (R, R), 1024.0, (4, 1)) == []
+    assert collectives_between((S(0), P), (R, R), 1024.0, (4, 1)) == [("all_gather", 0, 1024.0)]
 
 
 def test_memoized_per_placement_pair():
-    a = collectives_between(("S(0)", "S(0)"), ("R", "S(1)"), 1e6, SHAPE)
-    b = collectives_between(("S(0)", "S(0)"), ("R", "S(1)"), 3e6, SHAPE)
+    a = collectives_between((S(0), S(0)), (R, S(1)), 1e6, SHAPE)
+    b = collectives_between((S(0), S(0)), (R, S(1)), 3e6, SHAPE)
     assert [x[:2] for x in a] == [x[:2] for x in b]
     assert [y[2] for y in b] == pytest.approx([3 * x[2] for x in a])
 
@@ -120,17 +125,17 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.codegen.shard import LocalGraph, _redistribute, placements
+    from autopar.codegen.shard import LocalGraph, _redistribute
 
     local = list(shape)
     for p, n in zip(src, mesh.shape, strict=True):
-        if p.startswith("S("):
-            local[int(p[2:-1])] //= n
+        if p.is_shard():
+            local[p.dim] //= n
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
     def move(x):
         t = DTensor.from_local(
-            x, mesh, placements(src), run_check=False, shape=torch.Size(shape), stride=stride
+            x, mesh, to_dtensor_all(src), run_check=False, shape=torch.Size(shape), stride=stride
         )
         return _redistribute(t, dst).to_local()
 
@@ -156,7 +161,7 @@ def test_charged_collectives_are_the_runtime_ones(fake_world_8, mesh_shape):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
     shape = (8, 8)
     nbytes = 8 * 8 * 4.0
-    cells = list(itertools.product(["R", "S(0)", "S(1)", "P", "P(avg)"], repeat=2))
+    cells = list(itertools.product([R, S(0), S(1), P, P_AVG], repeat=2))
     bad = []
     seen = Counter()
     for src, dst in itertools.product(cells, cells):

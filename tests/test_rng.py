@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.transfer import same_graph, transfer_placements
+from autopar.core.placements import shard as S
 from autopar.cost_models.graph_cache import resize_batch
 from autopar.ops import rng
 from autopar.runtime.launch import launch
@@ -139,7 +140,7 @@ def test_random_ops_shard_with_no_fallback(caplog):
     for n in randoms:
         assert strategies[n.name].rule == "autopar"
         # batch over dp and features (dropout) or heads (attention) over tp
-        assert any(s.outputs[0] in {("S(0)", "S(1)"), ("S(0)", "S(2)")} for s in strategies[n.name].strategies)
+        assert any(s.outputs[0] in {(S(0), S(1)), (S(0), S(2))} for s in strategies[n.name].strategies)
     assert "no sharding rule" not in caplog.text
 
 
@@ -184,8 +185,8 @@ def test_sharded_graph_draws_the_streams_its_placements_call_for(fake_world):
         shape, _, _, _, whole, offset, stream, _ = draws[numbers[node.name]].args
         assert list(whole) == list(node.meta["val"][0].shape)  # native_dropout: (output, mask)
         # rank 0 sits at coordinate (0, 0): stream 0 where the output is sharded, -1 where it is whole
-        assert stream == [0 if p.startswith("S(") else -1 for p in spec]
-        assert math.prod(shape) * math.prod(2 for p in spec if p.startswith("S(")) == math.prod(whole)
+        assert stream == [0 if p.is_shard() else -1 for p in spec]
+        assert math.prod(shape) * math.prod(2 for p in spec if p.is_shard()) == math.prod(whole)
     forward_numbers = sorted(numbers[n.name] for n in attention if n.target is torch.ops.autopar.dropout_attention.default)
     # each backward kernel draws with its forward's key: the numbers come in pairs
     assert sorted(n.args[-4] for n in kernels) == sorted(forward_numbers * 2)

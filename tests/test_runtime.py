@@ -20,6 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.shard import shard_graph
+from autopar.core.placements import REPLICATE as R
 from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.runtime.grad_accumulation import GradAccumulator
@@ -204,7 +205,7 @@ def test_ops_sharded_through_their_decomposition_run_it(fake_world):
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     backward = next(n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.mse_loss_backward.default)
     placements = random_placements(captured, (2, 2), seed=0)
-    assert placements[backward.name]["inputs"][1] != ["R", "R"]  # the loss's input arrives sharded
+    assert placements[backward.name]["inputs"][1] != (R, R)  # the loss's input arrives sharded
     local = shard_graph(captured, placements, device_mesh)
     assert torch.ops.aten.mse_loss_backward.default not in {n.target for n in local.gm.graph.nodes}
 

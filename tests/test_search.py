@@ -6,6 +6,9 @@ import pytest
 import autopar
 from autopar import Cluster
 from autopar.capture.joint import capture
+from autopar.core.placements import PARTIAL as P
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
 from autopar.cost_models.memory import precision_spec
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
@@ -56,11 +59,11 @@ def test_wide_layer_small_batch_is_megatron_tensor_parallel(wide_plan):
     assert plan.mesh == {"dp": 1, "tp": 8, "pp": 1}
     # Linear weights are (out, in): column-parallel shards dim 0, row-parallel dim 1
     for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight"):
-        assert _tp(plan, name) == {"S(0)"}, name
+        assert _tp(plan, name) == {S(0)}, name
     for name in ("o_proj.weight", "down_proj.weight"):
-        assert _tp(plan, name) == {"S(1)"}, name
+        assert _tp(plan, name) == {S(1)}, name
     attention = [e for e in plan.placements.values() if "scaled_dot_product" in e["op"] and "backward" not in e["op"]]
-    assert attention and all(e["inputs"][0][1] == "S(1)" for e in attention)  # split by heads
+    assert attention and all(e["inputs"][0][1] == S(1) for e in attention)  # split by heads
     # one all-reduce, or one reduce-scatter + all-gather pair, per sub-block (attention, MLP)
     activation = 1024 * 8192 * 2  # one (seq, hidden) activation in bf16
     kinds = [c["kind"] for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
@@ -75,16 +78,16 @@ def test_narrow_layer_large_batch_is_data_parallel():
     mesh = (plan.mesh["dp"], plan.mesh["tp"])
     sharded_dims = [d for d, n in enumerate(mesh) if n > 1]
     matmuls = [e for e in plan.placements.values() if e["op"] in ("aten.mm.default", "aten.addmm.default")]
-    forward = [e for e in matmuls if not any("P" in p for out in e["outputs"] for p in out)]
+    forward = [e for e in matmuls if not any(p.is_partial() for out in e["outputs"] for p in out)]
     assert forward
     # every activation matmul splits the batch over all devices: no tensor parallelism of activations
     for e in plan.placements.values():
         if e["op"] == "aten.mm.default" and e["module"].startswith("model.layers"):
             rows, cols = e["inputs"]
-            if all(rows[d] == "S(0)" for d in sharded_dims):
+            if all(rows[d] == S(0) for d in sharded_dims):
                 continue  # activations (batch*seq) x weight: data parallel
             # weight-gradient matmuls contract over the batch: partial sums, reduced once per step
-            assert all(o == "P" for o in e["outputs"][0] if o != "R"), e
+            assert all(o == P for o in e["outputs"][0] if o != R), e
     # the forward moves parameters (when they are stored sharded), never activations
     forward = [c for c in plan.solver.charged if c["phase"] == "forward" and c["bytes"] > 1e4]
     assert all(c["from_param"] for c in forward), forward[:3]

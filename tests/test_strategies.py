@@ -12,19 +12,17 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import capture
-from autopar.search.sharding.strategies import (
-    NodeStrategies,
-    Strategy,
-    divides,
-    enumerate_strategies,
-    tensor_placements,
-)
+from autopar.core.placements import PARTIAL as P
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import shard as S
+from autopar.search.sharding.placement_sets import divides, tensor_placements
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 pytest.importorskip("transformers")
 
 MESH = (2, 4)
 
-# Op families that must never fall back to all-"R": the matmuls, attention, norms,
+# Op families that must never fall back to all-R: the matmuls, attention, norms,
 # embeddings, views and the elementwise ops that fill a transformer.
 BIG_OPS = (
     "aten.mm",
@@ -82,11 +80,11 @@ def test_mm_has_megatron_strategies() -> None:
     (mm,) = [ns for ns in res.values() if ns.op == "aten.mm.default"]
     assert mm.rule == "dtensor" and len(mm.inputs) == 2
     have = set(mm.strategies)
-    column = Strategy(outputs=(("R", "S(1)"),), inputs=(("R", "R"), ("R", "S(1)")))
-    row = Strategy(outputs=(("R", "P"),), inputs=(("R", "S(1)"), ("R", "S(0)")))
-    batch = Strategy(outputs=(("S(0)", "R"),), inputs=(("S(0)", "R"), ("R", "R")))
-    both = Strategy(outputs=(("S(0)", "S(1)"),), inputs=(("S(0)", "R"), ("R", "S(1)")))
-    replicated = Strategy(outputs=(("R", "R"),), inputs=(("R", "R"), ("R", "R")))
+    column = Strategy(outputs=((R, S(1)),), inputs=((R, R), (R, S(1))))
+    row = Strategy(outputs=((R, P),), inputs=((R, S(1)), (R, S(0))))
+    batch = Strategy(outputs=((S(0), R),), inputs=((S(0), R), (R, R)))
+    both = Strategy(outputs=((S(0), S(1)),), inputs=((S(0), R), (R, S(1))))
+    replicated = Strategy(outputs=((R, R),), inputs=((R, R), (R, R)))
     assert {column, row, batch, both, replicated} <= have
     assert len(have) == len(mm.strategies)  # no duplicates
 
@@ -99,14 +97,14 @@ def test_placeholders_only_divisible_placements() -> None:
             continue
         outs = {s.outputs[0] for s in ns.strategies}
         assert all(divides(p, (6, 8, 1), MESH) for p in outs)
-        assert not any("P" in p for p in outs)
-        assert not any(p[d] == "S(2)" for p in outs for d in range(2))  # a dim of size 1 stays whole
-        assert ("S(0)", "R") in outs and ("S(0)", "S(1)") in outs  # 6 splits in 2, 8 in 4
-        assert ("R", "S(0)") not in outs  # 6 does not split in 4
-    expected = {(a, b) for a in ("R", "S(0)", "S(1)") for b in ("R", "S(1)")}
+        assert not any(P in p for p in outs)
+        assert not any(p[d] == S(2) for p in outs for d in range(2))  # a dim of size 1 stays whole
+        assert (S(0), R) in outs and (S(0), S(1)) in outs  # 6 splits in 2, 8 in 4
+        assert (R, S(0)) not in outs  # 6 does not split in 4
+    expected = {(a, b) for a in (R, S(0), S(1)) for b in (R, S(1))}
     assert set(tensor_placements((6, 8, 1), MESH)) == expected
-    assert ("S(1)", "S(1)") in expected  # 8 splits in 2 x 4
-    assert ("S(1)", "S(1)") not in tensor_placements((6, 4, 1), MESH)  # 4 does not split in 8
+    assert (S(1), S(1)) in expected  # 8 splits in 2 x 4
+    assert (S(1), S(1)) not in tensor_placements((6, 4, 1), MESH)  # 4 does not split in 8
 
 
 def test_size_one_mesh_dims_are_replicated() -> None:
@@ -115,7 +113,7 @@ def test_size_one_mesh_dims_are_replicated() -> None:
     for ns in res.values():
         for s in ns.strategies:
             for p in (*s.outputs, *s.inputs):
-                assert p is None or p[1] == "R"
+                assert p is None or p[1] == R
         assert len(set(ns.strategies)) == len(ns.strategies)
     one_d = enumerate_strategies(gm, (8,))
     assert all(len(p) == 1 for ns in one_d.values() for s in ns.strategies for p in s.outputs if p)
@@ -155,7 +153,7 @@ def _fallbacks(res: dict[str, NodeStrategies]) -> list[str]:
 
 
 def _heads_sharded(ns: NodeStrategies, n_out: int) -> bool:
-    want = ("R", "S(1)")
+    want = (R, S(1))
     return any(
         all(o == want for o in s.outputs[:n_out]) and all(i == want for i in s.inputs[:3])
         for s in ns.strategies
@@ -182,22 +180,22 @@ def test_transformers_have_real_strategies(which: str, request: pytest.FixtureRe
 
     # Megatron pieces survive the pruning: a column- and a row-parallel matmul, batch sharding.
     mms = [ns for ns in res.values() if ns.op in ("aten.mm.default", "aten.addmm.default")]
-    assert any(s.outputs[0] == ("R", "P") for ns in mms for s in ns.strategies)
-    assert any(s.outputs[0] == ("S(0)", "R") for ns in mms for s in ns.strategies)
+    assert any(s.outputs[0] == (R, P) for ns in mms for s in ns.strategies)
+    assert any(s.outputs[0] == (S(0), R) for ns in mms for s in ns.strategies)
     # the loss can be computed on a batch-sharded input (partial sums of losses and kept labels), no gathered
     # logits; capture writes the mean as sum / total weight, so the shards need not keep equally many labels
     (loss,) = [ns for ns in res.values() if ns.op == "aten.nll_loss_forward.default"]
-    assert any(s.outputs[:2] == (("P", "R"),) * 2 and s.inputs[0] == ("S(0)", "R") for s in loss.strategies)
+    assert any(s.outputs[:2] == ((P, R),) * 2 and s.inputs[0] == (S(0), R) for s in loss.strategies)
 
 
 def test_gpt_addmm_row_parallel_keeps_its_bias(gpt_graph: fx.GraphModule) -> None:
-    """The bias of a row-parallel addmm is added once: it is asked for as "P", and kept."""
+    """The bias of a row-parallel addmm is added once: it is asked for as P, and kept."""
     res = enumerate_strategies(gpt_graph, MESH)
     addmms = [ns for ns in res.values() if ns.op == "aten.addmm.default"]
     assert addmms
     for ns in addmms:
         assert any(
-            s.outputs[0] == ("R", "P") and s.inputs == (("R", "P"), ("R", "S(1)"), ("R", "S(0)"))
+            s.outputs[0] == (R, P) and s.inputs == ((R, P), (R, S(1)), (R, S(0)))
             for s in ns.strategies
         ), ns.node
 
@@ -205,7 +203,7 @@ def test_gpt_addmm_row_parallel_keeps_its_bias(gpt_graph: fx.GraphModule) -> Non
 def test_vocab_parallel_embedding_keeps_indices_whole(gpt_graph: fx.GraphModule) -> None:
     res = enumerate_strategies(gpt_graph, MESH)
     emb = next(ns for ns in res.values() if ns.op == "aten.embedding.default")
-    assert Strategy(outputs=(("R", "P"),), inputs=(("R", "S(0)"), ("R", "R"))) in emb.strategies
+    assert Strategy(outputs=((R, P),), inputs=((R, S(0)), (R, R))) in emb.strategies
 
 
 def test_identical_layers_are_memoized(llama_graph: fx.GraphModule, caplog) -> None:
@@ -248,7 +246,7 @@ def test_op_without_rule_is_replicated_with_one_warning(caplog) -> None:
     assert {ns.op for ns in fell} == {"aten._cdist_forward.default", "aten._cdist_backward.default"}
     assert sum(ns.op == "aten._cdist_backward.default" for ns in fell) == 2
     for ns in fell:
-        assert ns.strategies == [Strategy(outputs=(("R", "R"),), inputs=(("R", "R"),) * len(ns.inputs))]
+        assert ns.strategies == [Strategy(outputs=((R, R),), inputs=((R, R),) * len(ns.inputs))]
     warnings = [
         r.getMessage()
         for r in caplog.records
@@ -283,9 +281,9 @@ def test_functional_writes_and_constants_have_rules(caplog) -> None:
     assert "no sharding rule" not in caplog.text
     by_op = {ns.op: ns for ns in res.values()}
     for op in ("aten.copy.default", "aten.floor_divide.default", "aten.fill.Tensor"):
-        assert ("S(0)", "R") in {s.outputs[0] for s in by_op[op].strategies}, op
+        assert (S(0), R) in {s.outputs[0] for s in by_op[op].strategies}, op
     const = by_op["aten.lift_fresh_copy.default"]
-    assert const.rule == "autopar" and [s.outputs[0] for s in const.strategies] == [("R", "R")]
+    assert const.rule == "autopar" and [s.outputs[0] for s in const.strategies] == [(R, R)]
 
 
 def test_mixture_of_experts_grouped_matmuls_shard() -> None:
@@ -302,7 +300,7 @@ def test_mixture_of_experts_grouped_matmuls_shard() -> None:
     assert len(forward) == len(backward) == 2  # up (gate and up fused) and down projections
     for ns in forward:  # (input, weight (E, K, N), offs): N split, or K split to a partial sum
         outs = {(s.outputs[0], s.inputs[1]) for s in ns.strategies}
-        assert (("R", "S(1)"), ("R", "S(2)")) in outs and (("R", "P"), ("R", "S(1)")) in outs
-        assert all(s.inputs[0][d] != "S(0)" for s in ns.strategies for d in range(2))  # tokens stay whole
+        assert ((R, S(1)), (R, S(2))) in outs and ((R, P), (R, S(1))) in outs
+        assert all(s.inputs[0][d] != S(0) for s in ns.strategies for d in range(2))  # tokens stay whole
     for ns in backward:
-        assert any(s.outputs == (("R", "P"), ("R", "S(2)")) for s in ns.strategies)
+        assert any(s.outputs == ((R, P), (R, S(2))) for s in ns.strategies)

@@ -25,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.shard import flat_chunk_numel, shard_graph
+from autopar.core.placements import REPLICATE as R
 from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.memory_tracker import track_memory
@@ -54,7 +55,7 @@ def _zero(plan: Plan, stage: int) -> Plan:
 def _mixed_stages(plan: Plan) -> Plan:
     """Per-parameter stages: dp-replicated parameters take 1, 2 and 0 in turn; the plan says 0."""
     placements = copy.deepcopy(plan.placements)
-    replicated = [e for e in placements.values() if "param" in e and e["outputs"][0][0] == "R"]
+    replicated = [e for e in placements.values() if "param" in e and e["outputs"][0][0] == R]
     for k, entry in enumerate(replicated):
         entry["zero"] = (1, 2, 0)[k % 3]
     return dataclasses.replace(plan, zero=0, placements=placements)
@@ -163,7 +164,7 @@ def test_zero_stage_of_a_parameter_follows_the_contract():
     plan = _plan(4, 4, 1, "random", seed=1000)
     model, inputs = gpt2_tiny()
     params = capture(model, inputs).params
-    replicated = {p.placeholder for p in params if plan.placements[p.placeholder]["outputs"][0][0] == "R"}
+    replicated = {p.placeholder for p in params if plan.placements[p.placeholder]["outputs"][0][0] == R}
     sharded = {p.placeholder for p in params} - replicated
     assert replicated and sharded  # a random plan has both kinds
     assert zero_stages(params, plan.placements, plan) == {}

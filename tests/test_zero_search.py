@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
+from autopar.core.placements import REPLICATE as R
 from examples.models import gpt2_tiny
 
 
@@ -17,7 +18,7 @@ def tiny():
 def _stages(plan: autopar.Plan) -> dict[str, int]:
     """Each parameter's stage: 3 when its placement shards it over dp, else its placement's ``zero``."""
     return {
-        e["param"]: 3 if e["outputs"][0][0] != "R" else e["zero"]
+        e["param"]: 3 if e["outputs"][0][0] != R else e["zero"]
         for e in plan.placements.values()
         if "param" in e
     }

@@ -26,6 +26,7 @@ from autopar.codegen.shard import shard_graph
 from autopar.codegen.stage_split import split_stages
 from autopar.codegen.transfer import transfer_name, transfer_placements
 from autopar.core.errors import PlanError, RuntimeMismatchError
+from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.graph_cache import resize_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.cost_models.memory import precision_spec
@@ -37,7 +38,7 @@ from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline_module import PipelineParallelModule
 from autopar.runtime.zero import zero_stages
 from autopar.search.pipeline.stages import stage_of_nodes, untie_across_stages
-from autopar.search.sharding.mesh import AXES, solve_mesh
+from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.recompute import apply_recompute
 from autopar.search.sharding.seeds import seed_filter
 
@@ -104,7 +105,7 @@ def layout_placements(
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
 
     def allowed(node: str, strategy) -> bool:
-        if split_batch and node in inputs and strategy.outputs[0][0] != "S(0)":
+        if split_batch and node in inputs and not strategy.outputs[0][0].is_shard(0):
             return False
         return seed(node, strategy)
 
@@ -202,7 +203,7 @@ def parallelize(
     captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
     if plan.mesh.get("pp", 1) > 1:
         return _pipeline_module(model, captured, chosen, plan, cluster, firsts, rng, seed)
-    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=AXES)
+    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=SHARDING_AXES)
     local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
     return ParallelModule(model, captured, local, mesh, plan, rng, seed)
@@ -228,7 +229,7 @@ def _pipeline_module(
     """This rank's stages of a pipeline plan: the whole local graph on its stage's sub-mesh, cut to its stages."""
 
     pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
-    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *AXES))
+    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *SHARDING_AXES))
     schedule_name(plan.schedule or "1F1B")
     stage_of = stage_of_nodes(captured, firsts)
     captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)

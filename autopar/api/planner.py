@@ -28,6 +28,7 @@ from autopar.cost_models.memory import model_state_bytes, optimizer_states, prec
 from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster
 from autopar.ops.batch_norm import coupling_modules
+from autopar.plans.data import param_zero_stage
 from autopar.plans.format import GB
 from autopar.plans.plan import Plan
 from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
@@ -478,7 +479,7 @@ def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
     weight: dict[int, int] = {}
     for p in captured.params:
         entry = placements.get(p.placeholder, {})
-        stage = 3 if entry.get("outputs", [["R"]])[0][0] != "R" else int(entry.get("zero", 0))
+        stage = param_zero_stage(entry)
         weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
     return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
 

@@ -41,31 +41,30 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import from_dtensor, to_dtensor
-from autopar.cost_models.compute import is_view
+from autopar.core.placements import (
+    AVG,
+    PARTIAL,
+    REPLICATE,
+    SUM,
+    Placements,
+    from_dtensor,
+    replicated,
+    to_dtensor_all,
+)
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
-from autopar.search.sharding.strategies import decomposition
+from autopar.search.sharding.dtensor_rules import decomposition
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 # Ops whose DTensor dispatch is a handler narrower than DTensor's own strategies for them: convolutions go
 # through ``_tp_conv``'s handler (a dim map, built for spatially split inputs), which refuses a batch split
 # over two mesh dims that the single-dim strategy offers. Every strategy offered splits the batch and makes
 # the weight's gradient a partial sum: the local convolution on the shards, run as such.
 _RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
-
-
-def placement(s: str) -> Placement:
-    """DTensor placement of the plain form ``"R"``, ``"S(d)"``, ``"P"``, ``"P(avg)"``."""
-    return to_dtensor(s)
-
-
-def placements(spec: list[str] | tuple[str, ...]) -> tuple[Placement, ...]:
-    return tuple(placement(s) for s in spec)
 
 
 @dataclass
@@ -78,15 +77,15 @@ class LocalGraph:
     parameter without gradient) and the new value of each buffer the forward
     updates (``CapturedGraph.updated``) as the local shard of its own placement.
     ``zero_stages[i]`` is parameter ``i``'s ZeRO stage (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
-    partial sum (``"P"`` on the dp axis) or, when the plan already reduced it,
-    replicated (``"R"``); under ZeRO-2 the graph returns only this rank's flat
+    partial sum (P on the dp axis) or, when the plan already reduced it,
+    replicated (R); under ZeRO-2 the graph returns only this rank's flat
     chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
     ``grad_placements[i]`` is the placement of the whole gradient it was cut from.
     """
 
     gm: fx.GraphModule
-    arg_placements: list[tuple[str, ...]]
-    grad_placements: list[tuple[str, ...] | None]
+    arg_placements: list[Placements]
+    grad_placements: list[Placements | None]
     zero_stages: list[int] = field(default_factory=list)
     updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
 
@@ -123,7 +122,7 @@ class LocalGraph:
         return Counter(
             n.target._opname
             for n in self.gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "_opname", "") in COLLECTIVES
+            if n.op == "call_function" and getattr(n.target, "_opname", "") in FUNCTIONAL_COLLECTIVES
         )
 
 
@@ -132,14 +131,14 @@ def _tensor_leaves(args: Any, kwargs: Any) -> list[fx.Node]:
     return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _redistribute(x: Any, target: tuple[str, ...] | None) -> Any:
+def _redistribute(x: Any, target: Placements | None) -> Any:
     if target is None or not isinstance(x, DTensor):
         return x
-    want = placements(target)
+    want = to_dtensor_all(target)
     if tuple(x.placements) == want:
         return x
     current = tuple(from_dtensor(p) for p in x.placements)
-    if current == tuple(target):  # a masked partial is a partial sum: same plain form, keep it
+    if current == tuple(target):  # a masked partial is a partial sum to autopar: keep it
         return x
     return _to(x, want)
 
@@ -154,8 +153,8 @@ def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
     mesh = x.device_mesh
     have = list(x.placements)
     for i, p in enumerate(have):
-        if isinstance(p, Partial) and p.reduce_op == "avg" and want[i] != p:
-            have[i] = Partial("sum")
+        if isinstance(p, Partial) and p.reduce_op == AVG and want[i] != p:
+            have[i] = Partial(SUM)
             x = _relabel(x.to_local() / mesh.size(i), x, have)
     step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
     if tuple(have) != step:
@@ -164,7 +163,7 @@ def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
         coord = mesh.get_coordinate()
         local = x.to_local()
         for i, w in enumerate(want):
-            if step[i] != w and w.reduce_op == "sum" and coord[i] != 0:
+            if step[i] != w and w.reduce_op == SUM and coord[i] != 0:
                 local = torch.zeros_like(local)
         x = _relabel(local, x, list(want))
     return x
@@ -288,7 +287,7 @@ class _ShardInterpreter(fx.Interpreter):
             # a factory (arange, full, ...) or an op on constants: whole on every rank
             return self._whole(n.target(*args, **kwargs), entry)
         args, kwargs = self._bring(n, args, kwargs, entry)
-        if n.target is aten.embedding.default and "S(0)" in (entry["inputs"][0] or ()):
+        if n.target is aten.embedding.default and any(p.is_shard(0) for p in entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
         if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
             # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
@@ -325,7 +324,7 @@ class _ShardInterpreter(fx.Interpreter):
         that shards the output (``"fast"`` mode), so ranks holding copies draw
         the same numbers and ranks holding different shards draw their own.
         """
-        spec = placements(entry["outputs"][0])
+        spec = to_dtensor_all(entry["outputs"][0])
         vals = n.meta["val"]
         whole = vals[0] if isinstance(vals, (tuple, list)) else vals
         coord = self.mesh.get_coordinate()
@@ -352,7 +351,7 @@ class _ShardInterpreter(fx.Interpreter):
         q_at = random_ops.KEYED_KERNELS[n.target]
         q, k = n.args[q_at].meta["val"], n.args[q_at + 1].meta["val"]
         scores = [*q.shape[:-1], k.shape[-2]]
-        spec = placements(entry["inputs"][q_at])
+        spec = to_dtensor_all(entry["inputs"][q_at])
         coord = self.mesh.get_coordinate()
         _, offset = _local_box(scores, spec, coord, self.mesh.shape)
         stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
@@ -370,7 +369,7 @@ class _ShardInterpreter(fx.Interpreter):
             p = next(outs, None)
             if isinstance(o, torch.Tensor) and p is not None:
                 o = DTensor.from_local(
-                    o, self.mesh, placements(p), run_check=False, shape=v.shape, stride=v.stride()
+                    o, self.mesh, to_dtensor_all(p), run_check=False, shape=v.shape, stride=v.stride()
                 )
             wrapped.append(o)
         return pytree.tree_unflatten(wrapped, spec)
@@ -387,8 +386,8 @@ class _ShardInterpreter(fx.Interpreter):
         res = []
         for o in flat:
             if isinstance(o, torch.Tensor):
-                p = next(outs, None) or ("R",) * self.mesh.ndim
-                o = _from_whole(o, self.mesh, placements(p))
+                p = next(outs, None) or replicated(self.mesh.ndim)
+                o = _from_whole(o, self.mesh, to_dtensor_all(p))
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 
@@ -405,7 +404,7 @@ class _ShardInterpreter(fx.Interpreter):
         rows = weight.shape[0]
         offset, coord = 0, self.mesh.get_coordinate()
         for i, p in enumerate(spec):
-            if p == "S(0)":
+            if p.is_shard(0):
                 rows //= self.mesh.size(i)
                 offset += coord[i] * rows
         idx = indices.to_local() if isinstance(indices, DTensor) else indices
@@ -416,7 +415,7 @@ class _ShardInterpreter(fx.Interpreter):
         return DTensor.from_local(
             local,
             self.mesh,
-            placements(out_spec),
+            to_dtensor_all(out_spec),
             run_check=False,
             shape=torch.Size([*indices.shape, weight.shape[1]]),
             stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
@@ -443,94 +442,6 @@ class _ShardInterpreter(fx.Interpreter):
         return pytree.tree_unflatten(res, spec)
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "_opname", "") in COLLECTIVES
-
-
-def _is_wait(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "_opname", "") == "wait_tensor"
-
-
-def schedule_collectives(graph: fx.Graph) -> None:
-    """Overlap each collective with compute, with one in flight per process group.
-
-    Functional collectives return at once and ``wait_tensor`` blocks; the trace
-    puts each wait right after its collective, which serialises communication
-    with compute.  Here, per process group:
-
-    * a wait moves to where its value is first read;
-    * a collective moves up to where its inputs exist, but a value that is read
-      later (a parameter gathered for a layer, a result a replayed op reads in
-      the backward) no earlier than the first read of the group's previous
-      such value: one value prefetched ahead, as FSDP does, and not every
-      gathered parameter of the step alive from its start;
-    * a collective whose result only leaves the graph (a gradient's reduction)
-      starts as soon as its input exists, as DDP's bucket hooks do;
-    * before a collective starts, the group's previous one is waited for, so at
-      most one is in flight per group.  Gloo's CPU collectives corrupted the heap
-      with several in flight on one group (a crash every few hundred steps);
-      one at a time makes it rare (it is gloo's: README, Pipelines) and still
-      overlaps each with the compute around it.
-    """
-    nodes = list(graph.nodes)
-    output = nodes[-1]
-    for node in nodes:  # waits to their first reader
-        if _is_wait(node) and node.users:
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            first = min(node.users, key=lambda u: order[u])
-            if first is not output:
-                first.prepend(node)
-            else:
-                output.prepend(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    waits = {}
-    for node in graph.nodes:
-        if _is_wait(node) and node.args and _is_collective(node.args[0]):
-            waits[node.args[0]] = node
-
-    def leaves(n: fx.Node) -> bool:
-        """Only the output reads ``n``, directly or through views (a gradient reshaped to its parameter's shape)."""
-        return all(u is output or (is_view(u) and leaves(u)) for u in n.users)
-
-    def first_read(c: fx.Node) -> int | None:
-        """Where the collective's result is first read inside the graph; None when only the output reads it."""
-        w = waits.get(c)
-        users = [u for u in (w.users if w is not None else ()) if not (u is output or (is_view(u) and leaves(u)))]
-        return min(order[u] for u in users) if users else None
-
-    by_group: dict[str, list[fx.Node]] = {}
-    for c in (n for n in graph.nodes if _is_collective(n)):
-        by_group.setdefault(str(c.args[-1]), []).append(c)
-    nodes = list(graph.nodes)
-    for group in by_group.values():
-        reads = {c: first_read(c) for c in group}
-        read_order = sorted((c for c in group if reads[c] is not None), key=lambda c: (reads[c], order[c]))
-        previous_read = {c: reads[p] for p, c in zip(read_order, read_order[1:], strict=False)}
-        for c in group:
-            ready = max((order[a] + 1 for a in c.all_input_nodes if a.op != "placeholder"), default=0)
-            target = max(ready, previous_read.get(c, 0))
-            w = waits.get(c)
-            if w is not None:
-                target = min(target, order[w])
-            while _is_collective(nodes[target]):  # anchor on a node that does not move
-                target += 1
-            if target < order[c]:
-                nodes[target].prepend(c)  # nodes[] and order[] are the positions before any move
-    # one in flight per group: wait for the previous collective before the next one starts
-    pending: dict[str, fx.Node] = {}
-    for node in list(graph.nodes):
-        if _is_wait(node) and node.args and _is_collective(node.args[0]):
-            group = str(node.args[0].args[-1])
-            if pending.get(group) is node.args[0]:
-                del pending[group]
-        elif _is_collective(node):
-            group = str(node.args[-1])
-            previous = pending.get(group)
-            if previous is not None and previous in waits:
-                node.prepend(waits[previous])
-            pending[group] = node
-
-
 def source_of(node: fx.Node) -> str | None:
     """The captured node a node of a local graph traced with ``keep_sources`` came from; None if none."""
     sources = node.meta.get("from_node")
@@ -547,7 +458,7 @@ def flat_chunk_numel(numel: int, parts: int) -> int:
     return -(-numel // parts)
 
 
-def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, tuple]:
+def _zero_grad(g: DTensor, spec: Placements, stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, Placements]:
     """A ZeRO-1/2 parameter's gradient as it leaves the graph, and the placement of the whole gradient.
 
     The data-parallel sum is not completed here when it is still pending: under
@@ -559,44 +470,18 @@ def _zero_grad(g: DTensor, spec: tuple[str, ...], stage: int, mesh: DeviceMesh) 
     """
     first = g.placements[0]
     summed = isinstance(first, Partial)
-    keep = (first if first.reduce_op == "sum" else Partial("sum")) if summed else Replicate()
-    local = _to(g, (keep, *placements(spec[1:]))).to_local()
+    keep = (first if first.reduce_op == SUM else Partial(SUM)) if summed else Replicate()
+    local = _to(g, (keep, *to_dtensor_all(spec[1:]))).to_local()
     if stage == 1:
-        return local, ("P" if summed else "R", *spec[1:])
+        return local, (PARTIAL if summed else REPLICATE, *spec[1:])
     n = mesh.size(0)
     flat = local.reshape(-1)
     pad = flat_chunk_numel(flat.numel(), n) * n - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     if summed:
-        return funcol.reduce_scatter_single(flat, "sum", 0, (mesh, 0)), tuple(spec)
+        return funcol.reduce_scatter_single(flat, SUM, 0, (mesh, 0)), tuple(spec)
     return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
-
-
-def _one_chunk_in_flight(graph: fx.Graph, chunk_outputs: list[int]) -> None:
-    """ZeRO-2: wait for each gradient's reduce-scatter before the next one starts.
-
-    A collective's input stays alive until its wait, and waits sit where their
-    value is first read: for gradient chunks that is the graph's output, so
-    every whole gradient would live to the end of the backward, which is the
-    memory ZeRO-2 is there to save.  One reduction in flight still overlaps
-    each with the backward computing the next gradient.
-    """
-    output = next(n for n in graph.nodes if n.op == "output")
-    results = output.args[0]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    pairs = []
-    for k in chunk_outputs:
-        wait = results[k]
-        if (
-            isinstance(wait, fx.Node)
-            and getattr(wait.target, "_opname", "") == "wait_tensor"
-            and getattr(wait.args[0].target, "_opname", "") == "reduce_scatter_tensor"
-        ):
-            pairs.append((wait.args[0], wait))
-    pairs.sort(key=lambda p: order[p[0]])
-    for (_, wait), (following, _) in zip(pairs, pairs[1:], strict=False):
-        following.prepend(wait)
 
 
 def _early_zero_grads(
@@ -642,7 +527,7 @@ def _local_joint(
             DTensor.from_local(
                 t,
                 mesh,
-                placements(pl),
+                to_dtensor_all(pl),
                 run_check=False,
                 shape=ph.meta["val"].shape,
                 stride=ph.meta["val"].stride(),
@@ -660,9 +545,9 @@ def _local_joint(
                     early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
                 out.append(early[i])
             else:
-                out.append(_to(g, placements(pl)).to_local())
+                out.append(_to(g, to_dtensor_all(pl)).to_local())
         for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
-            out.append(_to(u, placements(arg_pl[n_params + b])).to_local())
+            out.append(_to(u, to_dtensor_all(arg_pl[n_params + b])).to_local())
         return tuple(out)
 
     return local_joint
@@ -720,9 +605,8 @@ def shard_graph(
         v = ph.meta["val"]
         shape = list(v.shape)
         for i, s in enumerate(pl):
-            if s.startswith("S("):
-                d = int(s[2:-1])
-                shape[d] //= mesh.size(i)
+            if s.is_shard():
+                shape[s.dim] //= mesh.size(i)
         fake_local.append(torch.empty(shape, dtype=v.dtype))
     local_gm = _trace_local(local_joint, fake_local, keep_sources)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
@@ -730,7 +614,7 @@ def shard_graph(
     local_gm.graph.eliminate_dead_code()
     if not keep_sources:
         schedule_collectives(local_gm.graph)
-    _one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
+    one_chunk_in_flight(local_gm.graph, [1 + i for i, s in enumerate(stages) if s == 2])
     local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))

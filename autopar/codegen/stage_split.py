@@ -42,7 +42,7 @@ updated by one stage and read by the forward of another is refused: the order
 in which the two stages see the micro-batches depends on the schedule.
 
 Each graph's collectives are then scheduled on their own
-(:func:`autopar.codegen.shard.schedule_collectives`): a collective and its wait
+(:func:`autopar.codegen.collective_order.schedule_collectives`): a collective and its wait
 always land in the same graph, since the trace puts every collective right
 before its first reader.
 """
@@ -56,7 +56,8 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.joint import graph_results
-from autopar.codegen.shard import schedule_collectives, source_of
+from autopar.codegen.collective_order import schedule_collectives
+from autopar.codegen.shard import source_of
 from autopar.core.errors import PlanError
 
 FORWARD, BACKWARD = "forward", "backward"

@@ -30,7 +30,8 @@ import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.search.sharding.node_keys import tensor_inputs
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, divides, enumerate_strategies
+from autopar.search.sharding.placement_sets import divides
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _moves(s: Strategy, node: fx.Node, chosen: dict[str, dict]) -> int:
     count = 0
     for want, a in zip(s.inputs, tensor_inputs(node), strict=False):
         have = chosen.get(a.name, {}).get("outputs", [None])
-        if want is not None and have and list(want) != have[0]:
+        if want is not None and have and want != have[0]:
             count += 1
     return count
 
@@ -99,8 +100,8 @@ def _entry(node: fx.Node, s: Strategy) -> dict:
     return {
         "op": _op(node),
         "module": node_module(node),
-        "outputs": [list(p) if p is not None else None for p in s.outputs],
-        "inputs": [list(p) if p is not None else None for p in s.inputs],
+        "outputs": list(s.outputs),
+        "inputs": list(s.inputs),
     }
 
 
@@ -112,7 +113,7 @@ def _pick(ns: NodeStrategies, node: fx.Node, chosen: dict[str, dict]) -> Strateg
         if src is not None and idx < len(src["outputs"]):
             want = src["outputs"][idx]
             for s in ns.strategies:
-                if s.outputs and s.outputs[0] is not None and list(s.outputs[0]) == want:
+                if s.outputs and s.outputs[0] is not None and s.outputs[0] == want:
                     return s
     return min(ns.strategies, key=lambda s: _moves(s, node, chosen))
 

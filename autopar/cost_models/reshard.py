@@ -1,8 +1,8 @@
 """Time to move a tensor from one placement on the mesh to another.
 
-A placement lists, per mesh dim, "R" (replicated), "S(d)" (sharded on
-tensor dim d) or "P" (a partial sum awaiting reduction; "P(avg)", "P(max)"
-for other reductions). A change on one mesh dim, by itself, is one
+A placement (:mod:`autopar.core.placements`) lists, per mesh dim, R
+(replicated), S(d) (sharded on tensor dim d) or P (a partial sum awaiting
+reduction; P(avg), P(max) for other reductions). A change on one mesh dim, by itself, is one
 collective over that dim's ranks or none:
 
     from \\ to   R               S(j)              P
@@ -36,7 +36,7 @@ all-reduce) and then kept as the new partial locally.
 
 The plan of a (src, dst, mesh shape) is memoized as a fraction of the
 tensor's bytes per step, so the planner's many thousands of calls cost a
-cache look-up each; torch is imported only on a cache miss.
+cache look-up each.
 """
 
 from __future__ import annotations
@@ -50,7 +50,16 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
 from autopar.core.mesh import fake_mesh
-from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
+from autopar.core.placements import (
+    AVG,
+    PARTIAL,
+    REPLICATE,
+    Placement,
+    Placements,
+    from_dtensor,
+    partial,
+    to_dtensor_all,
+)
 from autopar.cost_models.comm import collective_time
 from autopar.hardware.cluster import Link
 
@@ -61,12 +70,12 @@ def shard_factor(placements: Placements, mesh_shape: Sequence[int]) -> int:
     """How many pieces the tensor is cut into: the product of the sizes of the mesh dims that shard it."""
     f = 1
     for p, n in zip(placements, mesh_shape, strict=True):
-        if p.startswith("S"):
+        if p.is_shard():
             f *= n
     return f
 
 
-def transition(src: str, dst: str) -> str | None:
+def transition(src: Placement, dst: Placement) -> str | None:
     """The collective that turns ``src`` into ``dst`` on one mesh dim alone; None when local; "forbidden".
 
     Only the single-mesh-dim view: :func:`collectives_between` is the one to
@@ -74,14 +83,14 @@ def transition(src: str, dst: str) -> str | None:
     """
     if src == dst:
         return None
-    if src == "R":
+    if src.is_replicate():
         return None  # slicing a replica or zeroing copies needs no communication
-    if src.startswith("P"):  # "P" (sum) or "P(avg)", "P(max)", ...: reduce first
-        return "reduce_scatter" if dst.startswith("S") else "all_reduce"
+    if src.is_partial():  # a sum, or an average, a max, ...: reduce first
+        return "reduce_scatter" if dst.is_shard() else "all_reduce"
     # src is a shard
-    if dst == "R":
+    if dst.is_replicate():
         return "all_gather"
-    if dst.startswith("P"):
+    if dst.is_partial():
         return "forbidden"
     return "all_to_all"
 
@@ -120,7 +129,7 @@ def _steps(
     for d, after, kind in _dtensor_transforms(have, step, sizes):
         if kind is not None and sizes[d] > 1:  # DTensor issues nothing over a single rank
             # the tensor the group works on: the global one cut by the other mesh dims as placed now
-            others = tuple("R" if i == d else p for i, p in enumerate(current))
+            others = tuple(REPLICATE if i == d else p for i, p in enumerate(current))
             fraction = 1.0 / shard_factor(others, sizes)
             if kind == "all_to_all":
                 fraction /= sizes[d]  # each rank's own shard
@@ -137,40 +146,43 @@ def _runtime_request(src: Placements, dst: Placements) -> tuple[Placements, Plac
     is not already in is asked of DTensor as a replica, then kept as a partial
     locally (DTensor makes no partial from another placement with communication).
     """
-    have = tuple("P" if a == "P(avg)" and b != a else a for a, b in zip(src, dst, strict=True))
-    step = tuple("R" if b.startswith("P") and a != b else b for a, b in zip(have, dst, strict=True))
+    have = tuple(PARTIAL if a == _AVG and b != a else a for a, b in zip(src, dst, strict=True))
+    step = tuple(REPLICATE if b.is_partial() and a != b else b for a, b in zip(have, dst, strict=True))
     return have, step
 
 
-_KIND = {
-    ("S", "R"): "all_gather",
-    ("P", "R"): "all_reduce",
-    ("P", "S"): "reduce_scatter",
-    ("S", "S"): "all_to_all",
-}
+_AVG = partial(AVG)
+
+
+def _kind(was: Placement, now: Placement) -> str | None:
+    """The collective of one DTensor transform step on one mesh dim; None for a local one."""
+    if was.is_shard():
+        return "all_gather" if now.is_replicate() else "all_to_all" if now.is_shard() else None
+    if was.is_partial():
+        return "all_reduce" if now.is_replicate() else "reduce_scatter" if now.is_shard() else None
+    return None
 
 
 def _dtensor_transforms(
     src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
-) -> list[tuple[int, str, str | None]]:
+) -> list[tuple[int, Placement, str | None]]:
     """DTensor's redistribution plan for ``src`` → ``dst``: (mesh dim, placement after, collective or None) per step.
 
     The steps of ``_gen_transform_infos_non_cached`` (DTensor's planner, with the
     strategy it picks at run time), for a tensor whose every dim each mesh dim
     divides.  Run on a fake mesh, so it needs no process group.
     """
-    dims = [shard_dim(p) for p in (*src, *dst)]
-    ndim = max([d for d in dims if d is not None], default=0) + 1
+    ndim = max([p.dim for p in (*src, *dst) if p.is_shard()], default=0) + 1
     mesh, meta = _fake_mesh_and_meta(mesh_shape, ndim)
-    a = DTensorSpec(mesh, tuple(to_dtensor(p) for p in src), meta)
-    b = DTensorSpec(mesh, tuple(to_dtensor(p) for p in dst), meta)
+    a = DTensorSpec(mesh, to_dtensor_all(src), meta)
+    b = DTensorSpec(mesh, to_dtensor_all(dst), meta)
     out = []
     for info in _gen_transform_infos_non_cached(a, b):
-        was, now = info.src_dst_placements
-        kind = _KIND.get((from_dtensor(was)[0], from_dtensor(now)[0]))
+        was, now = (from_dtensor(p) for p in info.src_dst_placements)
+        kind = _kind(was, now)
         if kind == "all_to_all" and was == now:
             kind = None  # same shard on both sides: nothing moves
-        out.append((info.mesh_dim, from_dtensor(now), kind))
+        out.append((info.mesh_dim, now, kind))
     return out
 
 
@@ -201,8 +213,8 @@ def redistribute_time(
 
 
 def grad_sync_steps(
-    have: tuple[str, ...],
-    need: tuple[str, ...],
+    have: Placements,
+    need: Placements,
     zero: int,
     nbytes: float,
     mesh_shape: tuple[int, ...],
@@ -217,12 +229,12 @@ def grad_sync_steps(
     """
     if not zero or dp_dim is None:
         return collectives_between(have, need, nbytes, mesh_shape)
-    partial = have[dp_dim].startswith("P")
-    keep = tuple((have[d] if partial else "R") if d == dp_dim else need[d] for d in range(len(mesh_shape)))
+    summed = have[dp_dim].is_partial()
+    keep = tuple((have[d] if summed else REPLICATE) if d == dp_dim else need[d] for d in range(len(mesh_shape)))
     steps = collectives_between(have, keep, nbytes, mesh_shape)
     if steps is None:
         return None
-    if partial:
+    if summed:
         local = nbytes / shard_factor(keep, mesh_shape)  # the whole buffer each dp rank reduces
         steps = [*steps, ("reduce_scatter", dp_dim, local)]
     return steps

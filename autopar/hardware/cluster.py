@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.core.errors import ClusterError
-from autopar.core.mesh import MESH_AXES as AXES
+from autopar.core.mesh import MESH_AXES
 from autopar.hardware.devices import (  # noqa: F401  (re-exported: cluster is where users look for devices)
     DEVICES,
     GB,
@@ -73,7 +73,7 @@ class MeshShape:
     pp: int
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in MESH_AXES:
             _positive_int(getattr(self, axis), axis)
 
     @property
@@ -100,8 +100,8 @@ class MeshShape:
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise ClusterError(f"unknown mesh axis {axis!r}; use one of {', '.join(AXES)}")
+    if axis not in MESH_AXES:
+        raise ClusterError(f"unknown mesh axis {axis!r}; use one of {', '.join(MESH_AXES)}")
 
 
 def _divisors(n: int) -> list[int]:

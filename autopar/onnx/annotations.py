@@ -5,7 +5,7 @@ spec naming a tensor the node never touches, a device count that is not the
 plan's, or a shard count that does not divide the axis all pass it. A file
 that says the wrong thing about where tensors live is worse than one that
 says nothing, so ``validate_onnx_plan`` checks each spec against its graph
-and the plan, and decodes it back into the plan's placement notation.
+and the plan, and decodes it back into the plan's placements.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import onnx
 
 from autopar.core.errors import AutoparError, PlanFormatError
-from autopar.core.mesh import SHARDING_AXES as AXES
+from autopar.core.mesh import SHARDING_AXES
+from autopar.core.placements import REPLICATE, Placements, parse_all, shard, texts
 from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,13 @@ class OnnxPlan:
     """The plan an annotated ONNX file carries, read back from the file's own fields.
 
     ``placements`` maps each annotated tensor to one placement per mesh axis
-    (``AXES``) in the plan's notation ("R", "S(d)", "P", ...); ``plan_nodes``
+    (``SHARDING_AXES``), as the plan holds them; ``plan_nodes``
     names the node of the plan's joint graph each annotation came from;
     ``stages`` maps ONNX node names to their pipeline stage, where set.
     """
 
     plan: Plan
-    placements: dict[str, list[str]] = field(default_factory=dict)
+    placements: dict[str, Placements] = field(default_factory=dict)
     plan_nodes: dict[str, str] = field(default_factory=dict)
     stages: dict[str, int] = field(default_factory=dict)
     num_devices: int = 1
@@ -74,35 +75,34 @@ class Spec:
 
 
 def mesh_of(plan: Plan) -> tuple[int, ...]:
-    return tuple(int(plan.mesh.get(a, 1)) for a in AXES)
+    return tuple(int(plan.mesh.get(a, 1)) for a in SHARDING_AXES)
 
 
 def world_of(plan: Plan) -> int:
     return math.prod(int(v) for v in plan.mesh.values())
 
 
-def as_sharded(placements: list[str]) -> list[str]:
+def as_sharded(placements: Placements) -> Placements:
     """Partial values as ONNX can say them: the full value, replicated on that mesh axis."""
-    return ["R" if p.startswith("P") else p for p in placements]
+    return tuple(REPLICATE if p.is_partial() else p for p in placements)
 
 
-def encode(placements: list[str], shape: tuple, mesh: tuple[int, ...], offset: int, world: int) -> Spec:
+def encode(placements: Placements, shape: tuple, mesh: tuple[int, ...], offset: int, world: int) -> Spec:
     """The spec of a tensor of ``shape`` placed ``placements`` (no partials) on ``mesh``, ranks from ``offset``."""
     split, devices, groups = _layout(tuple(placements), len(shape), mesh, offset, world)
     return Spec(tuple((a, shape[a], n) for a, n in split), devices, groups)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(placements: tuple[str, ...], rank: int, mesh: tuple[int, ...], offset: int, world: int) -> tuple:
+def _layout(placements: Placements, rank: int, mesh: tuple[int, ...], offset: int, world: int) -> tuple:
     """(sharded (axis, num_shards), device entries, groups): what ``encode`` computes, shape aside (cached)."""
     split: dict[int, list[int]] = {}  # tensor axis -> mesh axes splitting it, outer first
     for mesh_axis, p in enumerate(placements):
-        if not (p.startswith("S(") and p.endswith(")")):
-            if p != "R":
-                raise OnnxError(f"not a placement ONNX can express: {p!r}")
+        if not p.is_shard():
+            if not p.is_replicate():
+                raise OnnxError(f"not a placement ONNX can express: {str(p)!r}")
             continue
-        d = int(p[2:-1])
-        d = d + rank if d < 0 else d
+        d = p.dim + rank if p.dim < 0 else p.dim
         if not 0 <= d < rank:
             raise OnnxError(f"placement {p} names axis {d} of a tensor of rank {rank}")
         split.setdefault(d, []).append(mesh_axis)
@@ -130,14 +130,14 @@ def _layout(placements: tuple[str, ...], rank: int, mesh: tuple[int, ...], offse
     return sharded, tuple(devices), tuple(groups)
 
 
-def decode(spec: Spec, rank: int, mesh: tuple[int, ...], offset: int, world: int) -> list[str] | None:
+def decode(spec: Spec, rank: int, mesh: tuple[int, ...], offset: int, world: int) -> Placements | None:
     """The placements (no partials) whose spec is ``spec``, replicated preferred; None if none is."""
     want = spec.canonical()
-    options = ["R"] + [f"S({a})" for a, _, _ in spec.sharded]
+    options = [REPLICATE] + [shard(a) for a, _, _ in spec.sharded]
     for cand in itertools.product(options, repeat=len(mesh)):
         split, devices, groups = _layout(cand, rank, mesh, offset, world)
         if Spec(tuple((a, None, n) for a, n in split), devices, groups).canonical() == want:
-            return list(cand)
+            return tuple(cand)
     return None
 
 
@@ -229,7 +229,8 @@ def validate_onnx_plan(model: onnx.ModelProto, source: str = "the model") -> Onn
                 placements = _check_spec(sp, shapes[name], mesh, offset, world, label, notes.get(name))
                 if result.placements.setdefault(name, placements) != placements:
                     raise OnnxError(
-                        f"{name!r} is annotated {result.placements[name]} on one node and {placements} on {label!r}"
+                        f"{name!r} is annotated {texts(result.placements[name])} on one node and {texts(placements)} "
+                        f"on {label!r}"
                     )
                 if isinstance(notes.get(name), dict) and notes[name].get("plan_node"):
                     result.plan_nodes[name] = str(notes[name]["plan_node"])
@@ -281,11 +282,11 @@ def _check_spec(
     world: int,
     label: str,
     note: Any,
-) -> list[str]:
+) -> Placements:
     """One spec against its tensor and the mesh; its placements (the note's, once it agrees)."""
     name, rank = sp.tensor_name, len(shape)
     products = {math.prod(c) for k in range(len(mesh) + 1) for c in itertools.combinations(mesh, k)}
-    mesh_text = " x ".join(f"{a}={s}" for a, s in zip(AXES, mesh, strict=True))
+    mesh_text = " x ".join(f"{a}={s}" for a, s in zip(SHARDING_AXES, mesh, strict=True))
     sharded = []
     for sd in sp.sharded_dim:
         if not -rank <= sd.axis < rank:
@@ -329,16 +330,18 @@ def _check_spec(
         )
     if note is None:
         return decoded
-    placements = note.get("placements") if isinstance(note, dict) else None
-    if not isinstance(placements, list) or len(placements) != len(mesh):
+    written = note.get("placements") if isinstance(note, dict) else None
+    if not isinstance(written, list) or len(written) != len(mesh):
         raise OnnxError(f"node {label!r}: the {NODE_KEY} note on {name!r} has no placement per mesh axis")
-    placements = [str(p) for p in placements]
+    placements: Placements = ()
     try:
+        placements = parse_all(str(p) for p in written)
         agrees = encode(as_sharded(placements), shape, mesh, offset, world).canonical() == spec.canonical()
     except (OnnxError, ValueError):
         agrees = False
     if not agrees:
         raise OnnxError(
-            f"node {label!r}: the spec of {name!r} says {decoded}, its {NODE_KEY} note {placements}"
+            f"node {label!r}: the spec of {name!r} says {texts(decoded)}, its {NODE_KEY} note "
+            f"{[str(p) for p in written]}"
         )
     return placements

@@ -27,10 +27,11 @@ from torch import nn
 from autopar.capture.inputs import hf_no_cache
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
 from autopar.core.errors import RuntimeMismatchError
+from autopar.core.mesh import SHARDING_AXES
+from autopar.core.placements import Placements, texts
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.onnx.annotations import (
-    AXES,
     CONFIGURATION,
     MULTI_DEVICE_IR_VERSION,
     NODE_KEY,
@@ -177,7 +178,7 @@ def _output_names(out: Any) -> list[str] | None:
 
 @dataclass
 class _Found:
-    placements: list[str]
+    placements: Placements
     plan_node: str
 
 
@@ -191,11 +192,11 @@ def _pair(ir_model: Any, captured: CapturedGraph, plan: Plan, model: nn.Module) 
         entry = plan.placements.get(node)
         outs = entry.get("outputs") if isinstance(entry, dict) else None
         p = outs[0] if outs else None
-        if p is None or len(p) != len(AXES):
+        if p is None or len(p) != len(SHARDING_AXES):
             return
         if joint_shape is not None and _shape(value.shape) != tuple(joint_shape):
             return
-        found[value] = _Found([str(x) for x in p], node)
+        found[value] = _Found(tuple(p), node)
 
     # parameters and buffers: initializer names are qualified names, maybe a tied alias or sanitised
     canon: dict[str, str] = {}
@@ -354,7 +355,7 @@ def _annotate(ir_model: Any, plan: Plan, found: dict[Any, _Found]) -> None:
                 if dim is not None and dim % n:
                     raise OnnxError(
                         f"{value.name} (shape {list(shape)}) cannot be split {n} ways on axis {axis} as the plan "
-                        f"places it ({f.placements}): export with inputs of the shapes the plan was made for"
+                        f"places it ({texts(f.placements)}): export with inputs of the shapes the plan was made for"
                     )
             specs.append(
                 ir.ShardingSpec(
@@ -371,7 +372,7 @@ def _annotate(ir_model: Any, plan: Plan, found: dict[Any, _Found]) -> None:
                     ),
                 )
             )
-            notes[value.name] = {"placements": f.placements, "plan_node": f.plan_node}
+            notes[value.name] = {"placements": texts(f.placements), "plan_node": f.plan_node}
         if specs or stage is not None:
             node.device_configurations = (
                 ir.NodeDeviceConfiguration(

@@ -5,18 +5,24 @@ no accelerator) and running (``autopar.parallelize`` inside each rank). It
 holds only JSON-able values so that it can be saved, diffed, reviewed and
 loaded by another process or another version of autopar. Nothing in it
 refers to torch objects.
+
+Placements are :class:`~autopar.core.placements.Placement` values in memory and
+their plain form (``"S(0)"``) in JSON: :meth:`PlanData.from_dict` reads them
+and :meth:`PlanData.to_dict` writes them, so no other module reads that form.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import PlanFormatError
 from autopar.core.mesh import MESH_AXES, SHARDING_AXES
+from autopar.core.placements import Placements, parse_all, texts
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.format import GB, count, secs
 from autopar.plans.records import SearchRecord
@@ -45,7 +51,8 @@ class PlanData:
     micro_batch_size: int = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
-    placements: dict[str, Any] = field(default_factory=dict)  # op -> placement per mesh axis
+    # node -> {"op", "module", "outputs", "inputs", ...}: "outputs" and "inputs" list Placements (or None) per tensor
+    placements: dict[str, Any] = field(default_factory=dict)
     stages: list[Any] = field(default_factory=list)  # pipeline stages: {"first": forward node, ...} each
     schedule: str = ""  # pipeline schedule ("1F1B", "GPipe", "interleaved"); "" without a pipeline
     estimate: Estimate = field(default_factory=Estimate)
@@ -54,7 +61,10 @@ class PlanData:
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as JSON-able values, placements in their plain form."""
+        body = asdict(replace(self, placements={}))
+        body["placements"] = {node: _entry_json(e, texts) for node, e in self.placements.items()}
+        return body
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> PlanData:
@@ -87,6 +97,10 @@ class PlanData:
             plan = cls(**body)
         except TypeError as err:
             raise PlanFormatError(f"{source} is malformed: {_short_type_error(err)}") from None
+        try:
+            plan.placements = {node: _entry_json(e, parse_all) for node, e in plan.placements.items()}
+        except (ValueError, TypeError, AttributeError) as err:
+            raise PlanFormatError(f"{source} is malformed: {err}") from None
         for key in MESH_AXES:
             if not isinstance(plan.mesh.get(key), int) or plan.mesh[key] < 1:
                 raise PlanFormatError(f"{source} is malformed: mesh needs a positive integer '{key}'")
@@ -141,9 +155,9 @@ class PlanData:
         """The mesh dims placements are written over (pipeline stages are not a placement dim)."""
         return SHARDING_AXES
 
-    def param_placements(self) -> dict[tuple[str, tuple[str, ...]], int]:
+    def param_placements(self) -> dict[tuple[str, Placements], int]:
         """(parameter name with layer numbers folded to '*', placement per mesh dim) -> how many parameters."""
-        out: dict[tuple[str, tuple[str, ...]], int] = {}
+        out: dict[tuple[str, Placements], int] = {}
         for entry in self.placements.values():
             if "param" not in entry:
                 continue
@@ -151,6 +165,27 @@ class PlanData:
             key = (name, tuple(entry["outputs"][0]))
             out[key] = out.get(key, 0) + 1
         return out
+
+
+def param_zero_stage(entry: dict[str, Any]) -> int:
+    """A parameter's ZeRO stage from its entry: 3 when its placement shards it over dp, else its own ``"zero"``.
+
+    ZeRO-3 is a placement (the parameter sharded over the dp mesh dim, the first),
+    so the entry of a sharded parameter writes no stage; a replicated one writes 0, 1 or 2.
+    """
+    outs = entry.get("outputs") or [None]
+    if outs[0] is not None and not outs[0][0].is_replicate():
+        return 3
+    return int(entry.get("zero", 0) or 0)
+
+
+def _entry_json(entry: dict[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """``entry`` with ``convert`` applied to each placement list of its outputs and inputs (None stays None)."""
+    out = dict(entry)
+    for key in ("outputs", "inputs"):
+        if key in out:
+            out[key] = [None if p is None else convert(p) for p in out[key]]
+    return out
 
 
 def _short_type_error(err: TypeError) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 from autopar.core.errors import AutoparError
 from autopar.core.module_paths import layer_key
+from autopar.core.placements import text, texts
 from autopar.plans.data import PlanData
 from autopar.plans.format import GB, secs, size
 
@@ -223,7 +224,7 @@ def _explain_module(plan: PlanData, name: str, console) -> None:
         for col in ("parameter", *plan.mesh_axes(), "ZeRO"):
             t.add_column(col, justify="left" if col == "parameter" else "right")
         for _, e in params:
-            t.add_row(e["param"], *(e["outputs"][0] or []), str(e.get("zero", plan.zero)))
+            t.add_row(e["param"], *texts(e["outputs"][0] or ()), str(e.get("zero", plan.zero)))
         console.print(t)
     rows = []
     totals = {"flops": 0.0, "compute_s": 0.0, "comm_s": 0.0}
@@ -525,7 +526,7 @@ def _fold(name: str) -> str:
 
 
 def _pl(p: Any) -> str:
-    return "-" if p is None else ",".join(str(x) for x in p)
+    return "-" if p is None else text(p)
 
 
 def _short_op(op: str) -> str:

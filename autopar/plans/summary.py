@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.core.mesh import SHARDING_AXES
-from autopar.plans.data import PlanData
+from autopar.core.placements import replicated, texts
+from autopar.plans.data import PlanData, param_zero_stage
 from autopar.plans.format import GB, secs, size
 from autopar.plans.records import mesh_text, solver_line
 
@@ -57,10 +58,9 @@ def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[
             continue
         n = math.prod(p.shape)
         total += n
-        out = entry["outputs"][0] or ["R"] * len(axes)
-        stage = 3 if out[0] != "R" else int(entry.get("zero", 0) or 0)
-        zero[str(stage)] += n
-        split["+".join(a for a, pl in zip(axes, out, strict=False) if pl != "R") or "none"] += n
+        out = entry["outputs"][0] or replicated(len(axes))
+        zero[str(param_zero_stage(entry))] += n
+        split["+".join(a for a, pl in zip(axes, out, strict=False) if not pl.is_replicate()) or "none"] += n
     return {"param_elements": total, "zero_elements": dict(zero), "split_elements": dict(split)}
 
 
@@ -249,7 +249,7 @@ def _param_table(plan: PlanData) -> Table | None:
     for col in ("parameter", "copies", *plan.mesh_axes()):
         pt.add_column(col, justify="left" if col == "parameter" else "right")
     for (name, placement), count in params.items():
-        pt.add_row(name, str(count), *placement)
+        pt.add_row(name, str(count), *texts(placement))
     return pt
 
 

@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.capture.joint import TensorInfo
-from autopar.codegen.shard import placements
 from autopar.core.errors import CheckpointError
+from autopar.core.placements import Placements, to_dtensor_all
 from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner
 from autopar.runtime.zero import ZeroChunks
 
@@ -120,7 +120,7 @@ class Layout:
 
 def sharded_layout(
     mesh: DeviceMesh,
-    held: list[tuple[TensorInfo, torch.Tensor, tuple[str, ...], int | None]],
+    held: list[tuple[TensorInfo, torch.Tensor, Placements, int | None]],
     zero: ZeroChunks | None,
     model: list[TensorInfo],
 ) -> Layout:
@@ -136,7 +136,7 @@ def sharded_layout(
     for info, local, spec, slot in held:
         w = by_name.get(info.name)
         if w is None:
-            places = placements(spec)
+            places = to_dtensor_all(spec)
             _, offset = compute_local_shape_and_global_offset(tuple(info.shape), mesh, places)
             w = by_name[info.name] = _Weight(info.name, local, tuple(info.shape), places, tuple(offset))
             weights.append(w)

@@ -24,8 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.capture.joint import CapturedGraph, input_tensors
-from autopar.codegen.shard import LocalGraph, placements
+from autopar.codegen.shard import LocalGraph
 from autopar.core.errors import RuntimeMismatchError
+from autopar.core.placements import REPLICATE, SUM, Placements, to_dtensor_all
 from autopar.ops import rng as rng_state
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import Layout, load_layout, save_layout, sharded_layout
@@ -37,13 +38,13 @@ from autopar.runtime.zero import ZeroChunks
 log = logging.getLogger(__name__)
 
 
-def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...]) -> torch.Tensor:
+def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: Placements) -> torch.Tensor:
     """This rank's shard of ``t`` (held whole) for placements ``spec``; whole values are copied."""
     coord = mesh.get_coordinate()
     for i, p in enumerate(spec):
-        if p.startswith("S("):
-            t = t.chunk(mesh.size(i), int(p[2:-1]))[coord[i]]
-        elif p != "R":
+        if p.is_shard():
+            t = t.chunk(mesh.size(i), p.dim)[coord[i]]
+        elif not p.is_replicate():
             raise RuntimeMismatchError(f"a placement of {p} cannot hold a model's weights or inputs")
     return t.detach().clone().contiguous()
 
@@ -59,12 +60,12 @@ def check_input_count(tensors: list[torch.Tensor], specs: list) -> None:
 
 def batch_placement(
     t: torch.Tensor,
-    spec: tuple[str, ...],
+    spec: Placements,
     shape: tuple[int, ...],
     microbatches: int,
     dp_size: int,
     local_batch: bool,
-) -> tuple[str, ...]:
+) -> Placements:
     """The placement ``t`` (a whole batch, or with ``local_batch`` this rank's data-parallel part) is cut by.
 
     The graph holds one micro-batch of the global batch (example input
@@ -72,12 +73,12 @@ def batch_placement(
     for a plan that does not split every input by batch over dp.
     """
     if local_batch:
-        if spec[0] != "S(0)" and dp_size > 1:
+        if not spec[0].is_shard(0) and dp_size > 1:
             raise RuntimeMismatchError(
                 "this plan does not split every input by batch over the data-parallel ranks; "
                 "pass the global batch (local_batch=False)"
             )
-        spec = ("R", *spec[1:])  # the rank's part of the batch is already its data-parallel shard
+        spec = (REPLICATE, *spec[1:])  # the rank's part of the batch is already its data-parallel shard
     expected = shape[0] * microbatches // (dp_size if local_batch else 1) if shape else None
     if t.dim() and t.shape[0] != expected:
         raise RuntimeMismatchError(
@@ -88,14 +89,14 @@ def batch_placement(
 
 
 def full_tensor(
-    local: torch.Tensor, mesh: DeviceMesh, spec: tuple[str, ...], shape: tuple[int, ...]
+    local: torch.Tensor, mesh: DeviceMesh, spec: Placements, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """The whole tensor of which ``local`` is this rank's shard under ``spec`` on ``mesh`` (a collective)."""
-    if all(p == "R" for p in spec):
+    if all(p.is_replicate() for p in spec):
         return local.detach().clone()
     stride = torch.empty(shape, device="meta").stride()
     dt = DTensor.from_local(
-        local.detach(), mesh, placements(spec), run_check=False, shape=torch.Size(shape), stride=stride
+        local.detach(), mesh, to_dtensor_all(spec), run_check=False, shape=torch.Size(shape), stride=stride
     )
     return dt.full_tensor()
 
@@ -246,7 +247,7 @@ class ParallelModule(RankModule):
         self.microbatches = max(int(plan.microbatches), 1)
         self._init_rng(rng, seed, captured.batch_size)
         self._labels = label_chain(captured) if self.microbatches > 1 else None
-        self._dp_partial = [spec[0] == "P" for spec in local.grad_placements]
+        self._dp_partial = [spec[0].is_partial(SUM) for spec in local.grad_placements]
         self._updated = list(local.updated)  # buffers the forward updates in place (BatchNorm's statistics)
         self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
         self._zero = (
@@ -328,7 +329,7 @@ class ParallelModule(RankModule):
 
     # ------------------------------------------------------------------ state
 
-    def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def _full(self, local: torch.Tensor, spec: Placements, shape: tuple[int, ...]) -> torch.Tensor:
         return full_tensor(local, self.mesh, spec, shape)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

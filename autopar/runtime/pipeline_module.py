@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture.joint import CapturedGraph, input_tensors
 from autopar.codegen.shard import LocalGraph
 from autopar.codegen.stage_split import StageGraphs
+from autopar.core.placements import SUM, Placements
 from autopar.cost_models.schedule import schedule_actions
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import Layout, sharded_layout
@@ -113,7 +114,7 @@ class PipelineParallelModule(RankModule):
         self._state_slot = {i: k for k, i in enumerate(self._state)}
         stages = list(local.zero_stages) or [0] * n_params
         self.zero_stages = [stages[i] for i in self._params]
-        self._dp_partial = [local.grad_placements[i][0] == "P" for i in self._params]
+        self._dp_partial = [local.grad_placements[i][0].is_partial(SUM) for i in self._params]
         self._zero = (
             ZeroChunks(self.shards, self.zero_stages, sub.get_group(0), self.dp_rank, self.dp_size)
             if any(self.zero_stages)
@@ -228,7 +229,7 @@ class PipelineParallelModule(RankModule):
 
     # ------------------------------------------------------------------ state
 
-    def _full(self, local: torch.Tensor, spec: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def _full(self, local: torch.Tensor, spec: Placements, shape: tuple[int, ...]) -> torch.Tensor:
         return full_tensor(local, self.stage_mesh, spec, shape)
 
     def _gather_stages(self, mine: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def zero_stages(params: Sequence, chosen: dict[str, dict], plan: Plan) -> dict[s
     for p in params:
         entry = chosen.get(p.placeholder, {})
         stage = int(entry.get("zero", default) or 0)
-        if stage <= 0 or tuple(entry["outputs"][0])[0] != "R":
+        if stage <= 0 or not entry["outputs"][0][0].is_replicate():
             continue
         if stage > 2:
             log.warning(
@@ -128,7 +128,7 @@ class ZeroChunks:
         reduce-scattered, or a gradient the plan already reduced, of which the
         chunk is cut locally.  One reduction at a time: gloo's CPU collectives
         corrupt the heap with several in flight on one group (see
-        :func:`autopar.codegen.shard.schedule_collectives`), and nothing is left
+        :func:`autopar.codegen.collective_order.schedule_collectives`), and nothing is left
         to overlap them with at the end of the step.
         """
         for i, (g, summed) in partial.items():

@@ -19,12 +19,13 @@ import logging
 from typing import Any
 
 from autopar.core.errors import PlanError
+from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.graph_cache import captured_with_stats
 from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import Cluster
 from autopar.plans.plan import Plan
-from autopar.search.sharding.answer import AXES, evaluate
+from autopar.search.sharding.answer import evaluate
 from autopar.search.sharding.derived import with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.mesh import mesh_links
@@ -34,10 +35,6 @@ from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import Solution
 
 log = logging.getLogger(__name__)
-
-
-def _listed(placements) -> list:
-    return [list(p) if p is not None else None for p in placements]
 
 
 def chosen_strategies(sp: ShardingProblem, placements: dict[str, dict[str, Any]], zero: int) -> list[int]:
@@ -57,9 +54,9 @@ def chosen_strategies(sp: ShardingProblem, placements: dict[str, dict[str, Any]]
         stage = int(entry.get("zero", default) or 0) if i in params else 0
         for k, s in enumerate(sp.strategies[i]):
             if (
-                _listed(s.outputs) == entry["outputs"]
-                and _listed(s.inputs) == entry["inputs"]
-                and (i not in params or s.zero == (stage if s.outputs[0][sp.dp_dim or 0] == "R" else 0))
+                list(s.outputs) == entry["outputs"]
+                and list(s.inputs) == entry["inputs"]
+                and (i not in params or s.zero == (stage if s.outputs[0][sp.dp_dim or 0].is_replicate() else 0))
                 and not s.recompute
             ):
                 choice.append(k)
@@ -90,7 +87,7 @@ def estimate_plan(
     mesh = cluster.check_mesh(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
     shape = (mesh.dp, mesh.tp)
     links = mesh_links(cluster, mesh)
-    strategies = enumerate_strategies(captured.gm, shape, AXES)
+    strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
     sp = build_problem(captured, strategies, shape, links, cluster.device_spec, precision, plan.optimizer)
     sp = with_microbatches(sp, max(plan.microbatches, 1))
     choice = chosen_strategies(sp, placements, plan.zero)

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from autopar.api.parallelizer import layout_placements, parallelize
 from autopar.capture.joint import CapturedGraph, capture, model_loss
 from autopar.core.errors import LaunchError
+from autopar.core.placements import Placements
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
 from autopar.hardware.cluster import Cluster
 from autopar.plans.plan import Plan
@@ -166,18 +167,17 @@ def random_placements(
         node = by_name[name]
         out[name] = {
             "op": str(node.target) if node.op == "call_function" else node.op,
-            "outputs": [list(p) if p is not None else None for p in s.outputs],
-            "inputs": [list(p) if p is not None else None for p in s.inputs],
+            "outputs": list(s.outputs),
+            "inputs": list(s.inputs),
         }
         if name in params:
             out[name]["param"] = params[name]
     return out
 
 
-def _made(placements: dict[str, dict], node: str) -> tuple[str, ...] | None:
+def _made(placements: dict[str, dict], node: str) -> Placements | None:
     """The placement ``node``'s (first) output was given."""
-    p = placements[node]["outputs"][0] if node in placements and placements[node]["outputs"] else None
-    return tuple(p) if p is not None else None
+    return placements[node]["outputs"][0] if node in placements and placements[node]["outputs"] else None
 
 
 def plan_with_layout(
@@ -213,7 +213,7 @@ def loss_split_layout(make_plan: Callable[[int], Plan], tries: int = 50) -> Plan
         plan = make_plan(seed)
         nll = next(v for v in plan.placements.values() if v["op"] == "aten.nll_loss_forward.default")
         sizes = [plan.mesh["dp"], plan.mesh.get("tp", 1)]
-        if all(p.startswith("S(") for p, n in zip(nll["inputs"][1], sizes, strict=True) if n > 1):
+        if all(p.is_shard() for p, n in zip(nll["inputs"][1], sizes, strict=True) if n > 1):
             return plan
     raise ValueError(f"none of {tries} random layouts splits the loss's targets")
 

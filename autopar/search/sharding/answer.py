@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
-from autopar.core.mesh import SHARDING_AXES as AXES
+from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import Estimate
@@ -40,7 +40,7 @@ def describe_collectives(
         out.append(
             {
                 "kind": c["kind"],
-                "axis": AXES[c["mesh_dim"]],
+                "axis": SHARDING_AXES[c["mesh_dim"]],
                 "bytes": c["bytes"],
                 "from": c["from"],
                 "to": c["to"],
@@ -127,7 +127,7 @@ def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
     agg: dict[tuple[str, str], dict] = {}
     for r in records:
         d = r["mesh_dim"]
-        key = (r["kind"], AXES[d])
+        key = (r["kind"], SHARDING_AXES[d])
         a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
         a["bytes"] += r["bytes"]
         a["count"] += 1
@@ -150,14 +150,14 @@ def read_placements(
         out[name] = {
             "op": str(node.target) if node.op == "call_function" else node.op,
             "module": node_module(node),
-            "outputs": [list(p) if p is not None else None for p in s.outputs],
-            "inputs": [list(p) if p is not None else None for p in s.inputs],
+            "outputs": list(s.outputs),
+            "inputs": list(s.inputs),
         }
         if s.recompute:
             out[name]["recompute"] = "selective"
         if name in param_of:
             out[name]["param"] = param_of[name]
-            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim] == "R":
+            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim].is_replicate():
                 out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
     _recompute_views(captured, out)
     return out

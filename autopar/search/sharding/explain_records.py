@@ -29,8 +29,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autopar.capture.joint import CapturedGraph, node_module
-from autopar.core.mesh import SHARDING_AXES as AXES
+from autopar.core.mesh import SHARDING_AXES
 from autopar.core.module_paths import layer_key
+from autopar.core.placements import Placements, text
 from autopar.plans.format import secs_brief, size_brief
 
 if TYPE_CHECKING:
@@ -44,11 +45,9 @@ _FORBIDDEN_S = 1e6
 _TIE_RTOL = 1e-6
 
 
-def placement_str(p: Any) -> str:
+def placement_str(p: Placements | None) -> str:
     """One tensor's placement per mesh axis as a short string: ``S(0),R``; ``-`` for a non-tensor."""
-    if p is None:
-        return "-"
-    return ",".join(str(x) for x in p)
+    return "-" if p is None else text(p)
 
 
 def _outputs_str(outputs: Any) -> str:
@@ -82,7 +81,7 @@ def explain_records(
     sp, choice = res.sp, res.solution.choice
     base = {
         "format": RECORDS_FORMAT,
-        "axes": list(AXES),
+        "axes": list(SHARDING_AXES),
         "mesh": {"dp": res.mesh.dp, "tp": res.mesh.tp},
         "source": res.source,
         "status": res.solution.status,
@@ -360,9 +359,9 @@ def _vs_replicated(costs, chosen: int, strategies) -> str:
     rep = [
         s
         for s, x in enumerate(strategies)
-        if all(p is None or all(a == "R" for a in p) for p in (*x.outputs, *x.inputs))
+        if all(p is None or all(a.is_replicate() for a in p) for p in (*x.outputs, *x.inputs))
     ]
-    if not rep or rep[0] == chosen or all(p is None or all(a == "R" for a in p) for p in st.outputs):
+    if not rep or rep[0] == chosen or all(p is None or all(a.is_replicate() for a in p) for p in st.outputs):
         return ""
     r = rep[0]
     if not (math.isfinite(costs[r][0]) and costs[r][1] < _FORBIDDEN_S):

@@ -20,7 +20,7 @@ from typing import Any
 from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.core.heap import long_lived_heap
-from autopar.core.mesh import SHARDING_AXES as AXES
+from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.memory import Precision
@@ -57,7 +57,7 @@ class ShardingResult:
 
 
 def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
-    return [cluster.axis_link(mesh, axis) for axis in AXES]
+    return [cluster.axis_link(mesh, axis) for axis in SHARDING_AXES]
 
 
 @dataclass
@@ -100,7 +100,7 @@ def prepare_mesh(
     shape = (mesh.dp, mesh.tp)
     t = time.perf_counter()
     if strategies is None:
-        strategies = enumerate_strategies(captured.gm, shape, AXES)
+        strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
     timings["strategies_s"] = time.perf_counter() - t
     t = time.perf_counter()
     links = mesh_links(cluster, mesh)
@@ -379,7 +379,7 @@ def zero_filter(sp: ShardingProblem, zero: int) -> Callable[[str, Strategy], boo
     params = {sp.nodes[i]: sp.strategies[i] for i in sp.param_nodes}
 
     def over_dp(s: Strategy) -> bool:
-        return s.outputs[0] is not None and s.outputs[0][dp] != "R"
+        return s.outputs[0] is not None and not s.outputs[0][dp].is_replicate()
 
     shardable = {name for name, options in params.items() if any(over_dp(s) for s in options)}
 

@@ -11,7 +11,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.capture.joint import CapturedGraph
-from autopar.core.placements import shard_dim
 from autopar.search.sharding.instance import ShardingProblem
 
 
@@ -51,9 +50,8 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
             return True
         pieces: dict[int, int] = {}
         for d, p in enumerate(placement):
-            dim = shard_dim(p)
-            if dim is not None:
-                pieces[dim] = pieces.get(dim, 1) * mesh_shape[d]
+            if p.is_shard():
+                pieces[p.dim] = pieces.get(p.dim, 1) * mesh_shape[d]
         for dim, k in pieces.items():
             size = int(val.shape[dim]) if dim < len(val.shape) else 0
             if size and size % batch == 0 and (size % microbatches or (size // microbatches) % k):

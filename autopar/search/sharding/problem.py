@@ -27,7 +27,7 @@ Strategies S_v (:func:`candidate_strategies`)
 Node costs c_v and node memory m_v, live over v's interval [t_v, e_v)
     op v (:func:`compute_row`):
         c_v[s] = (1 + r_s) roofline(F_v / W(s), B_v(s))    r_s = 1: the op runs again in the backward
-        W(s)   = Π n_j over mesh dims j where any placement of s is not "R" (the work is split)
+        W(s)   = Π n_j over mesh dims j where any placement of s is not replicated (the work is split)
         B_v(s) = Σ local bytes of v's inputs and outputs under s (0 for a view)
         m_v[s] = Σ local bytes of v's outputs / k_mb        (0 for a view)
     input v (:func:`input_row`):
@@ -97,6 +97,7 @@ from typing import Any
 import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.core.placements import Placements
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, roofline_time
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
@@ -123,7 +124,7 @@ class Memo:
     and the answer object shared, so repeated layers cost one layer's work.
     """
 
-    shard_factors: dict[tuple[str, ...], int] = field(default_factory=dict)
+    shard_factors: dict[Placements, int] = field(default_factory=dict)
     splits: dict[tuple, int] = field(default_factory=dict)
     variants: dict[tuple[int, int], Strategy] = field(default_factory=dict)  # (id(s), zero or -1: recompute)
     rows: dict[tuple, NodeRow] = field(default_factory=dict)
@@ -160,7 +161,7 @@ class BuildContext:
     opt_traffic: float  # bytes per parameter element one optimizer update reads and writes
     memo: Memo = field(default_factory=Memo)
 
-    def pieces(self, p: tuple[str, ...]) -> int:
+    def pieces(self, p: Placements) -> int:
         """How many pieces placement ``p`` cuts a tensor into on this mesh."""
         f = self.memo.shard_factors.get(p)
         if f is None:
@@ -168,14 +169,14 @@ class BuildContext:
         return f
 
     def split(self, s: Strategy) -> int:
-        """W(s): the number of pieces the work is cut into, the mesh dims where any placement is not "R"."""
+        """W(s): the number of pieces the work is cut into, the mesh dims where any placement is not replicated."""
         key = (s.outputs, s.inputs)
         n = self.memo.splits.get(key)
         if n is None:
             n = self.memo.splits[key] = math.prod(
                 n
                 for d, n in enumerate(self.mesh_shape)
-                if any(p is not None and p[d] != "R" for p in (*s.outputs, *s.inputs))
+                if any(p is not None and not p[d].is_replicate() for p in (*s.outputs, *s.inputs))
             )
         return n
 
@@ -340,7 +341,7 @@ def candidate_strategies(ctx: BuildContext, name: str, ns: NodeStrategies, recom
     """S_v: a node's strategies, a user input's batch-sharded over dp, with the ZeRO and recompute variants."""
     options = list(ns.strategies)
     if name in ctx.inputs and ctx.dp_dim is not None:
-        batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim] == "S(0)"]
+        batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim].is_shard(0)]
         options = batch or options
     if name in ctx.params:
         options = zero_variants(ctx, options)
@@ -356,7 +357,7 @@ def zero_variants(ctx: BuildContext, options: list[Strategy]) -> list[Strategy]:
     out = list(options)
     for z in (1, 2):
         for s in options:
-            if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim] == "R":
+            if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim].is_replicate():
                 v = ctx.memo.variants.get((id(s), z))
                 if v is None:
                     v = ctx.memo.variants[(id(s), z)] = replace(s, zero=z)

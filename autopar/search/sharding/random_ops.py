@@ -30,12 +30,12 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.joint import bind_args
+from autopar.core.placements import REPLICATE, Row, shard
 from autopar.ops import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
 from autopar.search.sharding.node_keys import tensor_inputs
 
 aten = torch.ops.aten
 
-Row = list[str | None]
 # draw(normal, dtype): this rank's part of the op's random numbers, shaped like its (first) output
 Draw = Callable[[bool, torch.dtype], torch.Tensor]
 
@@ -186,12 +186,12 @@ def rule_rows(node: fx.Node) -> list[Row]:
     out = _out_val(node)
     vals = node.meta["val"]
     width = (len(vals) if isinstance(vals, (tuple, list)) else 1) + len(tensor_inputs(node))
-    rows: list[Row] = [["R"] * width]
+    rows: list[Row] = [[REPLICATE] * width]
     if not RANDOM_OPS[node.target].shardable or any(
         tuple(a.meta["val"].shape) != tuple(out.shape) for a in tensor_inputs(node)
     ):
         return rows
-    return rows + [[f"S({d})"] * width for d in range(out.dim())]
+    return rows + [[shard(d)] * width for d in range(out.dim())]
 
 
 def op_numbers(graph: fx.Graph) -> dict[str, int]:

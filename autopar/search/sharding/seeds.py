@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from autopar.core.placements import REPLICATE, Placement, shard
 from autopar.search.sharding.strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
@@ -22,17 +23,17 @@ ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
 VOCAB = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
 
 
-def megatron_tp(name: str, conv1d: bool) -> str:
+def megatron_tp(name: str, conv1d: bool) -> Placement:
     """The tp placement Megatron-LM gives a parameter; Linear weights are (out, in), GPT-2's Conv1D (in, out)."""
     if COLUMN.search(name):
         if name.endswith("bias"):
-            return "S(0)"
-        return "S(1)" if conv1d else "S(0)"
+            return shard(0)
+        return shard(1) if conv1d else shard(0)
     if ROW.search(name):
-        return "S(0)" if conv1d else "S(1)"
+        return shard(0) if conv1d else shard(1)
     if VOCAB.search(name):
-        return "S(0)"
-    return "R"
+        return shard(0)
+    return REPLICATE
 
 
 def has_megatron_names(param_names: list[str]) -> bool:
@@ -47,11 +48,11 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return True
         out = strategy.outputs[0]
         if kind == "dp":
-            return all(p == "R" for p in out) and not strategy.zero  # plain data parallelism: no ZeRO
+            return all(p.is_replicate() for p in out) and not strategy.zero  # plain data parallelism: no ZeRO
         if kind == "zero3":
-            return out[0].startswith("S") and all(p == "R" for p in out[1:])
+            return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
-            return out[0] == "R" and out[1] == megatron_tp(params[node], conv1d)
+            return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
         raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3 or megatron")
 
     return allowed

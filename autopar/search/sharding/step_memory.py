@@ -12,7 +12,7 @@ over the whole step.  The runtime (:mod:`autopar.runtime`) holds more:
   strategies (:func:`parameter_items`), so that the MILP's limit sees them;
 * **a gradient being reduced** — the backward's gradient stays alive until
   its reduction has completed, and the runtime keeps one reduction in flight
-  (:func:`autopar.codegen.shard.schedule_collectives`): until the next
+  (:func:`autopar.codegen.collective_order.schedule_collectives`): until the next
   gradient is made.  ZeRO-1 reduces once, after the step's last micro-batch:
   each chunk then exists beside its whole gradient (:func:`gradient_buffers`);
 * **redistributed values** — every data edge whose two ends' placements
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from autopar.core.placements import shard_dim
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import MemoryEstimate
 from autopar.cost_models.reshard import collectives_between, grad_sync_steps, shard_factor
@@ -132,13 +131,13 @@ def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[in
         if have is None or need is None or tuple(have) == tuple(need):
             continue
         steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
-        makes_partial = any(n.startswith("P") and not h.startswith("P") for h, n in zip(have, need, strict=True))
+        makes_partial = any(n.is_partial() and not h.is_partial() for h, n in zip(have, need, strict=True))
         if steps is None or not (steps or makes_partial):
             continue  # a local slice of a replica is a view: no new memory
         local = nbytes / shard_factor(tuple(need), mesh_shape) / (1 if u in params else sp.microbatches)
         reader = facts.by_name[v]
         twice = any(
-            kind_ == "all_gather" and (shard_dim(have[d]) or 0) != 0 for kind_, d, _ in steps
+            kind_ == "all_gather" and have[d].is_shard() and have[d].dim != 0 for kind_, d, _ in steps
         )  # gathered on dim 0, then concatenated along its own dim
         ready = 0 if facts.by_name[u].op == "placeholder" else facts.order[u] + 1
         stop = _readers_end(reader, facts.order) if is_view(reader) else facts.order[v] + 1  # a view aliases it

@@ -1,8 +1,8 @@
 """Strategies: for every node of the joint graph, its candidate shardings on a device mesh.
 
 The solver picks one strategy per node; this pass only says what is *possible*.
-Everything it returns is plain data (strings and tuples), so the solver, the cost
-models and the plan never see a DTensor object.
+Everything it returns is plain data (autopar's placements in tuples), so the
+solver, the cost models and the plan never see a DTensor object.
 
 Where the rules come from, and why:
 
@@ -20,27 +20,25 @@ Where the rules come from, and why:
   solver can tie them to it instead of choosing freely.
 * **Anything else is replicated**, with one warning per op name, never a crash.
 
-A placement is written per mesh dim as ``"R"`` (replicate), ``"S(d)"`` (shard
-tensor dim ``d``) or ``"P"`` (partial sum; DTensor's masked partial of a
+A placement (:mod:`autopar.core.placements`) is, per mesh dim, R (replicate),
+S(d) (shard tensor dim ``d``) or P (partial sum; DTensor's masked partial of a
 vocab-sharded embedding is a partial sum too).  A partial that reduces by another
-operation is ``"P(avg)"``, ``"P(max)"``...: a mean-reduced loss over a
-batch-sharded input is ``"P(avg)"`` and without it data parallelism would have to
-gather the logits.  Strided shards have no plain form; strategies that need them
-are dropped (the same result stays reachable through the strategies kept, the
-all-"R" one at worst).
+operation is P(avg), P(max)...: a mean-reduced loss over a batch-sharded input
+is P(avg) and without it data parallelism would have to gather the logits.
+Strided shards have no such placement; strategies that need them are dropped
+(the same result stays reachable through the strategies kept, the all-R one at
+worst).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import operator
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,18 +46,27 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import placement_types as dt
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
     _insert_single_dim_replication_strategy,
 )
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from autopar.core.mesh import SHARDING_AXES, fake_mesh
-from autopar.core.placements import Placements, from_dtensor, shard_dim, to_dtensor
+from autopar.core.placements import (
+    AVG,
+    SUM,
+    Placement,
+    Placements,
+    Row,
+    from_dtensor,
+    replicated,
+    to_dtensor_all,
+)
 from autopar.search.sharding import strategy_rules
+from autopar.search.sharding.dtensor_rules import costs_off, decomposition_rows, with_rule
 from autopar.search.sharding.node_keys import (
     NodeKey,
     is_tensor_node,
@@ -68,6 +75,7 @@ from autopar.search.sharding.node_keys import (
     tensor_inputs,
     tensor_meta,
 )
+from autopar.search.sharding.placement_sets import canonical, divides, tensor_placements
 
 log = logging.getLogger(__name__)
 
@@ -107,50 +115,6 @@ class NodeStrategies:
 
 
 
-# ---------------------------------------------------------------------------- placements
-
-
-def divides(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
-    """Whether every sharded tensor dim splits evenly over the mesh dims that shard it.
-
-    Uneven shards are ruled out, not padded: divisibility is a constraint of the plan.
-    """
-    ways: dict[int, int] = {}
-    for p, n in zip(placements, mesh_shape, strict=True):
-        d = shard_dim(p)
-        if d is None:
-            continue
-        if d < 0 or d >= len(shape):
-            return False
-        ways[d] = ways.get(d, 1) * n
-    return all(int(shape[d]) % w == 0 for d, w in ways.items())
-
-
-def _canon(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
-    """A mesh dim of size 1 holds the whole tensor whatever it is called: write it "R".
-
-    This keeps a (64, 1) mesh from listing each strategy several times over.
-    """
-    if all(n > 1 for n in mesh_shape):
-        return placements
-    return tuple("R" if n == 1 else p for p, n in zip(placements, mesh_shape, strict=True))
-
-
-def tensor_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
-    """Every placement of a graph input: R or S(d) per mesh dim, shards dividing evenly.
-
-    No "P": an input holds real values, not pieces of a sum.  Dims of size 1 stay
-    replicated, and mesh dims of size 1 only carry "R".
-    """
-    per_dim: list[list[str]] = []
-    for n in mesh_shape:
-        opts = ["R"]
-        if n > 1:
-            opts += [f"S({d})" for d, size in enumerate(shape) if int(size) > 1 and int(size) % n == 0]
-        per_dim.append(opts)
-    return [p for p in itertools.product(*per_dim) if divides(p, shape, mesh_shape)]
-
-
 # ---------------------------------------------------------------------------- mesh
 
 
@@ -165,47 +129,6 @@ def _names_for(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> 
             else tuple(f"d{i}" for i in range(len(mesh_shape)))
         )
     raise ValueError(f"mesh_dim_names {mesh_dim_names} do not match mesh_shape {mesh_shape}")
-
-
-# ---------------------------------------------------------------------------- speed
-
-
-_quiet = threading.local()
-
-
-@functools.cache
-def _install_cost_gate() -> None:
-    """Let DTensor's rules skip pricing redistributions while this pass runs.
-
-    Every DTensor strategy function prices, for each strategy, the move from each
-    candidate input placement (``generate_redistribute_costs``): about 85% of the
-    time here, for numbers this pass throws away (autopar's own cost models price
-    moves on the real links).  The gate wraps the one function those prices come
-    from and answers 0.0 only on a thread inside :func:`enumerate_strategies`;
-    everyone else (DTensor running for real, other threads) gets the original.
-    """
-    import torch.distributed.tensor._ops.utils as dt_utils
-
-    original = dt_utils.redistribute_cost
-
-    @functools.wraps(original)
-    def gated(*args: Any, **kwargs: Any) -> float:
-        if getattr(_quiet, "on", False):
-            return 0.0
-        return original(*args, **kwargs)
-
-    dt_utils.redistribute_cost = gated
-
-
-@contextlib.contextmanager
-def _costs_off() -> Iterator[None]:
-    _install_cost_gate()
-    before = getattr(_quiet, "on", False)
-    _quiet.on = True
-    try:
-        yield
-    finally:
-        _quiet.on = before
 
 
 # ---------------------------------------------------------------------------- the pass
@@ -228,7 +151,7 @@ def enumerate_strategies(
     t0 = time.perf_counter()
     enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm))
     out: dict[str, NodeStrategies] = {}
-    with _costs_off():
+    with costs_off():
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -244,45 +167,6 @@ def enumerate_strategies(
         enum.hits,
     )
     return out
-
-
-def _with_rule(op: torch._ops.OpOverload, prop: Any) -> torch._ops.OpOverload:
-    """``op``, or its in-place twin when only the twin has a DTensor rule (``copy`` → ``copy_``).
-
-    Functionalization turns a model's in-place ops into their functional forms,
-    for some of which DTensor registers only the in-place op.  Both compute the
-    same values, so the in-place op's placements hold for the functional one.
-    """
-    ruled = (prop.op_single_dim_strategy_funcs, prop.op_strategy_funcs)
-    if any(op in r for r in ruled):
-        return op
-    packet = getattr(torch.ops.aten, f"{op._schema.name.split('::')[-1]}_", None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    return twin if twin is not None and any(twin in r for r in ruled) else op
-
-
-@functools.cache
-def decomposition(op: Any) -> Any:
-    """The decomposition ``op``'s strategies come from, when neither DTensor (for it or its in-place twin) nor
-    autopar has a rule for it; else None.
-
-    Those strategies hold for the decomposition run on DTensors, whose ops see
-    the whole tensor's sizes (``mse_loss_backward``'s ``2 / numel``), not for
-    ``op`` run on each shard as DTensor's dispatch then does: the sharding
-    interpreter runs the decomposition.
-    """
-    from torch._decomp import decomposition_table
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
-
-    if not isinstance(op, torch._ops.OpOverload) or strategy_rules.rule_for(op) is not None:
-        return None
-    prop = DTensor._op_dispatcher.sharding_propagator
-    twin = _with_rule(op, prop)
-    if twin in prop.op_single_dim_strategy_funcs or twin in prop.op_strategy_funcs:
-        return None
-    if not DecompShardingStrategy.has_decomp(op):
-        return None
-    return decomposition_table.get(op, op.decompose)
 
 
 class _Enumerator:
@@ -314,7 +198,7 @@ class _Enumerator:
                 if p is not None:
                     seen.setdefault(p, None)
             if not seen:  # a producer whose output the rules never placed: treat as replicated
-                seen[("R",) * len(self.mesh_shape)] = None
+                seen[replicated(len(self.mesh_shape))] = None
             got = tuple(seen)
             self._cands[node] = got
         return got
@@ -336,7 +220,7 @@ class _Enumerator:
             cands = tuple(itertools.islice(itertools.cycle(cands), pad))
         return OpStrategy(
             [
-                OpSpec(DTensorSpec(self.mesh, tuple(to_dtensor(s) for s in p), tensor_meta=tm))
+                OpSpec(DTensorSpec(self.mesh, to_dtensor_all(p), tensor_meta=tm))
                 for p in cands
             ]
         )
@@ -404,7 +288,7 @@ class _Enumerator:
             return "autopar", self._prune(strats, inputs, in_shapes, out_shapes)
         if not inputs:
             # Factory ops (arange, full, zeros, scalar_tensor...): every rank makes the whole tensor.
-            r = ("R",) * len(self.mesh_shape)
+            r = replicated(len(self.mesh_shape))
             return "autopar", [Strategy(tuple(r if s is not None else None for s in out_shapes), ())]
         if not isinstance(op, torch._ops.OpOverload):
             return "replicated-fallback", []
@@ -454,7 +338,7 @@ class _Enumerator:
         out_shapes: list[tuple[int, ...] | None],
     ) -> list[Strategy]:
         prop = self.prop
-        op = _with_rule(node.target, prop)
+        op = with_rule(node.target, prop)
         schema = self._schema(node, op)
         single = prop.op_single_dim_strategy_funcs.get(op)
         if single is not None:
@@ -463,17 +347,17 @@ class _Enumerator:
             rules = single.func(op, schema.args_meta, schema.kwargs_meta)
             n_out = len(rules[0]) - len(inputs) if rules else len(outs)
             rules = _insert_single_dim_replication_strategy(rules, n_out, len(inputs), out_meta)
-            rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
-            plain: list[list[str | None]] = []
+            rules = _fill_single_dim_strategy_placeholders({dt.Shard(0)}, rules)
+            plain: list[Row] = []
             for r in rules:
                 row = [None if p is None else from_dtensor(p, j >= n_out) for j, p in enumerate(r)]
                 if any(s is None and p is not None for s, p in zip(row, r, strict=True)):
-                    continue  # a strided shard: no plain form
+                    continue  # a strided shard: not a placement autopar has
                 plain.append(row)
             return self._expand_plain(plain, n_out, in_shapes, out_shapes)
         func = prop.op_strategy_funcs.get(op)
         if func is None:
-            found = self._decomp_rules(schema, op, inputs)
+            found = decomposition_rows(self.prop, self.mesh, schema, op, inputs)
             if found is None:
                 return []
             rows, n_out = found
@@ -502,75 +386,6 @@ class _Enumerator:
                 raise TypeError(f"{type(result).__name__} result")
             strats += self._from_op_strategy(result, op, len(inputs), in_shapes, out_shapes)
         return strats
-
-    def _decomp_rules(
-        self, schema: OpSchema, op: torch._ops.OpOverload, inputs: list[fx.Node]
-    ) -> tuple[list[list[str | None]], int] | None:
-        """DTensor's decomposition path: trace the op's decomposition per input placement.
-
-        Its public entry wants one runtime placement per input; we give each input a
-        spec whose placements seed the option set it explores (R, P and every shard).
-        """
-        from torch.distributed.tensor._decompositions import DecompShardingStrategy
-
-        if not DecompShardingStrategy.has_decomp(op):
-            return None
-        decomp = self.prop.decomp_strategy
-        decomp.ensure_schema_info(op)
-        fake = decomp._get_fake_mesh("cpu")
-        metas = [tensor_meta(a.meta["val"]) for a in inputs]
-
-        def spec_of(a: Any) -> Any:
-            if isinstance(a, OpStrategy):
-                return DTensorSpec(
-                    self.mesh,
-                    (Replicate(),) * self.mesh.ndim,
-                    tensor_meta=a.strategies[0].output_spec.tensor_meta,
-                )
-            if isinstance(a, TupleStrategy):
-                return [spec_of(c) for c in a.children]
-            if isinstance(a, list):
-                return [spec_of(c) for c in a]
-            return a
-
-        spec_schema = OpSchema(
-            op,
-            tuple(spec_of(a) for a in schema.args_schema),
-            {k: spec_of(v) for k, v in schema.kwargs_schema.items()},
-            schema_info=self.prop.op_to_schema_info.get(op),
-        )
-        options: list[list[Placement]] = []
-        for m in metas:
-            opts: list[Placement] = [Replicate(), Partial()]
-            opts += [Shard(d) for d in range(len(m.shape)) if m.shape[d] > 1]
-            options.append(opts)
-        # DTensor reads one placement per argument leaf, tensor or not (``floor_divide(x, 2)``): None for the rest
-        leaves = pytree.tree_leaves((spec_schema.args_schema, spec_schema.kwargs_schema))
-        is_spec = [isinstance(leaf, DTensorSpec) for leaf in leaves]
-        if sum(is_spec) != len(metas):
-            return None
-        rows: list[list[str | None]] = []
-        for combo in itertools.product(*options):
-            tensors = iter(combo)
-            per_leaf = tuple(next(tensors) if s else None for s in is_spec)
-            try:
-                res = decomp._propagate_through_decomp(spec_schema, per_leaf, fake)
-            except NotImplementedError:
-                return None
-            except Exception:
-                continue
-            res_t = res if isinstance(res, tuple) else (res,)
-            n_res = len(res_t)
-            row = [
-                from_dtensor(p, j >= n_res) if p is not None else None
-                for j, p in enumerate((*res_t, *combo))
-            ]
-            if any(r is None and p is not None for r, p in zip(row, (*res_t, *combo), strict=True)):
-                continue
-            rows.append(row)
-        if not rows:
-            return None
-        return rows, len(rows[0]) - len(metas)
 
     # -- conversion -----------------------------------------------------------------
 
@@ -626,16 +441,16 @@ class _Enumerator:
                 strats.append(Strategy(tuple(outs), tuple(ins)))
         return strats
 
-    def _plain(self, placements: Iterable[Placement], is_input: bool = False) -> Placements | None:
+    def _plain(self, placements: Iterable[dt.Placement], is_input: bool = False) -> Placements | None:
         out = []
         for p in placements:
             s = from_dtensor(p, is_input)
             if s is None:
                 return None
             out.append(s)
-        return _canon(tuple(out), self.mesh_shape)
+        return canonical(tuple(out), self.mesh_shape)
 
-    def _product(self, rows: list[list[str | None]], n_out: int) -> Iterable[list[Placements | None]]:
+    def _product(self, rows: list[Row], n_out: int) -> Iterable[list[Placements | None]]:
         """Per-mesh-dim rules → full-mesh rows: one rule per mesh dim, every combination."""
         ndim = len(self.mesh_shape)
         for combo in itertools.product(rows, repeat=ndim):
@@ -650,17 +465,17 @@ class _Enumerator:
                     bad = True
                     break
                 else:
-                    kinds = {c for c in col if c.startswith("P")}  # type: ignore[union-attr]
-                    if len(kinds) > 1 and kinds != {"P", "P(avg)"}:
+                    reductions = {c.reduce_op for c in col if c is not None and c.is_partial()}
+                    if len(reductions) > 1 and reductions != {SUM, AVG}:
                         bad = True  # DTensor has no tensor partial by max on one dim and sum on another
                         break
-                    row.append(_canon(col, self.mesh_shape))  # type: ignore[arg-type]
+                    row.append(canonical(col, self.mesh_shape))  # type: ignore[arg-type]
             if not bad:
                 yield row
 
     def _expand_plain(
         self,
-        rules: list[list[str | None]],
+        rules: list[Row],
         n_out: int,
         in_shapes: list[tuple[int, ...]],
         out_shapes: list[tuple[int, ...] | None],
@@ -687,7 +502,7 @@ class _Enumerator:
         one kind, yet none of those inputs' producers can ever hand over that partial
         there and no input is sharded there, so each would be cut into pieces locally
         only for the op's result to be reduced later.  Computing on the whole inputs is never worse, so linear ops
-        (whose DTensor rules list every partial kind) stop spreading "P(avg)" over rotary
+        (whose DTensor rules list every partial kind) stop spreading P(avg) over rotary
         tables and masks.  A partial one input really brings (a row-parallel matmul's
         output) may still pull its partners along: that is the residual add of
         sequence parallelism.
@@ -713,20 +528,20 @@ class _Enumerator:
             kept.setdefault(s, None)
         return list(kept)
 
-    def _partials_offered(self, node: fx.Node) -> set[tuple[int, str]]:
-        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.startswith("P")}
+    def _partials_offered(self, node: fx.Node) -> set[tuple[int, Placement]]:
+        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.is_partial()}
 
     @staticmethod
-    def _invents_partial(s: Strategy, offered: list[set[tuple[int, str]]]) -> bool:
-        wanted: dict[tuple[int, str], bool] = {}
+    def _invents_partial(s: Strategy, offered: list[set[tuple[int, Placement]]]) -> bool:
+        wanted: dict[tuple[int, Placement], bool] = {}
         sharded: set[int] = set()
         for p, have in zip(s.inputs, offered, strict=True):
             if p is None:
                 continue
             for d, q in enumerate(p):
-                if q.startswith("P"):
+                if q.is_partial():
                     wanted[(d, q)] = wanted.get((d, q), False) or (d, q) in have
-                elif q.startswith("S"):
+                elif q.is_shard():
                     sharded.add(d)
         # A contraction over shards (addmm's row-parallel form) makes its own partial;
         # its bias, cut into a partial to be added once, is not an invention.
@@ -746,7 +561,7 @@ class _Enumerator:
         return NodeStrategies(node.name, op_name, [src.name], strats, "follower")
 
     def _replicated(self, node: fx.Node, op_name: str, warn: bool) -> NodeStrategies:
-        r = ("R",) * len(self.mesh_shape)
+        r = replicated(len(self.mesh_shape))
         inputs = tensor_inputs(node)
         outs = tuple(r if isinstance(v, torch.Tensor) else None for v in output_vals(node))
         if warn:

@@ -1,11 +1,11 @@
 """autopar's own sharding rules, for ops DTensor has no (useful) rule for.
 
-A rule takes the fx node and returns *single-mesh-dim* rows in plain form: each
-row lists a placement ("R", "S(d)", "P", or None for a non-tensor slot) for every
+A rule takes the fx node and returns *single-mesh-dim* rows: each row lists a
+placement (R, S(d), P, or None for a non-tensor slot) for every
 output, then for every tensor input in the order :func:`node_keys.tensor_inputs`
 gives them.  :mod:`autopar.search.sharding.strategies` expands the rows across the mesh
 (one row per mesh dim, every combination) and drops those whose shards do not
-divide, exactly as it does for DTensor's single-dim rules.  The all-"R" row must
+divide, exactly as it does for DTensor's single-dim rules.  The all-R row must
 be listed: nothing is added implicitly.
 """
 
@@ -16,15 +16,19 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from autopar.core.placements import PARTIAL as P
+from autopar.core.placements import REPLICATE as R
+from autopar.core.placements import Placement, Row
+from autopar.core.placements import shard as S
 from autopar.ops import batch_norm  # noqa: F401  (registers torch.ops.autopar.batch_norm_*)
 from autopar.search.sharding import random_ops
 
 aten = torch.ops.aten
 
-Row = list[str | None]
+# The rows below spell placements R, S(d), P, as plans print them.
 
 
-def _mask_placement(mask: object, dim: int) -> str:
+def _mask_placement(mask: object, dim: int) -> Placement:
     """Placement of an attention mask when q/k/v are sharded on ``dim``.
 
     A mask broadcast along that dim (size 1 there) stays whole on every rank.
@@ -32,8 +36,8 @@ def _mask_placement(mask: object, dim: int) -> str:
     if isinstance(mask, fx.Node):
         v = mask.meta.get("val")
         if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[dim] != 1:
-            return f"S({dim})"
-    return "R"
+            return S(dim)
+    return R
 
 
 def _masks(node: fx.Node) -> list[object]:
@@ -50,9 +54,9 @@ def sdpa_flash_cpu(node: fx.Node) -> list[Row]:
     split).  Sharding seq would break the causal mask, so it is not offered.
     """
     masks = _masks(node)
-    rows: list[Row] = [["R", "R", "R", "R", "R"] + ["R"] * len(masks)]
+    rows: list[Row] = [[R, R, R, R, R] + [R] * len(masks)]
     for d in (0, 1):
-        s = f"S({d})"
+        s = S(d)
         rows.append([s, s, s, s, s] + [_mask_placement(m, d) for m in masks])
     return rows
 
@@ -60,12 +64,12 @@ def sdpa_flash_cpu(node: fx.Node) -> list[Row]:
 def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
     """``..._for_cpu_backward(grad_out, q, k, v, out, logsumexp, ...) -> (dq, dk, dv)``.
 
-    Same independence as the forward: batch or heads sharded throughout, or all "R".
+    Same independence as the forward: batch or heads sharded throughout, or all R.
     """
     masks = _masks(node)
-    rows: list[Row] = [["R"] * (3 + 6 + len(masks))]
+    rows: list[Row] = [[R] * (3 + 6 + len(masks))]
     for d in (0, 1):
-        s = f"S({d})"
+        s = S(d)
         rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
     return rows
 
@@ -76,11 +80,11 @@ def _positional_mask(node: fx.Node, index: int) -> list[object]:
 
 
 def _batch_or_heads(node: fx.Node, tensors: int, mask_at: int) -> list[Row]:
-    """All "R", or ``tensors`` outputs and inputs sharded on batch (dim 0) or heads (dim 1), then the mask."""
+    """All R, or ``tensors`` outputs and inputs sharded on batch (dim 0) or heads (dim 1), then the mask."""
     masks = _positional_mask(node, mask_at)
-    rows: list[Row] = [["R"] * (tensors + len(masks))]
+    rows: list[Row] = [[R] * (tensors + len(masks))]
     for d in (0, 1):
-        rows.append([f"S({d})"] * tensors + [_mask_placement(m, d) for m in masks])
+        rows.append([S(d)] * tensors + [_mask_placement(m, d) for m in masks])
     return rows
 
 
@@ -106,7 +110,7 @@ def batch_norm_sums(node: fx.Node) -> list[Row]:
     the sums split.
     """
     dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
-    return [["R", "R", "R"], ["S(0)", "S(0)", "S(1)"]] + [["P", "P", f"S({d})"] for d in dims]
+    return [[R, R, R], [S(0), S(0), S(1)]] + [[P, P, S(d)] for d in dims]
 
 
 def _tensors_at(node: fx.Node, *indices: int) -> int:
@@ -122,8 +126,8 @@ def batch_norm_apply(node: fx.Node) -> list[Row]:
     """
     dims = [d for d in range(node.args[0].meta["val"].dim()) if d != 1]
     vectors = 2 + _tensors_at(node, 3, 4)
-    rows: list[Row] = [["R", "R"] + ["R"] * vectors, ["S(1)", "S(1)"] + ["S(0)"] * vectors]
-    return rows + [[f"S({d})", f"S({d})"] + ["R"] * vectors for d in dims]
+    rows: list[Row] = [[R, R] + [R] * vectors, [S(1), S(1)] + [S(0)] * vectors]
+    return rows + [[S(d), S(d)] + [R] * vectors for d in dims]
 
 
 def batch_norm_backward_reduce(node: fx.Node) -> list[Row]:
@@ -132,8 +136,8 @@ def batch_norm_backward_reduce(node: fx.Node) -> list[Row]:
     Partial sums under a split of a non-channel dim of grad and x, split sums under a channel split.
     """
     dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
-    rows: list[Row] = [["R"] * 5, ["S(0)", "S(0)", "S(1)", "S(1)", "S(0)"]]
-    return rows + [["P", "P", f"S({d})", f"S({d})", "R"] for d in dims]
+    rows: list[Row] = [[R] * 5, [S(0), S(0), S(1), S(1), S(0)]]
+    return rows + [[P, P, S(d), S(d), R] for d in dims]
 
 
 def batch_norm_backward_elemt(node: fx.Node) -> list[Row]:
@@ -143,8 +147,8 @@ def batch_norm_backward_elemt(node: fx.Node) -> list[Row]:
     """
     dims = [d for d in range(node.args[1].meta["val"].dim()) if d != 1]
     vectors = 4 + _tensors_at(node, 4)
-    rows: list[Row] = [["R"] * (3 + vectors), ["S(1)", "S(1)", "S(1)"] + ["S(0)"] * vectors]
-    return rows + [[f"S({d})"] * 3 + ["R"] * vectors for d in dims]
+    rows: list[Row] = [[R] * (3 + vectors), [S(1), S(1), S(1)] + [S(0)] * vectors]
+    return rows + [[S(d)] * 3 + [R] * vectors for d in dims]
 
 
 def copy(node: fx.Node) -> list[Row]:
@@ -152,9 +156,9 @@ def copy(node: fx.Node) -> list[Row]:
     into a buffer becomes once functionalized.  Element-wise when the shapes agree; else whole.
     """
     out, src = node.meta["val"], node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
-    rows: list[Row] = [["R", "R", "R"]]
+    rows: list[Row] = [[R, R, R]]
     if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(out.shape):
-        rows += [[f"S({d})"] * 3 for d in range(out.dim())]
+        rows += [[S(d)] * 3 for d in range(out.dim())]
     return rows
 
 
@@ -167,7 +171,7 @@ def fill_tensor(node: fx.Node) -> list[Row]:
     ``fill_.Scalar`` only, and ``fill.Tensor``'s decomposition goes through ``copy``).
     """
     dims = node.args[0].meta["val"].dim()
-    return [["R", "R", "R"]] + [[f"S({d})", f"S({d})", "R"] for d in range(dims)]
+    return [[R, R, R]] + [[S(d), S(d), R] for d in range(dims)]
 
 
 def grouped_mm(node: fx.Node) -> list[Row]:
@@ -181,11 +185,11 @@ def grouped_mm(node: fx.Node) -> list[Row]:
     ``offs`` counts them over the whole input.
     """
     return [
-        ["R", "R", "R", "R"],
-        ["S(1)", "R", "S(2)", "R"],
-        ["P", "S(1)", "S(1)", "R"],
-        ["P", "P", "R", "R"],
-        ["P", "R", "P", "R"],
+        [R, R, R, R],
+        [S(1), R, S(2), R],
+        [P, S(1), S(1), R],
+        [P, P, R, R],
+        [P, R, P, R],
     ]
 
 
@@ -197,10 +201,10 @@ def grouped_mm_backward(node: fx.Node) -> list[Row]:
     ``grad_out`` gives partial gradients (linear in it).
     """
     return [
-        ["R", "R", "R", "R", "R", "R"],
-        ["P", "S(2)", "R", "S(2)", "R", "S(1)"],
-        ["S(1)", "S(1)", "S(1)", "S(1)", "R", "R"],
-        ["P", "P", "R", "R", "R", "P"],
+        [R, R, R, R, R, R],
+        [P, S(2), R, S(2), R, S(1)],
+        [S(1), S(1), S(1), S(1), R, R],
+        [P, P, R, R, R, P],
     ]
 
 
