@@ -157,6 +157,8 @@ def check_against_brute_force(p: StrategyProblem, **kwargs) -> None:
     if not math.isfinite(want):
         assert sol.status == "infeasible", sol
         assert sol.choice == [] and sol.objective == math.inf
+        # a proof of infeasibility ends the search: no neighbourhood search runs after it
+        assert sol.stats.stop_reason == "infeasible" and sol.stats.lns_rounds <= 1, sol.stats
         return
     assert sol.status == "optimal", sol
     assert sol.objective == pytest.approx(want, rel=1e-9, abs=1e-12)

@@ -262,8 +262,8 @@ def improve(
                 improvements += 1
                 forbidden, finite = forbidden - gone, finite - saved
                 objective = math.inf if forbidden else finite
-        if solved and len(free) == core.n and not forbidden:
-            return LnsResult(local, objective, rounds, improvements, True)
+        if solved and len(free) == core.n:  # the whole problem solved: nothing is left to find
+            return LnsResult(local, objective, rounds, improvements, not forbidden)
         # grow while sub-problems are solved well within their limit, shrink when one is slow
         if solved and result.wall_s < 0.1 * SUB_TIME_S:
             size = min(core.n, int(size * 1.2) + 1)

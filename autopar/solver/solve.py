@@ -240,12 +240,12 @@ class _Run:
         result, proved = None, True
         if milp is not None and not skip and self.left() >= MIN_SOLVER_TIME_S:
             best, local, result, proved = self.whole_milp(milp, relax, best, local)
+        if best is None and result is not None and result.status == "INFEASIBLE":
+            reason = f"{self.name} proved that no choice fits the memory limit and avoids the forbidden strategies"
+            return self.infeasible(reason, 10.0)
         if best is None and local is not None:  # it fits, but on a forbidden pair: search off it
             best, local, _, _ = self.improved(None, local, None, "lns")
         if best is None:
-            if result is not None and result.status == "INFEASIBLE":
-                reason = f"{self.name} proved that no choice fits the memory limit and avoids the forbidden strategies"
-                return self.infeasible(reason, 10.0)
             logger.warning("solve: no feasible answer found within %.3g s", self.budget)
             self.stats.used_s, self.stats.stop_reason = time.perf_counter() - self.start, "no answer"
             return Solution([], math.inf, "unknown", None, self.stats.used_s, self.name, self.stats)
