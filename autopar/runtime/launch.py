@@ -1,7 +1,7 @@
 """Local launcher: run a function on every rank of a cluster of local processes.
 
 ``autopar.launch(fn, cluster, *args)`` is torchrun for one machine without a
-command line: it spawns ``cluster.world_size`` processes, gives each torchrun's
+command line: it starts ``cluster.world_size`` processes, gives each torchrun's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), starts the
 process group on the cluster's backend (gloo for ``Cluster.local``), calls
 ``fn(*args)`` and returns what every rank returned, in rank order.
@@ -34,6 +34,27 @@ from autopar.core.errors import LaunchError
 from autopar.hardware.cluster import Cluster
 
 log = logging.getLogger(__name__)
+
+
+PRELOAD = ["autopar"]
+"""Modules the fork server imports once, so that every rank starts with them loaded.
+
+Ranks are forked from a fork server (Python 3.14's default start method on
+Linux) rather than spawned: a spawned rank imports torch and autopar again,
+seconds of CPU each, which on a small machine is most of a short job. The fork
+server only imports: a rank forked from it inherits no thread, CUDA context or
+process group of the caller, which is what makes a plain fork unsafe with torch. Append to this list before the
+first launch to load more (a test suite adds its model zoo).
+"""
+
+
+def _context() -> Any:
+    """The fork server where the platform has one, spawn elsewhere (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _free_port() -> int:
@@ -107,7 +128,7 @@ def launch(
         cluster = Cluster.local(cluster)
     world = cluster.world_size
     backend = cluster.backend or "gloo"
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
     procs = [
