@@ -7,8 +7,8 @@ the full state dict after the last.  Plans: hand-set data-parallel layouts
 random layouts (gradients come out as dp-partial sums, reduce-scattered, and
 some parameters are ZeRO-3 by placement beside ZeRO-1/2 ones), Megatron
 dp x tp, accumulation over micro-batches, and per-parameter stages.  One
-launch of 2 processes and one of 4; the 4-process one also measures the
-peak memory of a step under ZeRO 0, 1, 2 and 3.
+launch of 4 processes, which also measures the peak memory of a step under
+ZeRO 0, 1, 2 and 3.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.memory_tracker import track_memory
 from autopar.runtime.zero import zero_stages
-from autopar.verify.oracle import _compare, _rank_run_all, check_plans, plan_with_layout, single_device_run
+from autopar.verify.oracle import _compare, _rank_run_all, plan_with_layout, single_device_run
 from examples.models import gpt2_tiny
 
 TOL = 1e-5
@@ -72,16 +72,6 @@ def _assert_all_match(cases, checks) -> None:
         assert len(c.losses) == 3 and c.losses[0] != c.losses[2]
 
 
-@pytest.mark.slow
-def test_zero_1_and_2_on_2_processes_train_like_one_device():
-    dp = _plan(2, 2, 1, "dp")
-    random = _plan(2, 2, 1, "random", seed=1000)
-    cases = [(gpt2_tiny, _zero(p, z)) for p in (dp, random) for z in (1, 2)]
-    cases += [(gpt2_tiny, _plan(2, 2, 1, zero=z, microbatches=2)) for z in (1, 2)]  # the plan's own stage
-    assert all(not p.placements and p.microbatches == 2 for _, p in cases[-2:])
-    _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(2)))
-
-
 # ---------------------------------------------------------------- 4 processes: numerics and memory
 
 
@@ -121,7 +111,8 @@ def four_processes():
     ]  # no placements: the dp / zero3 layouts
     megatron = _plan(4, 2, 2, "megatron")
     cases = [(gpt2_tiny, p) for p in accumulate[1:3]]
-    cases += [(gpt2_tiny, _zero(_plan(4, 4, 1, "random", seed=1000), 2))]
+    random = _plan(4, 4, 1, "random", seed=1000)
+    cases += [(gpt2_tiny, _zero(random, z)) for z in (1, 2)]
     cases += [(gpt2_tiny, _zero(megatron, z)) for z in (1, 2)]
     cases += [(gpt2_tiny, _mixed_stages(_plan(4, 2, 2, "random", seed=1001)))]
     cases += [(gpt2_tiny, _searched_under_pressure())]
@@ -137,7 +128,7 @@ def four_processes():
 def test_zero_1_and_2_on_4_processes_train_like_one_device(four_processes):
     cases, checks, _ = four_processes
     _assert_all_match(cases, checks)
-    assert checks[2].collectives.get("reduce_scatter_tensor", 0) > 0  # ZeRO-2 reduce-scattered in the graph
+    assert checks[3].collectives.get("reduce_scatter_tensor", 0) > 0  # ZeRO-2 reduce-scattered in the graph
 
 
 @pytest.mark.slow
