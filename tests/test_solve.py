@@ -380,7 +380,10 @@ def test_ladder(grouped: bool) -> None:
     full = solve_strategies(p, reduce=False)
     assert reduced.status == full.status == "optimal"
     assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
-    assert reduced.stats.memory_rows_after_reduction <= reduced.stats.binding_memory_rows
+    if reduced.stats.memory_free_fits:  # an answer as cheap as the unlimited optimum fits: memory never bound
+        assert reduced.objective == pytest.approx(free.objective, rel=1e-9)
+    else:
+        assert reduced.stats.memory_rows_after_reduction <= reduced.stats.binding_memory_rows
     assert evaluate(p, reduced.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
 
 
@@ -562,7 +565,7 @@ def test_too_large_milp_is_improved_past_the_heuristics(monkeypatch: pytest.Monk
     assert sol.objective < st.greedy_objective
     assert sol.gap is not None and st.lower_bound is not None  # the gap proved, against the bound found
     assert sol.gap == pytest.approx((sol.objective - st.lower_bound) / sol.objective)
-    assert st.stop_reason == ("gap<=1%" if sol.gap <= 0.01 else "time limit") or st.stop_reason == "optimal"
+    assert st.stop_reason == ("gap target" if sol.gap <= 0.01 else "time limit") or st.stop_reason == "optimal"
     if not memory:  # the whole MILP's optimum, within the target gap
         assert exact.status == "optimal" and sol.objective <= exact.objective * (1 + 0.01) + 1e-9
     assert evaluate(p, sol.choice)[0] == pytest.approx(sol.objective)
@@ -582,7 +585,7 @@ def test_time_limit_is_honoured_and_recorded(monkeypatch: pytest.MonkeyPatch) ->
     st = sol.stats
     assert wall <= 3.0 + 1.0
     assert st.budget_s == 3.0 and st.used_s == pytest.approx(sol.solve_time_s)
-    assert st.stop_reason in ("time limit", "gap<=1%")
+    assert st.stop_reason in ("time limit", "gap target")
     if st.stop_reason == "time limit":
         assert st.used_s >= 0.8 * 3.0 and (sol.gap is None or sol.gap > 0.01)
     assert st.lns_rounds > 0 and sol.objective <= st.greedy_objective
@@ -629,3 +632,35 @@ def test_consistent_start_avoids_forbidden_pairs_greedy_order_cannot() -> None:
     local = consistent_start(core, math.inf)
     assert core_score(core, local)[0] == 0
     assert local.tolist() == [1, 1, 0]
+
+
+def test_a_limit_that_binds_only_in_the_worst_case_is_solved_without_it() -> None:
+    # every node live to the end: replicating everything is over the limit, the cheap answer is not
+    p = chain_problem(200, seed=4)
+    free = solve_strategies(p)
+    worst = sum(max(m) for m in p.node_memory)
+    p.memory_limit = 0.5 * (evaluate(p, free.choice)[1] + worst)
+    assert evaluate(p, free.choice)[1] < p.memory_limit < worst
+    sol = solve_strategies(p, time_limit_s=10)
+    assert sol.stats.memory_free_fits and sol.stats.memory_rows_after_reduction is None  # no limited solve ran
+    assert sol.objective == pytest.approx(free.objective, rel=1e-9)
+    assert sol.objective == pytest.approx(solve_strategies(p, reduce=False).objective, rel=1e-9)
+    # a limit below the unlimited answer's peak: the limited solve runs, bounded by the unlimited optimum
+    p.memory_limit = 0.7 * evaluate(p, free.choice)[1]
+    tight = solve_strategies(p, time_limit_s=10)
+    assert not tight.stats.memory_free_fits and tight.stats.memory_free_bound <= tight.objective
+    assert tight.objective == pytest.approx(solve_strategies(p, reduce=False).objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_start_answer_is_never_made_worse(memory: bool) -> None:
+    p = frustrated_chain(5, 60, strategies=4, memory=memory)
+    exact = solve_strategies(p, time_limit_s=5, reduce=False)
+    assert exact.status == "optimal"
+    # no time for anything but the heuristics: the answer is the start's, which the greedy alone misses
+    alone = solve_strategies(p, time_limit_s=0.0)
+    started = solve_strategies(p, time_limit_s=0.0, start=exact.choice)
+    assert alone.objective > exact.objective * (1 + 1e-6)
+    assert started.objective == pytest.approx(exact.objective, rel=1e-9)
+    with pytest.raises(ValueError, match="start has 3 strategies for 60 nodes"):
+        solve_strategies(p, start=[0, 0, 0])

@@ -47,6 +47,20 @@ class Placement:
     dim: int = -1  # the tensor dim a shard splits
     reduce_op: str = SUM  # the reduction a partial awaits
 
+    def __hash__(self) -> int:
+        # the generated hash rebuilds a tuple of the fields on every call; placements key
+        # hot caches (every strategy of every node), so the hash is computed once
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash((self.kind, self.dim, self.reduce_op))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __reduce__(self):
+        # without the cached hash: a string's hash differs from process to process
+        return (Placement, (self.kind, self.dim, self.reduce_op))
+
     def is_replicate(self) -> bool:
         return self.kind == _REPLICATE
 

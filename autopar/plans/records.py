@@ -80,7 +80,7 @@ class SearchRecord:
     backend: str = ""
     source: str = ""
     candidates: int | None = None  # configurations costed (the data-parallel path)
-    meshes_left_out: int = 0  # meshes not reached within the time limit
+    meshes_left_out: int = 0  # meshes not searched: past the time limit, or tp across nodes ruled out
     meshes: list[MeshRecord] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
     pipeline: PipelineRecord | None = None

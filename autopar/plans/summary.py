@@ -261,7 +261,12 @@ def _meshes_table(plan: PlanData) -> Table | None:
     left = plan.solver.meshes_left_out
     mt = Table(
         title="meshes searched",
-        caption=f"{left} more dp x tp mesh(es) left out at the time limit" if left else None,
+        caption=(
+            f"{left} more dp x tp mesh(es) not searched: past the time limit, or a wider tp across nodes "
+            "after a narrower one lost"
+        )
+        if left
+        else None,
     )
     for col in ("mesh", "micro-batches", "status", "found by", "step", "peak memory (GB)", "fits"):
         mt.add_column(col, justify="right")

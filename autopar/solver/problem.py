@@ -46,8 +46,8 @@ class StrategyProblem:
         return nodes, intervals, [*self.node_memory, *(m for _, _, m in extra)]
 
 
-STOP_REASONS = ("optimal", "gap<=1%", "time limit", "infeasible", "no answer")
-"""Why a solve stopped: proven optimal; proven within ``GAP_TARGET`` of its bound; out of
+STOP_REASONS = ("optimal", "gap target", "time limit", "infeasible", "no answer")
+"""Why a solve stopped: proven optimal; proven within its gap target (``GAP_TARGET`` unless the caller set one) of its bound; out of
 time with a larger gap (or none proved); proven that nothing fits; out of time with no answer."""
 
 GAP_TARGET = 0.01
@@ -77,6 +77,10 @@ class SolverStats:
     binding_memory_rows: int | None = None
     memory_rows_after_reduction: int | None = None
     reduce_time_s: float | None = None
+    # step 0: the problem without its memory limit (a lower bound; the answer when it fits)
+    memory_free_bound: float | None = None
+    memory_free_fits: bool | None = None
+    memory_free_time_s: float | None = None
     # the heuristics: greedy, then memory priced into exact eliminations
     greedy_time_s: float | None = None
     greedy_objective: float | None = None  # the best heuristic answer, before the MILP

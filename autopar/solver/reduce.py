@@ -90,7 +90,7 @@ logger = logging.getLogger(__name__)
 # A pair factor counts as separable when its residual is below this fraction of its largest entry.
 _SEPARABLE_RTOL = 1e-12
 # Eliminations whose new factor table would exceed this many entries are not done.
-ELIMINATION_LIMIT = 4096
+ELIMINATION_LIMIT = 16384
 
 
 @dataclass

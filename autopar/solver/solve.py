@@ -74,7 +74,7 @@ The pipeline
    rounded and repaired; its optimum is the bound. The reductions stop at
    ``REDUCE_SHARE`` of the budget, leaving a larger but exact problem.
 5. Anytime improvement: while time is left and the answer is not proven optimal nor
-   within ``GAP_TARGET`` (1%) of the best lower bound (the solver's, the priced one's,
+   within ``GAP_TARGET`` (1%, or the caller's ``target_gap``) of the best lower bound (the solver's, the priced one's,
    or min-sum diffusion's), large neighbourhood search (:mod:`autopar.solver.lns`)
    improves it by exact sub-MILPs over a few variables at a time, the others fixed.
    When greedy and pricing find nothing that fits, the search starts from a choice
@@ -91,6 +91,7 @@ runs the pipeline; each step lives in the module named beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -121,6 +122,9 @@ from autopar.solver.validate import node_label, validate
 from autopar.solver.variables import group_vars, variable_graph
 
 logger = logging.getLogger(__name__)
+
+MEMORY_FREE_SHARE = 0.5
+"""Step 0 (the problem without its memory limit) stops at this share of the budget."""
 
 REDUCE_SHARE = 0.6
 """The reductions stop at this share of the budget; what they leave undone the later steps take on."""
@@ -154,14 +158,19 @@ def solve_strategies(
     memory_form: str = "auto",
     bound: bool = True,
     exact_peak: bool = True,
+    start: list[int] | None = None,
+    target_gap: float = GAP_TARGET,
 ) -> Solution:
     """Choose a strategy per node minimising total cost under the memory limit (see module doc).
+
+    ``start`` is a known answer (a strategy per node, say a hand-set layout's): the
+    search starts from it, so the answer returned costs no more than it when it fits.
 
     ``backend`` forces "highs", "scip" or "cbc"; by default the first available in that order.
     ``reduce=False`` skips the graph reductions and ``memory_form`` ("auto", "direct",
     "cumulative") picks how memory rows are written: both exist to test that the
     alternatives agree. The time limit covers the whole call. The call is anytime: until
-    the answer is proven optimal or within ``GAP_TARGET`` of a lower bound, the time left
+    the answer is proven optimal or within ``target_gap`` of a lower bound, the time left
     goes to improving it (the MILP, then large neighbourhood search); when time runs out
     the best answer found comes back as "feasible". ``stats.stop_reason`` says which
     happened, ``stats.used_s`` how much of ``stats.budget_s`` it took.
@@ -177,7 +186,14 @@ def solve_strategies(
         raise ValueError(f"time_limit_s {time_limit_s} must be a non-negative number of seconds")
     if memory_form not in ("auto", "direct", "cumulative"):
         raise ValueError(f"memory_form {memory_form!r} is not one of auto, direct, cumulative")
-    return _Run(problem, time_limit_s, backend, reduce, memory_form, bound, exact_peak).run()
+    if start is not None and len(start) != len(problem.node_costs):
+        raise ValueError(f"start has {len(start)} strategies for {len(problem.node_costs)} nodes")
+    if not 0.0 <= target_gap < 1.0:
+        raise ValueError(f"target_gap {target_gap} must be in [0, 1)")
+    run = _Run(problem, time_limit_s, backend, reduce, memory_form, bound, exact_peak)
+    run.target_gap = target_gap
+    run.starts = [list(start)] if start is not None else []
+    return run.run()
 
 
 class _Run:
@@ -207,6 +223,8 @@ class _Run:
         self.rows = memory_rows(intervals, all_segments=not reduce) if self.limit is not None else None
         self.item_var = self.var_of_node[item_node]
         self.item_mem = [np.asarray(m, dtype=float) for m in item_memory]
+        self.starts: list[list[int]] = []  # known answers to start from (a strategy per node)
+        self.target_gap = GAP_TARGET
         self.stats = SolverStats(
             nodes=len(problem.node_costs),
             edges=len(problem.edges),
@@ -226,6 +244,10 @@ class _Run:
 
     def run(self) -> Solution:
         """The pipeline of the module doc, one step a method."""
+        if self.limit is not None and self.reduce and self.budget > 0:
+            free = self.memory_free()
+            if free is not None:
+                return free
         infeasible = self.reduced()
         if infeasible is not None:
             return infeasible
@@ -237,6 +259,7 @@ class _Run:
             return self.answer(best, "optimal", 0.0, "reduction", "optimal")
         milp, relax, skip = self.planned_milp()
         best, local = self.heuristics(skip)
+        best, local = self.from_starts(best, local)
         result, proved = None, True
         if milp is not None and not skip and self.left() >= MIN_SOLVER_TIME_S:
             best, local, result, proved = self.whole_milp(milp, relax, best, local)
@@ -256,14 +279,51 @@ class _Run:
             logger.warning("solve: %s reports infeasible but the greedy answer fits; returning it", self.name)
         used = self.name if result is not None else "greedy"
         lower = self.lower_bound(result, best)
-        if _gap(best[1], lower) is None or _gap(best[1], lower) > GAP_TARGET:
+        if _gap(best[1], lower) is None or _gap(best[1], lower) > self.target_gap:
             best, local, optimal, used = self.improved(best, local, lower, used)
             if optimal:
                 self.stats.lower_bound = best[1]
                 return self.answer(best, "optimal", 0.0, used, "optimal")
         gap = _gap(best[1], lower)
-        stop = "gap<=1%" if gap is not None and gap <= GAP_TARGET else "time limit"
+        stop = "gap target" if gap is not None and gap <= self.target_gap else "time limit"
         return self.answer(best, "feasible", gap, used, stop)
+
+    def memory_free(self) -> Solution | None:
+        """Step 0: the answer without the memory limit when it fits and its gap is small; else None.
+
+        Its lower bound is kept (``stats.memory_free_bound``) for the gap of the limited problem.
+        """
+        free_start = time.perf_counter()
+        free_problem = dataclasses.replace(self.problem, memory_limit=None)
+        run = _Run(free_problem, MEMORY_FREE_SHARE * self.budget, self.name, True, self.memory_form, True, False)
+        run.target_gap = self.target_gap
+        sol = run.run()
+        st = self.stats
+        st.memory_free_time_s = time.perf_counter() - free_start
+        st.memory_free_bound = sol.stats.lower_bound
+        if not sol.choice:
+            return None
+        peak = peak_memory_of(self.problem, sol.choice)
+        st.memory_free_fits = peak <= self.limit + self.tol
+        if not st.memory_free_fits:
+            return None
+        if sol.gap is None or sol.gap > self.target_gap:
+            self.starts.append(sol.choice)  # it fits: the limited search starts from it
+            return None
+        free_stats = sol.stats
+        st.nodes_after_reduction = free_stats.nodes_after_reduction
+        st.factors_after_reduction = free_stats.factors_after_reduction
+        st.strategies_after_reduction = free_stats.strategies_after_reduction
+        st.reduce_time_s, st.greedy_objective = free_stats.reduce_time_s, free_stats.greedy_objective
+        st.lns_rounds, st.lns_time_s = free_stats.lns_rounds, free_stats.lns_time_s
+        st.lower_bound, st.peak_memory = sol.stats.lower_bound, peak
+        st.used_s = time.perf_counter() - self.start
+        st.stop_reason = "optimal" if sol.status == "optimal" else "gap target"
+        logger.info(
+            "solve: %d nodes, the answer without the memory limit fits: %s objective %.6g (gap %.2e) in %.2f s of %.3g",
+            st.nodes, sol.status, sol.objective, sol.gap, st.used_s, self.budget,
+        )
+        return Solution(sol.choice, sol.objective, sol.status, sol.gap, st.used_s, sol.backend, st)
 
     def reduced(self) -> Solution | None:
         """Step 2, the exact reductions (the core is ``self.core``); a Solution when nothing fits."""
@@ -387,6 +447,24 @@ class _Run:
             best = self.finish(local) if local is not None else None
         return best, local
 
+    def from_starts(self, best: Best | None, local: np.ndarray | None) -> tuple[Best | None, np.ndarray | None]:
+        """The best of ``best`` and the known answers (``self.starts``), each read into the core.
+
+        A strategy the reductions dropped as dominated is replaced by the greedy repair's
+        choice, which then improves the whole answer; the result is checked on the problem.
+        """
+        for choice in self.starts:
+            var_choice = np.asarray(choice, dtype=np.int64)[[m[0] for m in self.members]]
+            start = np.zeros(self.core.n, dtype=np.int64)
+            for i, k in enumerate(self.core.var_ids.tolist()):
+                at = np.nonzero(self.core.keep[i] == var_choice[k])[0]
+                start[i] = at[0] if len(at) else 0
+            found_local = Greedy(self.core, self.tol).run(self.deadline, start=start)
+            found = self.finish(found_local) if found_local is not None else None
+            if found is not None and (best is None or found[1] < best[1]):
+                best, local = found, found_local
+        return best, local
+
     def whole_milp(
         self, milp: Milp, relax: bool, best: Best | None, local: np.ndarray | None
     ) -> tuple[Best | None, np.ndarray | None, SolverResult, bool]:
@@ -423,7 +501,8 @@ class _Run:
         a bound, or when the search needs one to know when to stop.
         """
         st = self.stats
-        bounds = [b for b in (result.bound if result is not None else None, st.priced_bound) if b is not None]
+        candidates = (result.bound if result is not None else None, st.priced_bound, st.memory_free_bound)
+        bounds = [b for b in candidates if b is not None]
         if not bounds and (self.bound or self.left() > MIN_SOLVER_TIME_S):
             bound_start = time.perf_counter()
             st.diffusion_bound = diffusion_bound(self.core, bound_start + 0.1 * max(self.left(), 0.0))
@@ -456,7 +535,7 @@ class _Run:
             self.tol,
             self.limit if self.limit else 1.0,
             lower,
-            GAP_TARGET * 0.999,
+            self.target_gap * 0.999,
         )
         st.lns_rounds += found.rounds
         st.lns_improvements += found.improvements

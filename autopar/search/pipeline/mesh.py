@@ -54,6 +54,7 @@ from autopar.search.sharding.answer import evaluate
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.mesh import (
+    SEED_GAP,
     MeshProblem,
     ShardingResult,
     both,
@@ -63,7 +64,7 @@ from autopar.search.sharding.mesh import (
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.seeds import seed_filter, seeds_for
-from autopar.solver import solve_strategies
+from autopar.solver import GAP_TARGET, solve_strategies
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,8 @@ def solve_pipeline(
     milp: bool = True,
     layouts: tuple[str, ...] | None = None,
     even_cuts: bool = False,
+    start: list[int] | None = None,
+    target_gap: float = GAP_TARGET,
 ) -> PipelineResult | None:
     """The fastest pipeline on ``pm``'s mesh that fits, or None.
 
@@ -201,6 +204,8 @@ def solve_pipeline(
     number of layers per stage instead (the first stage also holds what comes
     before the layers, the last what comes after), as Megatron-LM does: with
     ``milp=False, layouts=("megatron",)`` that costs a hand-set configuration.
+    ``start``: a known answer to the stage problem (a seed layout's) the MILP starts from;
+    ``target_gap``: each solve stops once proven this close to its bound.
     """
     t0 = time.perf_counter()
     candidates = layout_candidates(pm, zero, milp, layouts)
@@ -216,7 +221,8 @@ def solve_pipeline(
         """(source, solution, micro-batch counts it divides at) of each candidate."""
         for source, allowed in candidates:
             problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
-            solution = solve_strategies(problem, time_limit_s=per, bound=False)
+            known = start if source == "milp" else None
+            solution = solve_strategies(problem, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
             counts = _splittable(pm, sp, solution.choice) if solution.choice else []
             if solution.choice:
                 yield source, solution, counts
@@ -224,7 +230,8 @@ def solve_pipeline(
                 # placements that split a batch dim finer than a micro-batch holds: solve again without
                 # them (they divide at every count, since every count divides the most micro-batches)
                 narrow = divides if allowed is None else both(sp, allowed, divides)
-                solution = solve_strategies(restrict(sp.problem, sp, narrow), time_limit_s=per, bound=False)
+                narrowed = restrict(sp.problem, sp, narrow)
+                solution = solve_strategies(narrowed, time_limit_s=per, bound=False, target_gap=target_gap)
                 if solution.choice:
                     yield source, solution, _splittable(pm, sp, solution.choice)
 
@@ -353,7 +360,7 @@ def search_pipelines(
             # a share of what is left that lets a large mesh's solve find an answer: the limit ends
             # the round long before every mesh of a large cluster is costed
             left = max(seeds_end - time.perf_counter(), 0.0) / min(max(len(meshes) - k, 1), SHARE_OF)
-            res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False)
+            res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False, target_gap=SEED_GAP)
             seeded.append((pm, res))
             if preview is not None:
                 preview.costed(mesh, res.estimate.step_time_s if res is not None else None)
@@ -375,7 +382,8 @@ def search_pipelines(
             log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
             break
         pm, old = seeded[i]
-        res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=())
+        known = old.sharding.solution.choice if old is not None else None
+        res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=(), start=known)
         if res is not None and step(res) < step(old) * (1 - 1e-9):
             seeded[i] = (pm, res)
     return [r for _, r in seeded if r is not None]

@@ -33,9 +33,21 @@ from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
-from autopar.solver import MEMORY_RTOL, Solution, SolverStats, StrategyProblem, lower_bound, solve_strategies
+from autopar.solver import (
+    GAP_TARGET,
+    MEMORY_RTOL,
+    Solution,
+    SolverStats,
+    StrategyProblem,
+    lower_bound,
+    solve_strategies,
+)
 
 log = logging.getLogger(__name__)
+
+SEED_GAP = 0.05
+"""A seed layout solved before the unrestricted search is its starting point, not its answer:
+it is solved to this gap, and the unrestricted search (to ``GAP_TARGET``) improves on it."""
 
 
 
@@ -133,8 +145,13 @@ def solve_prepared(
     least_peak: bool = True,
     unfit: frozenset[int] = frozenset(),
     microbatches: int | None = None,
+    start: list[int] | None = None,
+    target_gap: float = GAP_TARGET,
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
+
+    ``start``: a known answer to ``mp`` (a strategy per node, for instance a seed layout's)
+    every solve starts from. ``target_gap``: each solve stops once proven this close to its bound.
 
     Gradient accumulation only to fit: the fewest micro-batches that fit the memory
     limit, or ``microbatches`` when given (it must divide the local batch).
@@ -147,7 +164,7 @@ def solve_prepared(
     """
     counts = _microbatch_counts(mp, microbatches)
     restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
-    run = _Solves(mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak)
+    run = _Solves(mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap)
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
     proven = set(unfit)  # counts that cannot fit
@@ -201,6 +218,8 @@ class _Solves:
     deadline: float
     bound: bool
     exact_peak: bool
+    start: list[int] | None = None  # a known answer every solve starts from
+    target_gap: float = GAP_TARGET
     solve_s: float = 0.0  # seconds spent solving so far
 
     @property
@@ -219,9 +238,18 @@ class _Solves:
         """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
 
         def again(p: StrategyProblem) -> Solution:
-            return solve_strategies(p, time_limit_s=self.left(), bound=False)
+            return solve_strategies(
+                p, time_limit_s=self.left(), bound=False, start=self.start, target_gap=self.target_gap
+            )
 
-        raw = solve_strategies(problem, time_limit_s=self.left(), bound=bound_work, exact_peak=self.exact_peak)
+        raw = solve_strategies(
+            problem,
+            time_limit_s=self.left(),
+            bound=bound_work,
+            exact_peak=self.exact_peak,
+            start=self.start,
+            target_gap=self.target_gap,
+        )
         return raw, _fit_exactly(sp, problem, raw, self.shape, self.mp.memory_limit, again)
 
     def solve_count(self, k: int) -> tuple[ShardingProblem, StrategyProblem, Solution, Solution, bool]:
@@ -483,7 +511,8 @@ def search_meshes(
 
     Tensor-parallel sizes that cross a node are tried too, after those inside a
     node (:func:`flat_tp_sizes`): the link model makes them expensive, not
-    forbidden. Past ``deadline`` (a ``time.perf_counter()`` instant) the meshes
+    forbidden; once one of them fits and is slower than the best mesh, the wider ones
+    are left out (:func:`_lost_across_nodes`), unless ``tp`` is fixed. Past ``deadline`` (a ``time.perf_counter()`` instant) the meshes
     not yet solved are left out once one fits (``require_one=False``: all may
     be). ``milp=False`` solves only the seed layouts where a mesh has some, on the
     meshes inside a node. Returns (best or None, all results);
@@ -498,12 +527,15 @@ def search_meshes(
     sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
     if not milp:  # the baselines keep tensor parallelism inside a node
         sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
-    results = []
+    results: list[ShardingResult] = []
     per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
     for k, t in enumerate(sizes):
         late = deadline is not None and time.perf_counter() > deadline
         if late and (not require_one or any(r.estimate.fits for r in results)):
             log.info("meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
+            break
+        if cluster.gpus_per_node % t and tp is None and _lost_across_nodes(results, cluster):
+            log.info("meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
             break
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
@@ -526,13 +558,28 @@ def search_meshes(
     return best, results
 
 
+def _lost_across_nodes(results: list[ShardingResult], cluster: Cluster) -> bool:
+    """Whether the last mesh solved had tp across nodes, fitted, and was slower than the best that fits.
+
+    A wider tp across nodes sends more of every layer's traffic over the slow links and
+    holds less memory, so once a narrower one fits and loses, the wider ones are left out.
+    """
+    if not results or cluster.gpus_per_node % results[-1].mesh.tp == 0:
+        return False
+    last = results[-1]
+    fitting = [r.estimate.step_time_s for r in results if r.solution.choice and r.estimate.fits]
+    return bool(last.solution.choice and last.estimate.fits and last.estimate.step_time_s > min(fitting))
+
+
 def _best_on_mesh(
     mp: MeshProblem, time_limit_s: float, zero: int | None, milp: bool, microbatches: int | None
 ) -> ShardingResult:
     """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
 
-    Seeds guard the MILP's time limit, and the estimate's overlap of gradient
-    synchronisation with the backward, which the MILP's linear objective does not see.
+    The seed layouts are solved first, and the best one's answer is where the
+    unrestricted search starts: it can only improve on it. Seeds also guard the
+    estimate's overlap of gradient synchronisation with the backward, which the MILP's
+    linear objective does not see, so the final choice is by the estimate.
     """
     captured = mp.captured
     params = {p.placeholder: p.name for p in captured.params}
@@ -540,26 +587,34 @@ def _best_on_mesh(
     fixed = zero_filter(mp.sp, zero) if zero is not None else None
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
-    plain = res = solve(time_limit_s, allowed=fixed) if milp else None
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
-    if plain is None and not kinds:  # no seed layout on this mesh: the MILP it is
-        plain = res = solve(time_limit_s, allowed=fixed)
+    began = time.perf_counter()
+    seeded_best: ShardingResult | None = None
     for kind in kinds:
         seed = seed_filter(kind, params, conv1d)
-        seeded = solve(
-            time_limit_s / 2,
-            allowed=seed if fixed is None else both(mp.sp, seed, fixed),
-            least_peak=False,
-            unfit=plain.unfit if plain is not None else frozenset(),
-        )
-        if res is None or (
-            seeded.estimate.fits and seeded.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
+        share = time_limit_s / (2 * len(kinds)) if milp else time_limit_s / len(kinds)
+        allowed = seed if fixed is None else both(mp.sp, seed, fixed)
+        seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
+        seeded.source = kind
+        if seeded.solution.choice and seeded.estimate.fits and (
+            seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
         ):
-            if plain is not None:
-                log.info("mesh %s: the %s layout beats the MILP's answer", mp.mesh, kind)
-            seeded.source, seeded.milp = kind, plain
-            res = seeded
-    assert res is not None
+            seeded_best = seeded
+    plain = None
+    if milp or not kinds:  # no seed layout on this mesh: the MILP it is
+        start = seeded_best.solution.choice if seeded_best is not None else None
+        left = time_limit_s - (time.perf_counter() - began)
+        plain = solve(max(left, 0.5 * time_limit_s), allowed=fixed, start=start)
+    res = plain
+    if seeded_best is not None and (
+        res is None or seeded_best.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)
+    ):
+        if plain is not None:
+            log.info("mesh %s: the %s layout beats the MILP's answer", mp.mesh, seeded_best.source)
+        seeded_best.milp = plain
+        res = seeded_best
+    if res is None:  # seeds only, and none fits: report the last one
+        res = seeded
     if plain is not None and res is not plain:
         _against_bound(res, plain.solution.stats.lower_bound, plain.microbatches == res.microbatches)
     res.timings = dict(mp.timings)

@@ -6,12 +6,17 @@ the batch, where a sharded dim that scales with the batch must still split evenl
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.capture.joint import CapturedGraph
 from autopar.search.sharding.instance import ShardingProblem
+
+_SHAPES: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[list, list]]] = weakref.WeakKeyDictionary()
+"""Per graph, each node's output and tensor-argument shapes, read once for every filter made on it."""
 
 
 def microbatch_divides(
@@ -40,34 +45,50 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
 
     A strategy allowed at ``m`` micro-batches is allowed at every count that divides
     ``m`` (each batch-scaled dim is then a multiple of its size at ``m``), so one
-    filter at the most micro-batches serves every count the search costs.
+    filter at the most micro-batches serves every count the search costs. A node's
+    shapes are read once and each (shape, placement) pair is tested once: the filter
+    is asked about every strategy of every node.
     """
     batch = captured.batch_size
     by_name = {n.name: n for n in captured.gm.graph.nodes}
+    shapes = _SHAPES.setdefault(captured.gm, {})
+    tested: dict[tuple, bool] = {}
 
-    def fits(val, placement) -> bool:
-        if placement is None or not hasattr(val, "shape"):
+    def fits(shape, placement) -> bool:
+        if placement is None or shape is None:
             return True
-        pieces: dict[int, int] = {}
-        for d, p in enumerate(placement):
-            if p.is_shard():
-                pieces[p.dim] = pieces.get(p.dim, 1) * mesh_shape[d]
-        for dim, k in pieces.items():
-            size = int(val.shape[dim]) if dim < len(val.shape) else 0
-            if size and size % batch == 0 and (size % microbatches or (size // microbatches) % k):
-                return False
-        return True
+        key = (shape, placement)
+        if key not in tested:
+            pieces: dict[int, int] = {}
+            for d, p in enumerate(placement):
+                if p.is_shard():
+                    pieces[p.dim] = pieces.get(p.dim, 1) * mesh_shape[d]
+            ok = True
+            for dim, k in pieces.items():
+                size = int(shape[dim]) if dim < len(shape) else 0
+                if size and size % batch == 0 and (size % microbatches or (size // microbatches) % k):
+                    ok = False
+            tested[key] = ok
+        return tested[key]
+
+    def node_shapes(node: fx.Node) -> tuple[list, list]:
+        """The shapes of ``node``'s outputs (None: not a tensor) and of its tensor arguments, in order."""
+        if node.name not in shapes:
+            vals = node.meta.get("val")
+            outs = vals if isinstance(vals, (list, tuple)) else [vals]
+            out_shapes = [tuple(v.shape) if hasattr(v, "shape") else None for v in outs]
+            leaves = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
+            args = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+            shapes[node.name] = (out_shapes, [tuple(a.meta["val"].shape) for a in args])
+        return shapes[node.name]
 
     def allowed(name: str, s) -> bool:
         node = by_name.get(name)
         if node is None or microbatches == 1:
             return True
-        vals = node.meta.get("val")
-        outs = vals if isinstance(vals, (list, tuple)) else [vals]
+        outs, args = node_shapes(node)
         if not all(fits(v, p) for v, p in zip(outs, s.outputs, strict=False)):
             return False
-        leaves = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
-        args = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        return all(fits(a.meta["val"], p) for a, p in zip(args, s.inputs, strict=False))
+        return all(fits(a, p) for a, p in zip(args, s.inputs, strict=False))
 
     return allowed
