@@ -41,7 +41,7 @@ from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.cuts import CutChoice, best_cuts
-from autopar.search.pipeline.preview import Preview
+from autopar.search.pipeline.preview import HOPELESS, Preview
 from autopar.search.pipeline.segments import (
     even_layer_cuts,
     microbatch_counts,
@@ -231,7 +231,9 @@ def solve_pipeline(
                 # them (they divide at every count, since every count divides the most micro-batches)
                 narrow = divides if allowed is None else both(sp, allowed, divides)
                 narrowed = restrict(sp.problem, sp, narrow)
-                solution = solve_strategies(narrowed, time_limit_s=per, bound=False, target_gap=target_gap)
+                solution = solve_strategies(
+                    narrowed, time_limit_s=per, bound=False, start=known, target_gap=target_gap
+                )
                 if solution.choice:
                     yield source, solution, _splittable(pm, sp, solution.choice)
 
@@ -304,6 +306,8 @@ def solve_pipeline_mesh(
 
 # The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.
 MILP_MESHES = 2
+# A MILP round on a mesh takes at most this many times what costing a mesh with its seed layouts took.
+MILP_ROUND_OF = 1
 # The share of the time limit for costing meshes with the seed layouts; the MILP rounds get the rest.
 SEED_ROUND = 0.75
 # Each mesh of the seed round may take up to 1/SHARE_OF of the round's time left.
@@ -331,7 +335,8 @@ def search_pipelines(
     solves, quick), most promising first, until SEED_ROUND of the time limit is
     spent (the rest are left out, and the log says how many): in the order given,
     or, with a ``preview``, in the order of its previewed step times, which every
-    costed mesh refines for the meshes of its tp. The MILP then runs on the
+    costed mesh refines for the meshes of its tp; the round stops at the first mesh the
+    preview finds hopeless (:meth:`Preview.hopeless`). The MILP then runs on the
     ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
     improve them, as long as the time left is at least what costing a mesh took.
     """
@@ -343,6 +348,12 @@ def search_pipelines(
     for k in range(len(meshes)):
         if k and time.perf_counter() > seeds_end:
             log.info("pipelines: time limit reached after %d of %d meshes", k, len(meshes))
+            break
+        if preview is not None and preview.hopeless(todo[0]):
+            log.info(
+                "pipelines: %d of %d meshes left out, previewed more than %.0f%% slower than the best plan",
+                len(todo), len(meshes), 100 * HOPELESS,
+            )
             break
         mesh = todo.pop(0)
         pm = prepare_pipeline_mesh(
@@ -378,6 +389,7 @@ def search_pipelines(
     per_mesh = (time.perf_counter() - start) / max(costed, 1)  # what costing one mesh took
     for n, i in enumerate(top):
         left = max(start + time_limit_s - time.perf_counter(), 0.0) / (len(top) - n)
+        left = min(left, MILP_ROUND_OF * per_mesh)  # it starts from the seeded answer: a polish, not a search
         if left < per_mesh:  # a MILP round takes at least as long as a seed costing: no time for it
             log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
             break
