@@ -125,7 +125,8 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autopar.codegen.shard import LocalGraph, _redistribute
+    from autopar.codegen.redistribute import to_planned
+    from autopar.codegen.shard import LocalGraph
 
     local = list(shape)
     for p, n in zip(src, mesh.shape, strict=True):
@@ -137,7 +138,7 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
         t = DTensor.from_local(
             x, mesh, to_dtensor_all(src), run_check=False, shape=torch.Size(shape), stride=stride
         )
-        return _redistribute(t, dst).to_local()
+        return to_planned(t, dst).to_local()
 
     gm = make_fx(move, tracing_mode="fake")(torch.empty(local))
     return [(r["kind"], r["axis"], r["bytes"]) for r in LocalGraph(gm, [], []).collective_records(mesh)]

@@ -24,7 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar.capture.joint import capture
-from autopar.codegen.shard import flat_chunk_numel, shard_graph
+from autopar.codegen.shard import shard_graph
+from autopar.codegen.zero_grads import flat_chunk_numel
 from autopar.core.placements import REPLICATE as R
 from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch

@@ -59,5 +59,6 @@ def test_search_walks_through_zero_stages_to_an_infeasibility_message(tiny):
         autopar.plan(model, batch, cluster, precision="fp32", memory_limit=need * 0.05)
     msg = str(err.value)
     assert "the smallest memory that would fit is" in msg and "\n" not in msg
-    smallest = float(msg.split("would fit is ")[1].split(" MB")[0]) * 1e6
+    number, unit = msg.split("would fit is ")[1].split(":")[0].split()
+    smallest = float(number) * {"KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
     assert need * 0.05 < smallest < need * 0.4  # what the 0.4 plan fitted in, at most

@@ -29,7 +29,7 @@ from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.data import param_zero_stage
-from autopar.plans.format import GB
+from autopar.plans.format import size_brief
 from autopar.plans.plan import Plan
 from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
@@ -242,7 +242,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         raise none_fits
     if flat is None:
         raise PlanError(
-            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.given().items())} fits {_size(limit)} per device: "
+            f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.given().items())} fits {size_brief(limit)} per device: "
             "raise memory_limit, use more devices, or lower the batch"
         )
     return flat
@@ -292,8 +292,8 @@ def _pipelined(
     warnings = []
     if not est.fits:
         msg = (
-            f"no pipeline fits {_size(est.memory_limit)} per device; the fastest needs "
-            f"{_size(est.memory.peak)}, over the limit by {_size(est.memory.peak - est.memory_limit)}"
+            f"no pipeline fits {size_brief(est.memory_limit)} per device; the fastest needs "
+            f"{size_brief(est.memory.peak)}, over the limit by {size_brief(est.memory.peak - est.memory_limit)}"
         )
         log.warning(msg)
         warnings.append(msg)
@@ -373,8 +373,8 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     )
     if not what:
         raise PlanError(
-            f"no plan fits {_size(limit)} per device; the smallest memory that would fit is "
-            f"{_size(need)}: raise memory_limit, use more devices, or lower the batch"
+            f"no plan fits {size_brief(limit)} per device; the smallest memory that would fit is "
+            f"{size_brief(need)}: raise memory_limit, use more devices, or lower the batch"
         )
     least = min(results, key=_least_peak)
     best, _ = search_meshes(
@@ -392,9 +392,9 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     )
     best.estimate.memory_limit, best.estimate.fits = limit, False
     msg = (
-        f"no plan with {what} fits {_size(limit)} per device (the smallest would need {_size(need)}); the "
-        f"fastest one needs {_size(best.estimate.memory.peak)}, over the limit by "
-        f"{_size(best.estimate.memory.peak - limit)}"
+        f"no plan with {what} fits {size_brief(limit)} per device (the smallest would need {size_brief(need)}); the "
+        f"fastest one needs {size_brief(best.estimate.memory.peak)}, over the limit by "
+        f"{size_brief(best.estimate.memory.peak - limit)}"
     )
     log.warning(msg)
     warnings.append(msg)
@@ -453,11 +453,6 @@ def _state_bytes(captured, prec, optimizer: str) -> float:
     params = sum(math.prod(p.shape) for p in captured.params)
     states = model_state_bytes(params, prec, optimizer, 0, 1)
     return states.params + states.grads + states.optimizer
-
-
-def _size(nbytes: float) -> str:
-    """Bytes as GB, or MB below a GB, with three significant figures."""
-    return f"{nbytes / GB:.3g} GB" if nbytes >= GB else f"{nbytes / 1e6:.3g} MB"
 
 
 def _least_peak(res) -> float:

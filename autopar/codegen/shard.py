@@ -25,34 +25,25 @@ import contextlib
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.capture.joint import CapturedGraph, graph_results
+from autopar.capture.joint import CapturedGraph
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
+from autopar.codegen.redistribute import from_whole, local_box, match_layout, redistribute, to_planned
+from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import (
-    AVG,
-    PARTIAL,
-    REPLICATE,
-    SUM,
-    Placements,
-    from_dtensor,
-    replicated,
-    to_dtensor_all,
-)
+from autopar.core.placements import Placements, replicated, to_dtensor_all
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
 from autopar.search.sharding.dtensor_rules import decomposition
@@ -79,7 +70,7 @@ class LocalGraph:
     ``zero_stages[i]`` is parameter ``i``'s ZeRO stage (0, 1 or 2).  Under ZeRO-1 its gradient is returned as a data-parallel
     partial sum (P on the dp axis) or, when the plan already reduced it,
     replicated (R); under ZeRO-2 the graph returns only this rank's flat
-    chunk of the reduced gradient (see :func:`flat_chunk_numel`), and
+    chunk of the reduced gradient (see :func:`autopar.codegen.zero_grads.flat_chunk_numel`), and
     ``grad_placements[i]`` is the placement of the whole gradient it was cut from.
     """
 
@@ -126,118 +117,6 @@ class LocalGraph:
         )
 
 
-def _tensor_leaves(args: Any, kwargs: Any) -> list[fx.Node]:
-    flat = pytree.tree_leaves((args, dict(kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
-    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def _redistribute(x: Any, target: Placements | None) -> Any:
-    if target is None or not isinstance(x, DTensor):
-        return x
-    want = to_dtensor_all(target)
-    if tuple(x.placements) == want:
-        return x
-    current = tuple(from_dtensor(p) for p in x.placements)
-    if current == tuple(target):  # a masked partial is a partial sum to autopar: keep it
-        return x
-    return _to(x, want)
-
-
-def _to(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
-    """``x.redistribute(want)``, extended where DTensor's public redistribute stops.
-
-    A partial average becomes a partial sum of the scaled value first (gloo has no
-    AVG reduction); a whole value becomes a partial one locally (kept on the first
-    rank of the mesh dim, zeros elsewhere for a sum), which DTensor keeps internal.
-    """
-    mesh = x.device_mesh
-    have = list(x.placements)
-    for i, p in enumerate(have):
-        if isinstance(p, Partial) and p.reduce_op == AVG and want[i] != p:
-            have[i] = Partial(SUM)
-            x = _relabel(x.to_local() / mesh.size(i), x, have)
-    step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
-    if tuple(have) != step:
-        x = x.redistribute(mesh, step)
-    if step != want:
-        coord = mesh.get_coordinate()
-        local = x.to_local()
-        for i, w in enumerate(want):
-            if step[i] != w and w.reduce_op == SUM and coord[i] != 0:
-                local = torch.zeros_like(local)
-        x = _relabel(local, x, list(want))
-    return x
-
-
-def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTensor:
-    return DTensor.from_local(
-        local, like.device_mesh, pls, run_check=False, shape=like.shape, stride=like.stride()
-    )
-
-
-def _from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
-    """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
-
-    A shard keeps this rank's chunk; a partial keeps the value on the first rank of
-    its mesh dim and zeros elsewhere, so that the ranks sum to it.
-    """
-    local = t
-    coord = mesh.get_coordinate()
-    for i, p in enumerate(want):
-        if isinstance(p, Shard):
-            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
-        elif isinstance(p, Partial) and coord[i] != 0:
-            local = torch.zeros_like(local)
-    return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
-
-
-def _local_box(
-    shape: Sequence[int], spec: Sequence[Placement], coord: Sequence[int], mesh_shape: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
-
-    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh
-    dims 0 and 1 is cut in ``n0`` chunks, each cut in ``n1``).  Shards divide
-    evenly (the strategy pass offers no other).  Plain integers: DTensor's own
-    helper computes the offset with tensors, which a trace cannot read back.
-    """
-    local, offset = [int(s) for s in shape], [0] * len(shape)
-    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            local[p.dim] //= n
-            offset[p.dim] += c * local[p.dim]
-    return local, offset
-
-
-def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:
-    """Dense strides for ``shape`` that order the dims the way ``like``'s strides do."""
-    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
-    strides = [0] * like.dim()
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return tuple(strides)
-
-
-def _match_layout(x: DTensor, like: torch.Tensor) -> DTensor:
-    """``x`` with its local tensor laid out like the captured value ``like``.
-
-    The captured graph's views were recorded for its tensors' layouts (a
-    ``view`` after a transpose is legal only on the right strides); a local
-    shard produced another way (a kernel run on shards, a collective's output)
-    can come out dense in another order.  Copy it into the captured order.
-    """
-    local = x.to_local()
-    if local.dim() != like.dim() or not is_non_overlapping_and_dense(like):
-        return x
-    want = _layout_strides(local.shape, like)
-    if all(local.stride(d) == want[d] for d in range(local.dim()) if local.shape[d] > 1):
-        return x
-    fixed = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
-    return _relabel(fixed, x, list(x.placements))
-
-
 class _ShardInterpreter(fx.Interpreter):
     """Runs the joint graph on DTensors, honouring the plan's placement of every node."""
 
@@ -275,7 +154,7 @@ class _ShardInterpreter(fx.Interpreter):
         if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
             out = n.target(*args, **kwargs)
             if entry["inputs"]:
-                out = _redistribute(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
+                out = to_planned(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
             return self._declare(out, entry, n)
         if n.target in random_ops.RANDOM_OPS:
             args, kwargs = self._bring(n, args, kwargs, entry)
@@ -308,7 +187,7 @@ class _ShardInterpreter(fx.Interpreter):
 
         def bring(x: Any, node: Any) -> Any:
             if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-                return _redistribute(x, next(wanted, None))
+                return to_planned(x, next(wanted, None))
             return x
 
         node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
@@ -328,7 +207,7 @@ class _ShardInterpreter(fx.Interpreter):
         vals = n.meta["val"]
         whole = vals[0] if isinstance(vals, (tuple, list)) else vals
         coord = self.mesh.get_coordinate()
-        shape, offset = _local_box(whole.shape, spec, coord, self.mesh.shape)
+        shape, offset = local_box(whole.shape, spec, coord, self.mesh.shape)
         stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
         device = torch.device(self.mesh.device_type)
 
@@ -353,7 +232,7 @@ class _ShardInterpreter(fx.Interpreter):
         scores = [*q.shape[:-1], k.shape[-2]]
         spec = to_dtensor_all(entry["inputs"][q_at])
         coord = self.mesh.get_coordinate()
-        _, offset = _local_box(scores, spec, coord, self.mesh.shape)
+        _, offset = local_box(scores, spec, coord, self.mesh.shape)
         stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
         local = list(pytree.tree_map_only(DTensor, lambda d: d.to_local(), args))
         local[-4:] = [self.random_ids[n.name], scores, offset, stream]
@@ -387,7 +266,7 @@ class _ShardInterpreter(fx.Interpreter):
         for o in flat:
             if isinstance(o, torch.Tensor):
                 p = next(outs, None) or replicated(self.mesh.ndim)
-                o = _from_whole(o, self.mesh, to_dtensor_all(p))
+                o = from_whole(o, self.mesh, to_dtensor_all(p))
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 
@@ -435,9 +314,9 @@ class _ShardInterpreter(fx.Interpreter):
         res = []
         for k, o in enumerate(flat):
             p = next(outs, None) if isinstance(o, torch.Tensor) else None
-            o = _redistribute(o, p)
+            o = to_planned(o, p)
             if isinstance(o, DTensor) and k < len(vals) and isinstance(vals[k], torch.Tensor):
-                o = _match_layout(o, vals[k])
+                o = match_layout(o, vals[k])
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 
@@ -446,67 +325,6 @@ def source_of(node: fx.Node) -> str | None:
     """The captured node a node of a local graph traced with ``keep_sources`` came from; None if none."""
     sources = node.meta.get("from_node")
     return sources[-1].name if sources else None
-
-
-def flat_chunk_numel(numel: int, parts: int) -> int:
-    """Elements in one rank's part of a tensor flattened, zero-padded to a multiple of ``parts`` and cut in ``parts``.
-
-    ZeRO-1/2's unit of ownership (DeepSpeed's flat partitions): every rank owns
-    the same number of elements whatever the tensor's shape or its
-    tensor-parallel split, so optimizer state and gradients divide evenly.
-    """
-    return -(-numel // parts)
-
-
-def _zero_grad(g: DTensor, spec: Placements, stage: int, mesh: DeviceMesh) -> tuple[torch.Tensor, Placements]:
-    """A ZeRO-1/2 parameter's gradient as it leaves the graph, and the placement of the whole gradient.
-
-    The data-parallel sum is not completed here when it is still pending: under
-    ZeRO-1 the partial sum leaves the graph and the runtime reduce-scatters it
-    once per step (after accumulating micro-batches locally); under ZeRO-2 it is
-    reduce-scattered flat right here, so only this rank's chunk outlives the
-    graph.  A gradient the plan already sharded over dp is gathered (what the
-    plan did for this replicated parameter anyway); a replicated one is cut locally.
-    """
-    first = g.placements[0]
-    summed = isinstance(first, Partial)
-    keep = (first if first.reduce_op == SUM else Partial(SUM)) if summed else Replicate()
-    local = _to(g, (keep, *to_dtensor_all(spec[1:]))).to_local()
-    if stage == 1:
-        return local, (PARTIAL if summed else REPLICATE, *spec[1:])
-    n = mesh.size(0)
-    flat = local.reshape(-1)
-    pad = flat_chunk_numel(flat.numel(), n) * n - flat.numel()
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    if summed:
-        return funcol.reduce_scatter_single(flat, SUM, 0, (mesh, 0)), tuple(spec)
-    return flat.view(n, -1)[mesh.get_coordinate()[0]].clone(), tuple(spec)
-
-
-def _early_zero_grads(
-    gm: fx.GraphModule,
-    stages: list[int],
-    grad_pl: list[tuple],
-    early: dict[int, torch.Tensor],
-    mesh: DeviceMesh,
-) -> dict[fx.Node, Callable[[Any], None]]:
-    """Per gradient node of a ZeRO parameter, what the interpreter calls with its value.
-
-    A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
-    reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
-    The converted gradient goes into ``early`` and its placement into ``grad_pl``.
-    """
-    _, grad_nodes, _ = graph_results(gm, len(stages))
-    on_value = {}
-    for i, node in enumerate(grad_nodes):
-        if stages[i] and isinstance(node, fx.Node) and node not in on_value:
-
-            def convert(g: Any, i: int = i) -> None:
-                early[i], grad_pl[i] = _zero_grad(g, grad_pl[i], stages[i], mesh)
-
-            on_value[node] = convert
-    return on_value
 
 
 def _local_joint(
@@ -536,18 +354,18 @@ def _local_joint(
         ]
         loss, *results = interp.run(*dt)
         grads, updates = results[:n_params], results[n_params:]
-        out = [_to(loss, (Replicate(),) * mesh.ndim).to_local()]
+        out = [redistribute(loss, (Replicate(),) * mesh.ndim).to_local()]
         for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
             if g is None:
                 out.append(None)
             elif stages[i]:
                 if i not in early:  # a gradient node shared with another parameter
-                    early[i], grad_pl[i] = _zero_grad(g, pl, stages[i], mesh)
+                    early[i], grad_pl[i] = zero_gradient(g, pl, stages[i], mesh)
                 out.append(early[i])
             else:
-                out.append(_to(g, to_dtensor_all(pl)).to_local())
+                out.append(redistribute(g, to_dtensor_all(pl)).to_local())
         for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
-            out.append(_to(u, to_dtensor_all(arg_pl[n_params + b])).to_local())
+            out.append(redistribute(u, to_dtensor_all(arg_pl[n_params + b])).to_local())
         return tuple(out)
 
     return local_joint
@@ -596,7 +414,7 @@ def shard_graph(
     grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
     stages = [zero_stages.get(ph, 0) for ph in param_ph]
     early: dict[int, torch.Tensor] = {}
-    on_value = _early_zero_grads(gm, stages, grad_pl, early, mesh)
+    on_value = early_zero_gradients(gm, stages, grad_pl, early, mesh)
     interp = _ShardInterpreter(gm, plan_placements, mesh, on_value)
     local_joint = _local_joint(interp, captured, mesh, phs, arg_pl, grad_pl, stages, early)
 

@@ -14,7 +14,7 @@ How the changes of several mesh dims combine is not re-derived here: the
 steps are DTensor's own.  :func:`collectives_between` asks DTensor's
 redistribution planner (``torch.distributed.tensor._redistribute.
 _gen_transform_infos_non_cached``, the one ``DTensor.redistribute`` follows
-when the runtime, :func:`autopar.codegen.shard._to`, moves a value) for the
+when the runtime, :func:`autopar.codegen.redistribute.redistribute`, moves a value) for the
 transform steps on a shape-only mesh, with a tensor that every mesh dim
 divides evenly.  That settles what a per-mesh-dim table cannot: a tensor dim
 sharded over several mesh dims is cut outermost mesh dim first, so an outer
@@ -141,7 +141,7 @@ def _steps(
 def _runtime_request(src: Placements, dst: Placements) -> tuple[Placements, Placements]:
     """The (from, to) the runtime hands to ``DTensor.redistribute`` for ``src`` → ``dst``.
 
-    Mirrors :func:`autopar.codegen.shard._to`: a partial average that is to
+    Mirrors :func:`autopar.codegen.redistribute.redistribute`: a partial average that is to
     change becomes a partial sum locally (rescaled); a wanted partial the value
     is not already in is asked of DTensor as a replica, then kept as a partial
     locally (DTensor makes no partial from another placement with communication).

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.codegen.shard import flat_chunk_numel
+from autopar.codegen.zero_grads import flat_chunk_numel
 from autopar.plans.plan import Plan
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from autopar.search.sharding.mesh import ShardingResult
 
 RECORDS_FORMAT = 1
-# the sharding problem marks a forbidden resharding with this cost (seconds): problem.FORBIDDEN_S
+# the sharding problem marks a forbidden resharding with this cost (seconds): resharding_edges.FORBIDDEN_S
 _FORBIDDEN_S = 1e6
 # a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain
 _TIE_RTOL = 1e-6

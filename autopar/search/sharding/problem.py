@@ -53,7 +53,8 @@ Memory items m_i = (node v(i), interval, row over S_v(i)), beyond each node's ow
         n b_g / D^[z=2] from the op that makes it to the end of the step, and with
         k_mb > 1 the sum of the earlier micro-batches' over the whole step
 
-Edges E_uv[a, b] (seconds), every matrix built by :func:`resharding_matrix`
+Edges E_uv[a, b] (seconds): the steps of :mod:`autopar.search.sharding.resharding_edges`,
+every matrix built by its :func:`resharding_matrix`
     data (:func:`data_edges`), producer u → consumer v:
         E_uv[a, b] = redistribute(u's output under a → the placement v reads it in under b);
         FORBIDDEN_S where u is a parameter, v a view of it and anything moves: a parameter is
@@ -89,138 +90,23 @@ to node names and placements.
 
 from __future__ import annotations
 
-import math
-import operator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch.fx as fx
 
-from autopar.capture.joint import CapturedGraph, graph_results
-from autopar.core.placements import Placements
+from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, roofline_time
-from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
-from autopar.cost_models.reshard import INF, grad_sync_steps, shard_factor
+from autopar.cost_models.compute import ComputeEfficiency, roofline_time
+from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Link
+from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
-from autopar.search.sharding.graph_facts import GraphFacts, graph_facts
-from autopar.search.sharding.instance import EdgeInfo, ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.recompute import recomputed
-from autopar.search.sharding.step_memory import Item, accumulated, parameter_items
+from autopar.search.sharding.resharding_edges import buffer_update_edges, data_edges, grad_sync_edges
+from autopar.search.sharding.step_memory import accumulated, parameter_items
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import StrategyProblem
-
-# A cost the solver must avoid but that keeps the matrix finite (a forbidden transition).
-FORBIDDEN_S = 1e6
-
-
-@dataclass
-class Memo:
-    """Answers the steps of one build share.
-
-    The nodes of repeated layers share their strategy objects and sizes: each question
-    (a placement's shard factor, a row of terms, a resharding matrix) is answered once
-    and the answer object shared, so repeated layers cost one layer's work.
-    """
-
-    shard_factors: dict[Placements, int] = field(default_factory=dict)
-    splits: dict[tuple, int] = field(default_factory=dict)
-    variants: dict[tuple[int, int], Strategy] = field(default_factory=dict)  # (id(s), zero or -1: recompute)
-    rows: dict[tuple, NodeRow] = field(default_factory=dict)
-    list_numbers: dict[tuple[int, ...], int] = field(default_factory=dict)  # distinct strategy lists
-    matrices: dict[tuple, list[float]] = field(default_factory=dict)
-    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero) -> seconds
-    # the placements an edge's ends have and need, per strategy, numbered once per strategy list
-    haves: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
-    needs: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
-
-
-@dataclass
-class BuildContext:
-    """What every step of :func:`build_problem` reads: the graph, the mesh, the device and the set-up."""
-
-    captured: CapturedGraph
-    facts: GraphFacts
-    strategies: dict[str, NodeStrategies]
-    mesh_shape: tuple[int, ...]
-    links: list[Link]
-    device: Any
-    precision: Precision
-    efficiency: ComputeEfficiency | None
-    dp_dim: int | None
-    microbatches: int
-    recompute: bool  # recompute variants are offered (asked for, and under a memory limit)
-    params: set[str]  # placeholders of parameters
-    inputs: set[str]  # placeholders of user inputs
-    scale: float  # activation bytes per traced byte (the training dtype against the traced one)
-    dp_n: int
-    mem_bw: float  # bytes per second the optimizer update streams at
-    b_opt: float  # optimizer-state bytes per parameter element
-    b_copy: float  # the ZeRO-stepped chunk's own fp32 copy, per element
-    opt_traffic: float  # bytes per parameter element one optimizer update reads and writes
-    memo: Memo = field(default_factory=Memo)
-
-    def pieces(self, p: Placements) -> int:
-        """How many pieces placement ``p`` cuts a tensor into on this mesh."""
-        f = self.memo.shard_factors.get(p)
-        if f is None:
-            f = self.memo.shard_factors[p] = shard_factor(p, self.mesh_shape)
-        return f
-
-    def split(self, s: Strategy) -> int:
-        """W(s): the number of pieces the work is cut into, the mesh dims where any placement is not replicated."""
-        key = (s.outputs, s.inputs)
-        n = self.memo.splits.get(key)
-        if n is None:
-            n = self.memo.splits[key] = math.prod(
-                n
-                for d, n in enumerate(self.mesh_shape)
-                if any(p is not None and not p[d].is_replicate() for p in (*s.outputs, *s.inputs))
-            )
-        return n
-
-    def local(self, nbytes: list, placements: tuple) -> list[float]:
-        """Local bytes of each value under its placement (0 where either is missing)."""
-        return [
-            b / self.pieces(p) if b is not None and p is not None else 0.0
-            for b, p in zip(nbytes, placements, strict=False)
-        ]
-
-
-@dataclass
-class NodeRow:
-    """A node's terms, one entry per strategy: shared by the nodes of repeated layers."""
-
-    costs: list[float]  # c_v
-    memory: list[float]  # m_v
-    # per strategy: bytes of each output (ops), or (parameter, gradient, optimizer state) bytes (parameters)
-    parts: list = field(default_factory=list)
-    gather: list[float] = field(default_factory=list)  # parameters: seconds of c_p that are a ZeRO all-gather
-    in_parts: list[list[float]] = field(default_factory=list)  # ops: local bytes of each input
-
-
-@dataclass
-class Terms:
-    """The problem as the steps of :func:`build_problem` fill it in, per problem node and per edge."""
-
-    names: list[str] = field(default_factory=list)
-    strats: list[list[Strategy]] = field(default_factory=list)
-    rows: list[NodeRow] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # "param" | "placeholder" | "op"
-    gaps: list[tuple[int, int] | None] = field(default_factory=list)  # recompute gap, where offered
-    list_ids: list[int] = field(default_factory=list)  # number of the node's strategy list
-    intervals: list[tuple[int, int]] = field(default_factory=list)
-    backward: list[int] = field(default_factory=list)
-    params: list[int] = field(default_factory=list)
-    flops: list[float] = field(default_factory=list)
-    index: dict[str, int] = field(default_factory=dict)
-    items: list[Item] = field(default_factory=list)
-    grad_items: list[int] = field(default_factory=list)
-    edges: list[tuple[int, int]] = field(default_factory=list)
-    edge_costs: list[list[float]] = field(default_factory=list)
-    edge_info: list[EdgeInfo] = field(default_factory=list)
-    grad_edges: list[int] = field(default_factory=list)
 
 
 def build_problem(
@@ -242,7 +128,7 @@ def build_problem(
     ``recompute``: with a memory limit, each recomputable activation also gets its
     strategies again, recomputed in the backward.
     """
-    ctx = _context(
+    ctx = make_context(
         captured,
         strategies,
         mesh_shape,
@@ -266,45 +152,6 @@ def build_problem(
     ):
         step(ctx, terms)
     return _assemble(ctx, terms, memory_limit)
-
-
-def _context(
-    captured: CapturedGraph,
-    strategies: dict[str, NodeStrategies],
-    mesh_shape: tuple[int, ...],
-    links: list[Link],
-    device,
-    precision: Precision,
-    optimizer: str,
-    efficiency: ComputeEfficiency | None,
-    dp_dim: int | None,
-    microbatches: int,
-    recompute: bool,
-) -> BuildContext:
-    """The constants every step reads, derived once per build."""
-    traced = max((p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4)
-    b_opt = optimizer_bytes_per_param(precision, optimizer)
-    return BuildContext(
-        captured=captured,
-        facts=graph_facts(captured.gm),
-        strategies=strategies,
-        mesh_shape=mesh_shape,
-        links=links,
-        device=device,
-        precision=precision,
-        efficiency=efficiency,
-        dp_dim=dp_dim,
-        microbatches=microbatches,
-        recompute=recompute,
-        params={p.placeholder for p in captured.params},
-        inputs={t.placeholder for t in captured.inputs},
-        scale=precision.activation_bytes / traced,
-        dp_n=mesh_shape[dp_dim] if dp_dim is not None else 1,
-        mem_bw=device.hbm_bandwidth * (efficiency or DEFAULT_EFFICIENCY).memory,
-        b_opt=b_opt,
-        b_copy=partition_copy_bytes(precision),
-        opt_traffic=precision.grad_bytes + 2 * b_opt + precision.param_bytes,
-    )
 
 
 def node_terms(ctx: BuildContext, t: Terms) -> None:
@@ -495,89 +342,6 @@ def gradient_items(ctx: BuildContext, t: Terms) -> None:
         t.grad_items = accumulated(t.items, t.grad_items)
 
 
-def data_edges(ctx: BuildContext, t: Terms) -> None:
-    """E_uv for every value an op reads from another problem node, in graph order."""
-    for v in t.names:
-        node = ctx.facts.by_name[v]
-        for k, u in enumerate(ctx.strategies[v].inputs):
-            if u not in t.index:
-                continue
-            out_idx = node.args[1] if node.target is operator.getitem and k == 0 else 0
-            _add_edge(ctx, t, EdgeInfo(u, v, out_idx, _edge_bytes(ctx, u, out_idx), "data", k))
-
-
-def grad_sync_edges(ctx: BuildContext, t: Terms) -> None:
-    """The edge (grad of p → p) of every parameter: where its gradient is synchronised."""
-    for p in ctx.captured.params:
-        g = ctx.captured.grads.get(p.name)
-        if g in t.index and p.placeholder in t.index:
-            t.grad_edges.append(len(t.edges))
-            _add_edge(ctx, t, EdgeInfo(g, p.placeholder, 0, _edge_bytes(ctx, g, 0), "grad-sync", -1))
-
-
-def buffer_update_edges(ctx: BuildContext, t: Terms) -> None:
-    """A buffer the forward updates in place gets its new value back in its own placement."""
-    captured = ctx.captured
-    _, _, updates = graph_results(captured.gm, len(captured.params))
-    for b, node in zip(captured.updated, updates, strict=True):
-        ph = captured.buffers[b].placeholder
-        if node.name in t.index and ph in t.index and node.name != ph:
-            _add_edge(ctx, t, EdgeInfo(node.name, ph, 0, _edge_bytes(ctx, node.name, 0), "buffer-update", -1))
-
-
-def _edge_bytes(ctx: BuildContext, u: str, out_idx: int) -> float:
-    """Global bytes of ``u``'s output ``out_idx``, floating-point values at the training dtype."""
-    return ctx.facts.out_bytes[u][out_idx] * (ctx.scale if ctx.facts.out_float[u][out_idx] else 1)
-
-
-def _add_edge(ctx: BuildContext, t: Terms, info: EdgeInfo) -> None:
-    iu, iv = t.index[info.src], t.index[info.dst]
-    t.edges.append((iu, iv))
-    t.edge_costs.append(resharding_matrix(ctx, t, info))
-    t.edge_info.append(info)
-
-
-def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float]:
-    """E_uv, row-major over (strategy of u, strategy of v): seconds to bring the value where v needs it."""
-    iu, iv = t.index[info.src], t.index[info.dst]
-    pos, out_idx = info.input_pos, info.output
-    need_id, need = ctx.memo.needs.get((t.list_ids[iv], pos), (-1, ()))
-    if need_id < 0:
-        need = tuple(
-            (s.outputs[0], s.zero) if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None, 0)
-            for s in t.strats[iv]
-        )
-        need_id = len(ctx.memo.needs)
-        ctx.memo.needs[(t.list_ids[iv], pos)] = (need_id, need)
-    have_id, haves = ctx.memo.haves.get((t.list_ids[iu], out_idx), (-1, ()))
-    if have_id < 0:
-        haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in t.strats[iu])
-        have_id = len(ctx.memo.haves)
-        ctx.memo.haves[(t.list_ids[iu], out_idx)] = (have_id, haves)
-    # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
-    # such views, and the gathered parameter would stay alive from the forward to the backward
-    pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
-    key = (have_id, need_id, info.nbytes, pinned)
-    row = ctx.memo.matrices.get(key)
-    if row is None:  # repeated layers ask for the same matrix: build it once
-        row = ctx.memo.matrices[key] = [
-            _move_time(ctx, have, b, info.nbytes, zero, pinned) for have in haves for b, zero in need
-        ]
-    return row
-
-
-def _move_time(ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool) -> float:
-    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be)."""
-    if have is None or need is None:
-        return 0.0
-    t = ctx.memo.moves.get((have, need, nbytes, zero))
-    if t is None:
-        steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
-        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links)
-        t = ctx.memo.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
-    return FORBIDDEN_S if pinned and t > 0 else t
-
-
 def _assemble(ctx: BuildContext, t: Terms, memory_limit: float | None) -> ShardingProblem:
     """The solver's problem and the map back onto the graph, from the steps' terms."""
     problem = StrategyProblem(
@@ -622,7 +386,3 @@ def repeated_layer_groups(gm: fx.GraphModule, sp: ShardingProblem) -> list[list[
         if clone in index and source in index and options[clone] == options[source]
     ]
     return [[index[n] for n in g] for g in groups] or None
-
-
-def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
-    return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)

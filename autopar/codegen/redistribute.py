@@ -1,0 +1,134 @@
+"""Moving DTensors between placements, where DTensor's public API stops.
+
+The shard pass (:mod:`autopar.codegen.shard`) runs the captured graph on
+DTensors and brings every value to the placement the plan reads it in.
+DTensor's ``redistribute`` does most of that; this module holds what it does
+not: autopar's placements (a masked partial is a partial sum to autopar), a
+partial average under gloo (no AVG reduction), a whole value made partial
+without communication, a tensor every rank holds whole cut to its placement,
+this rank's box of a tensor as plain integers (for keyed random numbers), and a
+local shard re-laid out in the strides the capture recorded.  Each is a
+function of a DTensor (or a tensor and a mesh) and placements, and nothing of
+the plan or the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from autopar.core.placements import AVG, SUM, Placements, from_dtensor, to_dtensor_all
+
+
+def to_planned(x: Any, target: Placements | None) -> Any:
+    """``x`` in autopar's placements ``target``: a DTensor redistributed, anything else (or no target) as it is."""
+    if target is None or not isinstance(x, DTensor):
+        return x
+    want = to_dtensor_all(target)
+    if tuple(x.placements) == want:
+        return x
+    current = tuple(from_dtensor(p) for p in x.placements)
+    if current == tuple(target):  # a masked partial is a partial sum to autopar: keep it
+        return x
+    return redistribute(x, want)
+
+
+def redistribute(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
+    """``x.redistribute(want)``, extended where DTensor's public redistribute stops.
+
+    A partial average becomes a partial sum of the scaled value first (gloo has no
+    AVG reduction); a whole value becomes a partial one locally (kept on the first
+    rank of the mesh dim, zeros elsewhere for a sum), which DTensor keeps internal.
+    """
+    mesh = x.device_mesh
+    have = list(x.placements)
+    for i, p in enumerate(have):
+        if isinstance(p, Partial) and p.reduce_op == AVG and want[i] != p:
+            have[i] = Partial(SUM)
+            x = _relabel(x.to_local() / mesh.size(i), x, have)
+    step = tuple(Replicate() if isinstance(w, Partial) and have[i] != w else w for i, w in enumerate(want))
+    if tuple(have) != step:
+        x = x.redistribute(mesh, step)
+    if step != want:
+        coord = mesh.get_coordinate()
+        local = x.to_local()
+        for i, w in enumerate(want):
+            if step[i] != w and w.reduce_op == SUM and coord[i] != 0:
+                local = torch.zeros_like(local)
+        x = _relabel(local, x, list(want))
+    return x
+
+
+def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTensor:
+    return DTensor.from_local(
+        local, like.device_mesh, pls, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
+    """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
+
+    A shard keeps this rank's chunk; a partial keeps the value on the first rank of
+    its mesh dim and zeros elsewhere, so that the ranks sum to it.
+    """
+    local = t
+    coord = mesh.get_coordinate()
+    for i, p in enumerate(want):
+        if isinstance(p, Shard):
+            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
+        elif isinstance(p, Partial) and coord[i] != 0:
+            local = torch.zeros_like(local)
+    return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def local_box(
+    shape: Sequence[int], spec: Sequence[Placement], coord: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
+
+    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh
+    dims 0 and 1 is cut in ``n0`` chunks, each cut in ``n1``).  Shards divide
+    evenly (the strategy pass offers no other).  Plain integers: DTensor's own
+    helper computes the offset with tensors, which a trace cannot read back.
+    """
+    local, offset = [int(s) for s in shape], [0] * len(shape)
+    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+            offset[p.dim] += c * local[p.dim]
+    return local, offset
+
+
+def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:
+    """Dense strides for ``shape`` that order the dims the way ``like``'s strides do."""
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    strides = [0] * like.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def match_layout(x: DTensor, like: torch.Tensor) -> DTensor:
+    """``x`` with its local tensor laid out like the captured value ``like``.
+
+    The captured graph's views were recorded for its tensors' layouts (a
+    ``view`` after a transpose is legal only on the right strides); a local
+    shard produced another way (a kernel run on shards, a collective's output)
+    can come out dense in another order.  Copy it into the captured order.
+    """
+    local = x.to_local()
+    if local.dim() != like.dim() or not is_non_overlapping_and_dense(like):
+        return x
+    want = _layout_strides(local.shape, like)
+    if all(local.stride(d) == want[d] for d in range(local.dim()) if local.shape[d] > 1):
+        return x
+    fixed = torch.empty_strided(local.shape, want, dtype=local.dtype, device=local.device).copy_(local)
+    return _relabel(fixed, x, list(x.placements))

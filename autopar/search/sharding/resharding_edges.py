@@ -1,0 +1,112 @@
+"""The edges of the sharding problem: E_uv, what bringing a value to where its reader needs it costs.
+
+One step of :func:`autopar.search.sharding.problem.build_problem` per kind of
+edge (the formulation is in that module's docstring): data edges from a
+producer to each op that reads it, the gradient synchronisation edge of every
+parameter, and the edge that brings an in-place updated buffer's new value
+back to the buffer.  Each edge's matrix prices every pair of strategies by the
+collectives DTensor's redistribution would run
+(:func:`autopar.cost_models.reshard.grad_sync_steps`) on the mesh's links;
+repeated layers ask for the same matrices, which are built once.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from autopar.capture.joint import graph_results
+from autopar.cost_models.comm import collective_time
+from autopar.cost_models.reshard import INF, grad_sync_steps
+from autopar.hardware.cluster import Link
+from autopar.search.sharding.build_context import BuildContext, Terms
+from autopar.search.sharding.instance import EdgeInfo
+
+# A cost the solver must avoid but that keeps the matrix finite (a forbidden transition).
+FORBIDDEN_S = 1e6
+
+
+def data_edges(ctx: BuildContext, t: Terms) -> None:
+    """E_uv for every value an op reads from another problem node, in graph order."""
+    for v in t.names:
+        node = ctx.facts.by_name[v]
+        for k, u in enumerate(ctx.strategies[v].inputs):
+            if u not in t.index:
+                continue
+            out_idx = node.args[1] if node.target is operator.getitem and k == 0 else 0
+            _add_edge(ctx, t, EdgeInfo(u, v, out_idx, _edge_bytes(ctx, u, out_idx), "data", k))
+
+
+def grad_sync_edges(ctx: BuildContext, t: Terms) -> None:
+    """The edge (grad of p → p) of every parameter: where its gradient is synchronised."""
+    for p in ctx.captured.params:
+        g = ctx.captured.grads.get(p.name)
+        if g in t.index and p.placeholder in t.index:
+            t.grad_edges.append(len(t.edges))
+            _add_edge(ctx, t, EdgeInfo(g, p.placeholder, 0, _edge_bytes(ctx, g, 0), "grad-sync", -1))
+
+
+def buffer_update_edges(ctx: BuildContext, t: Terms) -> None:
+    """A buffer the forward updates in place gets its new value back in its own placement."""
+    captured = ctx.captured
+    _, _, updates = graph_results(captured.gm, len(captured.params))
+    for b, node in zip(captured.updated, updates, strict=True):
+        ph = captured.buffers[b].placeholder
+        if node.name in t.index and ph in t.index and node.name != ph:
+            _add_edge(ctx, t, EdgeInfo(node.name, ph, 0, _edge_bytes(ctx, node.name, 0), "buffer-update", -1))
+
+
+def _edge_bytes(ctx: BuildContext, u: str, out_idx: int) -> float:
+    """Global bytes of ``u``'s output ``out_idx``, floating-point values at the training dtype."""
+    return ctx.facts.out_bytes[u][out_idx] * (ctx.scale if ctx.facts.out_float[u][out_idx] else 1)
+
+
+def _add_edge(ctx: BuildContext, t: Terms, info: EdgeInfo) -> None:
+    iu, iv = t.index[info.src], t.index[info.dst]
+    t.edges.append((iu, iv))
+    t.edge_costs.append(resharding_matrix(ctx, t, info))
+    t.edge_info.append(info)
+
+
+def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float]:
+    """E_uv, row-major over (strategy of u, strategy of v): seconds to bring the value where v needs it."""
+    iu, iv = t.index[info.src], t.index[info.dst]
+    pos, out_idx = info.input_pos, info.output
+    need_id, need = ctx.memo.needs.get((t.list_ids[iv], pos), (-1, ()))
+    if need_id < 0:
+        need = tuple(
+            (s.outputs[0], s.zero) if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None, 0)
+            for s in t.strats[iv]
+        )
+        need_id = len(ctx.memo.needs)
+        ctx.memo.needs[(t.list_ids[iv], pos)] = (need_id, need)
+    have_id, haves = ctx.memo.haves.get((t.list_ids[iu], out_idx), (-1, ()))
+    if have_id < 0:
+        haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in t.strats[iu])
+        have_id = len(ctx.memo.haves)
+        ctx.memo.haves[(t.list_ids[iu], out_idx)] = (have_id, haves)
+    # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
+    # such views, and the gathered parameter would stay alive from the forward to the backward
+    pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
+    key = (have_id, need_id, info.nbytes, pinned)
+    row = ctx.memo.matrices.get(key)
+    if row is None:  # repeated layers ask for the same matrix: build it once
+        row = ctx.memo.matrices[key] = [
+            _move_time(ctx, have, b, info.nbytes, zero, pinned) for have in haves for b, zero in need
+        ]
+    return row
+
+
+def _move_time(ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool) -> float:
+    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be)."""
+    if have is None or need is None:
+        return 0.0
+    t = ctx.memo.moves.get((have, need, nbytes, zero))
+    if t is None:
+        steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
+        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links)
+        t = ctx.memo.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
+    return FORBIDDEN_S if pinned and t > 0 else t
+
+
+def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
+    return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
