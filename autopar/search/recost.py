@@ -28,7 +28,7 @@ from autopar.plans.plan import Plan
 from autopar.search.sharding.answer import evaluate
 from autopar.search.sharding.derived import with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
-from autopar.search.sharding.mesh import mesh_links
+from autopar.search.sharding.mesh_solve import mesh_links
 from autopar.search.sharding.problem import build_problem
 from autopar.search.sharding.recompute import apply_recompute
 from autopar.search.sharding.strategies import enumerate_strategies

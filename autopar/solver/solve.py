@@ -91,6 +91,7 @@ runs the pipeline; each step lives in the module named beside it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -288,16 +289,24 @@ class _Run:
         stop = "gap target" if gap is not None and gap <= self.target_gap else "time limit"
         return self.answer(best, "feasible", gap, used, stop)
 
+    def without_limit(self, budget: float) -> _Run:
+        """This run's problem without its memory limit, sharing the variables already built."""
+        run = copy.copy(self)
+        run.start = time.perf_counter()
+        run.budget, run.deadline = budget, run.start + budget
+        run.problem = dataclasses.replace(self.problem, memory_limit=None)
+        run.limit, run.tol, run.rows = None, 0.0, None
+        run.bound, run.exact_peak, run.starts = True, False, []
+        run.stats = dataclasses.replace(self.stats, memory_rows=0, budget_s=budget)
+        return run
+
     def memory_free(self) -> Solution | None:
         """Step 0: the answer without the memory limit when it fits and its gap is small; else None.
 
         Its lower bound is kept (``stats.memory_free_bound``) for the gap of the limited problem.
         """
         free_start = time.perf_counter()
-        free_problem = dataclasses.replace(self.problem, memory_limit=None)
-        run = _Run(free_problem, MEMORY_FREE_SHARE * self.budget, self.name, True, self.memory_form, True, False)
-        run.target_gap = self.target_gap
-        sol = run.run()
+        sol = self.without_limit(MEMORY_FREE_SHARE * self.budget).run()
         st = self.stats
         st.memory_free_time_s = time.perf_counter() - free_start
         st.memory_free_bound = sol.stats.lower_bound

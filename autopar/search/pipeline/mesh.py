@@ -53,8 +53,8 @@ from autopar.search.pipeline.stages import GraphSegment, forward_segments
 from autopar.search.sharding.answer import evaluate
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
-from autopar.search.sharding.mesh import (
-    SEED_GAP,
+from autopar.search.sharding.mesh import SEED_GAP
+from autopar.search.sharding.mesh_solve import (
     MeshProblem,
     ShardingResult,
     both,

@@ -36,7 +36,7 @@ from autopar.plans.format import secs_brief, size_brief
 
 if TYPE_CHECKING:
     from autopar.search.sharding.instance import ShardingProblem
-    from autopar.search.sharding.mesh import ShardingResult
+    from autopar.search.sharding.mesh_solve import ShardingResult
 
 RECORDS_FORMAT = 1
 # the sharding problem marks a forbidden resharding with this cost (seconds): resharding_edges.FORBIDDEN_S

@@ -1,10 +1,11 @@
 """Sharding search over the dp × tp meshes of a cluster, one mesh's problem solved at a time.
 
 strategies → MILP instance → solve → per-node placements + an Estimate
-(:mod:`autopar.search.sharding.answer` costs a chosen answer). Baseline layouts (pure data parallel, ZeRO-3
-style parameter sharding, Megatron-style tensor parallel) are costed by
-the same code with the parameters' placements restricted, so every
-comparison uses one model.
+(:mod:`autopar.search.sharding.mesh_solve` builds and solves one mesh's problem,
+:mod:`autopar.search.sharding.answer` costs a chosen answer). Baseline layouts (pure data
+parallel, ZeRO-3 style parameter sharding, Megatron-style tensor parallel) are costed by
+the same code with the parameters' placements restricted, so every comparison uses one
+model; the best of them is where the unrestricted search starts.
 """
 
 from __future__ import annotations
@@ -14,33 +15,27 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from autopar.capture.joint import CapturedGraph
-from autopar.core.errors import PlanError
 from autopar.core.heap import long_lived_heap
-from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.compute import ComputeEfficiency
-from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
-from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
-from autopar.search.sharding.derived import restrict, with_microbatches
-from autopar.search.sharding.instance import ShardingProblem
-from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
-from autopar.search.sharding.problem import build_problem, repeated_layer_groups
+from autopar.search.sharding.mesh_solve import (
+    MeshProblem,
+    ShardingResult,
+    both,
+    describe_result,
+    prepare_mesh,
+    solve_prepared,
+    zero_filter,
+)
 from autopar.search.sharding.seeds import seed_filter, seeds_for
-from autopar.search.sharding.step_memory import step_memory
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
-    MEMORY_RTOL,
-    Solution,
-    SolverStats,
-    StrategyProblem,
     lower_bound,
-    solve_strategies,
 )
 
 log = logging.getLogger(__name__)
@@ -49,398 +44,6 @@ SEED_GAP = 0.05
 """A seed layout solved before the unrestricted search is its starting point, not its answer:
 it is solved to this gap, and the unrestricted search (to ``GAP_TARGET``) improves on it."""
 
-
-
-@dataclass
-class ShardingResult:
-    mesh: MeshShape
-    microbatches: int
-    sp: ShardingProblem
-    solution: Solution
-    estimate: Estimate
-    placements: dict[str, dict[str, Any]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
-    source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
-    milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
-    # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
-    # same problem fits them either, so the seed layouts of the mesh skip them
-    unfit: frozenset[int] = frozenset()
-
-
-def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
-    return [cluster.axis_link(mesh, axis) for axis in SHARDING_AXES]
-
-
-@dataclass
-class MeshProblem:
-    """One mesh's sharding problem, built once (for one micro-batch) and solved under several restrictions.
-
-    The search solves each mesh unrestricted and again for every seed layout, and
-    retries with more micro-batches when nothing fits: all of these are the same
-    problem with some strategies forbidden or the activation memory divided, so
-    they share this one build.
-    """
-
-    captured: CapturedGraph
-    cluster: Cluster
-    mesh: MeshShape
-    links: list
-    sp: ShardingProblem  # one micro-batch, repeated-layer groups set
-    memory_limit: float
-    compute_dtype: str
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-@long_lived_heap()
-def prepare_mesh(
-    captured: CapturedGraph,
-    cluster: Cluster,
-    mesh: MeshShape,
-    precision: Precision,
-    optimizer: str,
-    memory_limit: float,
-    strategies: dict[str, NodeStrategies] | None = None,
-    efficiency: ComputeEfficiency | None = None,
-    recompute: bool = False,
-) -> MeshProblem:
-    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``.
-
-    ``recompute``: activations may also be recomputed in the backward (a decision of the MILP).
-    """
-    timings: dict[str, float] = {}
-    shape = (mesh.dp, mesh.tp)
-    t = time.perf_counter()
-    if strategies is None:
-        strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
-    timings["strategies_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    links = mesh_links(cluster, mesh)
-    sp = build_problem(
-        captured,
-        strategies,
-        shape,
-        links,
-        cluster.device_spec,
-        precision,
-        optimizer,
-        efficiency=efficiency,
-        memory_limit=memory_limit,
-        microbatches=1,
-        recompute=recompute,
-    )
-    sp.problem.groups = repeated_layer_groups(captured.gm, sp)
-    timings["build_s"] = time.perf_counter() - t
-    timings["solve_s"] = 0.0
-    return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
-
-
-@long_lived_heap()
-def solve_prepared(
-    mp: MeshProblem,
-    time_limit_s: float = 60.0,
-    allowed: Callable[[str, Strategy], bool] | None = None,
-    describe: bool = True,
-    bound: bool = True,
-    least_peak: bool = True,
-    unfit: frozenset[int] = frozenset(),
-    microbatches: int | None = None,
-    start: list[int] | None = None,
-    target_gap: float = GAP_TARGET,
-) -> ShardingResult:
-    """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
-
-    ``start``: a known answer to ``mp`` (a strategy per node, for instance a seed layout's)
-    every solve starts from. ``target_gap``: each solve stops once proven this close to its bound.
-
-    Gradient accumulation only to fit: the fewest micro-batches that fit the memory
-    limit, or ``microbatches`` when given (it must divide the local batch).
-    ``describe=False`` leaves the placements and collectives to :func:`describe_result`;
-    ``bound=False`` skips the solver's extra work on a lower bound (see ``solve_strategies``).
-    ``least_peak=False``: an answer that does not fit is of no use to the caller (a seed
-    layout), so no solve is spent on the smallest memory that would fit, and none at all
-    when the parameters' states alone are over the limit. ``unfit``: micro-batch counts known not
-    to fit (``ShardingResult.unfit`` of a less restricted solve of ``mp``), not tried again.
-    """
-    counts = _microbatch_counts(mp, microbatches)
-    restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
-    run = _Solves(mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap)
-    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
-    solution, m, sp = None, counts[0], mp.sp
-    proven = set(unfit)  # counts that cannot fit
-    if not least_peak:
-        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
-        if states > mp.memory_limit * (1 + MEMORY_RTOL):
-            solution = _no_answer(min_peak_memory=states)
-    tries = [k for k in counts if k not in proven]
-    if solution is None and not tries:
-        solution = _no_answer()
-    if solution is None:
-        solution, m, sp = _fewest_microbatches(run, counts, tries, proven, states)
-    if not solution.choice and m != counts[-1] and least_peak:
-        # nothing fits: the smallest memory that would fit is the least peak at the most micro-batches
-        solution, m, sp = run.least_peak(counts[-1])
-    mp.timings["solve_s"] += run.solve_s
-    estimate = evaluate(
-        sp, solution, run.shape, mp.cluster, mp.captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
-    )
-    res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": run.solve_s})
-    res.unfit = frozenset(proven)
-    if describe:
-        describe_result(mp.captured, res)
-    return res
-
-
-def _microbatch_counts(mp: MeshProblem, microbatches: int | None) -> list[int]:
-    """The micro-batch counts to try on ``mp``, fewest first: the divisors of the local batch (or the one given)."""
-    local = mp.captured.batch_size // mp.mesh.dp
-    counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
-    if not counts:
-        raise PlanError(
-            f"the local batch {local} on mesh {mp.mesh} does not split into {microbatches} micro-batches"
-        )
-    return counts
-
-
-def _no_answer(min_peak_memory: float | None = None) -> Solution:
-    """An infeasible solution proven without a solve (``min_peak_memory``: a bound on the least peak, if known)."""
-    stats = SolverStats(min_peak_memory=min_peak_memory, min_peak_memory_exact=False)
-    return Solution([], math.inf, "infeasible", None, 0.0, "bound", stats)
-
-
-@dataclass
-class _Solves:
-    """The solves of one :func:`solve_prepared` call: ``mp`` under one restriction, against one deadline."""
-
-    mp: MeshProblem
-    allowed: Callable[[str, Strategy], bool] | None
-    restricted: StrategyProblem | None  # mp's problem with what ``allowed`` rejects forbidden
-    deadline: float
-    bound: bool
-    exact_peak: bool
-    start: list[int] | None = None  # a known answer every solve starts from
-    target_gap: float = GAP_TARGET
-    solve_s: float = 0.0  # seconds spent solving so far
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.mp.mesh.dp, self.mp.mesh.tp)
-
-    def left(self) -> float:
-        return max(self.deadline - time.perf_counter(), 1.0)
-
-    def at(self, k: int) -> tuple[ShardingProblem, StrategyProblem]:
-        """The problem at ``k`` micro-batches, restricted as this call's strategies are."""
-        sp = with_microbatches(self.mp.sp, k)
-        return sp, sp.problem if self.restricted is None else _microbatched(self.restricted, sp.problem)
-
-    def fitted(self, sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
-        """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
-
-        def again(p: StrategyProblem) -> Solution:
-            return solve_strategies(
-                p, time_limit_s=self.left(), bound=False, start=self.start, target_gap=self.target_gap
-            )
-
-        raw = solve_strategies(
-            problem,
-            time_limit_s=self.left(),
-            bound=bound_work,
-            exact_peak=self.exact_peak,
-            start=self.start,
-            target_gap=self.target_gap,
-        )
-        return raw, _fit_exactly(sp, problem, raw, self.shape, self.mp.memory_limit, again)
-
-    def solve_count(self, k: int) -> tuple[ShardingProblem, StrategyProblem, Solution, Solution, bool]:
-        """Solve at ``k`` micro-batches: (problem, solved problem, raw answer, fitted answer, give up).
-
-        An answer whose placements split the batch over more ranks than 1/k of it holds is
-        solved again without such placements; if that one does too, no count is worth trying
-        (more micro-batches would only make them worse): give up.
-        """
-        start = time.perf_counter()
-        captured, shape = self.mp.captured, self.shape
-        sp, problem = self.at(k)
-        raw, solution = self.fitted(sp, problem, self.bound)
-        give_up = False
-        if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
-            log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", self.mp.mesh, k)
-            divides = microbatch_filter(captured, shape, k)
-            narrow = divides if self.allowed is None else both(self.mp.sp, self.allowed, divides)
-            problem = restrict(sp.problem, sp, narrow)
-            _, solution = self.fitted(sp, problem, False)
-            if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
-                solution, give_up = _no_answer(), True
-        self.solve_s += time.perf_counter() - start
-        return sp, problem, raw, solution, give_up
-
-    def least_peak(self, k: int) -> tuple[Solution, int, ShardingProblem]:
-        """A quick solve at ``k`` micro-batches, for the least peak memory it reports."""
-        start = time.perf_counter()
-        sp, problem = self.at(k)
-        solution = solve_strategies(problem, time_limit_s=1.0, bound=False)
-        self.solve_s += time.perf_counter() - start
-        return solution, k, sp
-
-
-def _fewest_microbatches(
-    run: _Solves, counts: list[int], tries: list[int], proven: set[int], states: float | None
-) -> tuple[Solution, int, ShardingProblem]:
-    """The answer at the fewest micro-batch counts of ``tries`` that fits, or the last one tried.
-
-    Counts proven not to fit are added to ``proven``; a count the least-peak bound
-    (:func:`_may_fit`) rules out is not solved.
-    """
-    limit = run.mp.memory_limit
-    solution, m, sp = None, counts[0], run.mp.sp
-    for k in tries:
-        if solution is not None and states is not None and not _may_fit(solution, m, k, states, limit):
-            if not _may_fit(solution, m, counts[-1], states, limit):
-                proven.update(c for c in counts if c >= k)
-                break  # the bound falls as k grows: if the most micro-batches cannot fit, none can
-            proven.add(k)
-            continue
-        sp, problem, raw, solution, give_up = run.solve_count(k)
-        if raw.status == "infeasible":  # proven (an answer not found in time is "unknown")
-            proven.add(k)
-        m = k
-        if give_up or solution.choice:
-            break
-        if states is None:
-            states = sum(_least_memory(problem, i) for i in sp.param_nodes)
-    assert solution is not None
-    return solution, m, sp
-
-
-def _fit_exactly(
-    sp: ShardingProblem,
-    problem: StrategyProblem,
-    solution: Solution,
-    shape: tuple[int, ...],
-    memory_limit: float,
-    solve: Callable[[StrategyProblem], Solution],
-    tries: int = 4,
-) -> Solution:
-    """``solution``, solved again under a lower limit while its exact peak is over ``memory_limit``.
-
-    The MILP's memory rows leave out buffers that depend on the strategies of both ends
-    of an edge (a gradient being reduced, a value redistributed); the estimate counts them
-    (:mod:`autopar.search.sharding.step_memory`).  Where an answer's exact peak is over the limit,
-    the MILP's limit is lowered to leave room for the most such memory any answer so far
-    needed beyond what the MILP saw, and the problem solved again; an answer still over
-    after ``tries`` is no answer.
-    """
-    limit, hidden = problem.memory_limit, 0.0
-    for _ in range(tries):
-        if not solution.choice or limit is None or not math.isfinite(limit):
-            return solution
-        exact = step_memory(sp, solution.choice, shape).peak
-        if exact <= memory_limit * (1 + MEMORY_RTOL):
-            return solution
-        hidden = max(hidden, exact - _seen_peak(problem, solution.choice))
-        limit = min(limit - (exact - memory_limit), memory_limit - hidden)
-        log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
-        if limit <= 0:
-            break
-        solution = solve(replace(problem, memory_limit=limit))
-    if solution.choice and step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL):
-        return replace(solution, choice=[], status="infeasible", objective=math.inf)
-    return solution
-
-
-def _seen_peak(problem: StrategyProblem, choice: list[int]) -> float:
-    """The peak of ``choice`` as the MILP's memory rows see it."""
-    item_node, intervals, item_memory = problem.items()
-    events: dict[int, float] = {}
-    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
-        m = item_memory[k][choice[v]]
-        events[s] = events.get(s, 0.0) + m
-        events[e] = events.get(e, 0.0) - m
-    live = peak = 0.0
-    for t in sorted(events):
-        live += events[t]
-        peak = max(peak, live)
-    return peak
-
-
-def _microbatched(restricted: StrategyProblem, problem: StrategyProblem) -> StrategyProblem:
-    """``restricted`` (from :func:`restrict`) with ``problem``'s memory and edges: another micro-batch count.
-
-    A restriction changes only node costs and groups, and micro-batching never touches those,
-    so the mesh's problem is restricted once and each count reuses it.
-    """
-    return replace(problem, node_costs=restricted.node_costs, groups=restricted.groups)
-
-
-def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: float) -> bool:
-    """Whether ``m`` micro-batches may fit where ``m0`` did not (``solution`` says by how much).
-
-    The peak of any choice is its states' memory plus its activations' peak, and only
-    the activations shrink with more micro-batches, so with ``P`` the least peak at
-    ``m0`` and ``S`` the least states' memory, no choice peaks below
-    ``(m0 / m) P + (1 - m0 / m) S`` at ``m``.
-    """
-    peak = solution.stats.min_peak_memory
-    if peak is None:
-        return True
-    bound = (m0 / m) * peak + (1 - m0 / m) * states
-    return bound <= memory_limit * (1 + MEMORY_RTOL)
-
-
-def _least_memory(problem: StrategyProblem, i: int) -> float:
-    """The least memory node ``i`` takes under a strategy that is not forbidden."""
-    allowed = [
-        mem for mem, c in zip(problem.node_memory[i], problem.node_costs[i], strict=True) if math.isfinite(c)
-    ]
-    return min(allowed or problem.node_memory[i])
-
-
-def zero_filter(sp: ShardingProblem, zero: int) -> Callable[[str, Strategy], bool]:
-    """The parameter strategies of ZeRO stage ``zero`` (0-3) on ``sp``'s mesh; other nodes are free.
-
-    Stages 0-2 keep parameters replicated over dp (2: and their optimizer state and
-    gradients split); stage 3 shards them over dp, and a parameter that no dp shard
-    divides takes ZeRO-2, the most the runtime can split it.
-    """
-    dp = sp.dp_dim
-    params = {sp.nodes[i]: sp.strategies[i] for i in sp.param_nodes}
-
-    def over_dp(s: Strategy) -> bool:
-        return s.outputs[0] is not None and not s.outputs[0][dp].is_replicate()
-
-    shardable = {name for name, options in params.items() if any(over_dp(s) for s in options)}
-
-    def allowed(name: str, s: Strategy) -> bool:
-        if name not in params or dp is None:
-            return True
-        if zero == 3 and name in shardable:
-            return over_dp(s)
-        want = min(zero, 2)
-        return not over_dp(s) and s.zero == (want if any(o.zero for o in params[name]) else 0)
-
-    return allowed
-
-
-def both(
-    sp: ShardingProblem, first: Callable[[str, Strategy], bool], then: Callable[[str, Strategy], bool]
-) -> Callable[[str, Strategy], bool]:
-    """Strategies both filters allow; at a node where none does, those ``then`` allows (it is binding)."""
-    agree = {
-        sp.nodes[i]
-        for i in range(len(sp.nodes))
-        if any(first(sp.nodes[i], s) and then(sp.nodes[i], s) for s in sp.strategies[i])
-    }
-    return lambda name, s: then(name, s) and (first(name, s) or name not in agree)
-
-
-def describe_result(captured: CapturedGraph, res: ShardingResult) -> ShardingResult:
-    """Fill in the placements and charged collectives of ``res``'s answer (once; none without one)."""
-    if res.solution.choice and not res.placements:
-        shape = (res.mesh.dp, res.mesh.tp)
-        res.placements = read_placements(captured, res.sp, res.solution.choice)
-        res.charged = describe_collectives(captured, res.sp, res.solution.choice, shape)
-    return res
 
 
 def solve_mesh(
