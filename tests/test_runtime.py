@@ -8,6 +8,7 @@ one process on torch's fake process group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 
@@ -66,7 +67,7 @@ def _accumulating_plan(factory) -> autopar.Plan:
     model, inputs = factory()
     fixed = {"dp": 4, "zero": 0, "microbatches": 2}
     plan = autopar.plan(model, inputs, autopar.Cluster.local(4), fixed=fixed, precision="fp32")
-    assert plan.microbatches == 2 and not plan.placements
+    assert plan.microbatches == 2 and plan.solver.status == "optimal (exhaustive)"  # the analytic path
     return plan
 
 
@@ -211,6 +212,25 @@ def test_a_plan_for_another_model_is_refused(fake_world):
     other = torch.nn.Sequential(torch.nn.Linear(32, 32))
     with pytest.raises(autopar.RuntimeMismatchError, match="made for another model"):
         autopar.parallelize(other, autopar.Cluster.local(4), (torch.randn(8, 32),), plan=plan)
+
+
+def test_a_data_parallel_plan_carries_the_placements_it_runs(fake_world, monkeypatch):
+    """The analytic data-parallel path solves its layout once, at plan time: parallelize solves nothing. A plan
+    saved without placements (by an older autopar) is completed on rank 0 to the same placements and graph."""
+    plan = _accumulating_plan(mlp_tiny)
+    params = [e for e in plan.placements.values() if "param" in e]
+    assert params and all(e["outputs"][0] == (R, R) and "zero" not in e for e in params)  # dp layout, plan.zero
+    solves = []
+    real = autopar.search.sharding.mesh.prepare_mesh
+    monkeypatch.setattr(
+        autopar.search.sharding.mesh, "prepare_mesh", lambda *a, **k: solves.append(1) or real(*a, **k)
+    )
+    model, inputs = mlp_tiny()
+    cluster = autopar.Cluster.local(4)
+    carried = autopar.parallelize(model, cluster, inputs, plan=autopar.Plan.from_dict(plan.to_dict()))
+    assert not solves
+    old = autopar.parallelize(model, cluster, inputs, plan=dataclasses.replace(plan, placements={}))
+    assert solves and old.plan.placements == plan.placements and old.graph.code == carried.graph.code
 
 
 def test_parallelize_outside_a_job_says_how_to_launch():

@@ -109,7 +109,7 @@ def _searched_under_pressure() -> Plan:
 def four_processes():
     accumulate = [
         _plan(4, 4, 1, zero=z, microbatches=2) for z in range(4)
-    ]  # no placements: the dp / zero3 layouts
+    ]  # the analytic path: the dp / zero3 layouts' placements, solved at plan time
     megatron = _plan(4, 2, 2, "megatron")
     cases = [(gpt2_tiny, p) for p in accumulate[1:3]]
     random = _plan(4, 4, 1, "random", seed=1000)

@@ -4,18 +4,24 @@ What leaves no sharding to decide (one device, or a pinned data-parallel mesh wi
 fixed micro-batch count and no recompute setting) is costed by the analytic model of
 :mod:`autopar.cost_models.step` for every configuration ``fixed`` allows; the fastest
 that fits wins, the simplest among those within ``TIE_TOLERANCE`` of it.
+
+The chosen plan carries the per-op placements it runs (:func:`data_parallel_placements`),
+decided here once rather than by every rank at run time.
 """
 
 from __future__ import annotations
 
 import logging
 
+from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
+from autopar.cost_models.memory import Precision
 from autopar.cost_models.step import Config, estimate_config
-from autopar.hardware.cluster import Cluster
+from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.format import GB
 from autopar.plans.records import Alternative, Fixed, SearchRecord
+from autopar.search.sharding.layouts import layout_placements
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,22 @@ def data_parallel_plan(stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed
         status="optimal (exhaustive)", alternatives=_alternatives(costed), candidates=len(costed), gap=0.0
     )
     return cfg, est, solver
+
+
+def data_parallel_placements(
+    captured: CapturedGraph, cluster: Cluster, mesh: MeshShape, zero: int, precision: Precision, optimizer: str
+) -> dict[str, dict]:
+    """The per-op placements a data-parallel plan runs, on ``captured``: the graph of one micro-batch.
+
+    The dp layout (the zero3 layout under ZeRO-3) with every other node solved
+    (:func:`autopar.search.sharding.layouts.layout_placements`), on the graph the
+    runtime captures, so that it runs them as they are.  The layout's
+    per-parameter ZeRO stages are dropped: such a plan has one stage for all,
+    its ``zero``, which the placements would otherwise override.
+    """
+    kind = "zero3" if zero == 3 else "dp"
+    placements = layout_placements(captured, cluster, mesh, precision, optimizer, kind)
+    return {k: {kk: v for kk, v in e.items() if kk != "zero"} for k, e in placements.items()}
 
 
 # Configurations within this fraction of the fastest count as equally fast; the simplest of them wins.

@@ -8,6 +8,7 @@ joint graph of this rank → the module that owns this rank's shards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -20,12 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.api.data_parallel import data_parallel_placements
 from autopar.api.planner import plan as make_plan
 from autopar.capture.joint import capture, node_phase
 from autopar.codegen.shard import shard_graph
 from autopar.codegen.stage_split import split_stages
 from autopar.codegen.transfer import transfer_name, transfer_placements
-from autopar.core.errors import PlanError, RuntimeMismatchError
+from autopar.core.errors import RuntimeMismatchError
 from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.graph_cache import resize_batch
 from autopar.cost_models.graph_stats import model_fingerprint
@@ -38,9 +40,7 @@ from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline_module import PipelineParallelModule
 from autopar.runtime.zero import zero_stages
 from autopar.search.pipeline.stages import stage_of_nodes, untie_across_stages
-from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.recompute import apply_recompute
-from autopar.search.sharding.seeds import seed_filter
 
 log = logging.getLogger(__name__)
 
@@ -91,47 +91,20 @@ def _broadcast_weights(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def layout_placements(
-    captured, plan: Plan, cluster: Cluster, kind: str, split_batch: bool = False
-) -> dict[str, dict]:
-    """Placements of a hand-set layout ("dp", "zero3", "megatron") on the plan's mesh, the rest solved.
+def _with_data_parallel_placements(plan: Plan, captured, cluster: Cluster) -> Plan:
+    """A data-parallel plan saved before such plans carried their placements, completed as ``autopar.plan`` now does.
 
-    ``split_batch`` also splits every input by batch over the data-parallel
-    axis, as DDP and FSDP do, even where the cost model would rather not.
+    Runs on rank 0 only (:func:`_agree_on_plan`): every rank then runs the same placements.
     """
-    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
-    params = {p.placeholder: p.name for p in captured.params}
-    inputs = {i.placeholder for i in captured.inputs}
-    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
-
-    def allowed(node: str, strategy) -> bool:
-        if split_batch and node in inputs and not strategy.outputs[0][0].is_shard(0):
-            return False
-        return seed(node, strategy)
-
-    res = solve_mesh(
-        captured,
-        cluster,
-        mesh,
-        precision_spec(plan.precision),
-        plan.optimizer,
-        float("inf"),
-        30.0,
-        allowed=allowed,
+    log.warning(
+        "the plan has no per-op placements (a data-parallel plan saved by an older autopar): solving its "
+        "data-parallel layout on rank 0; plan again to skip this"
     )
-    if not res.placements:
-        raise PlanError(f"no {kind} layout found for {plan.model} on mesh {plan.mesh}")
-    return res.placements
-
-
-def _data_parallel_placements(captured, plan: Plan, cluster: Cluster) -> dict[str, dict]:
-    """Placements for a plan the data-parallel model chose (no per-op placements recorded).
-
-    The layout's per-parameter ZeRO stages are dropped: such a plan has one
-    stage for all, ``plan.zero``, which the placements would otherwise override.
-    """
-    placements = layout_placements(captured, plan, cluster, "zero3" if plan.zero == 3 else "dp")
-    return {k: {kk: v for kk, v in e.items() if kk != "zero"} for k, e in placements.items()}
+    mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
+    placements = data_parallel_placements(
+        captured, cluster, mesh, plan.zero, precision_spec(plan.precision), plan.optimizer
+    )
+    return dataclasses.replace(plan, placements=placements)
 
 
 def parallelize(
@@ -188,13 +161,13 @@ def parallelize(
         loss_fn=loss_fn,
         example_targets=resize_batch(example_targets, micro),
     )
+    if not plan.placements:
+        plan = _agree_on_plan(lambda old=plan: _with_data_parallel_placements(old, captured, cluster))
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
-    firsts = [s["first"] for s in plan.stages]
-    if plan.placements:  # made on the graph at the global batch: carried onto this micro-batch's graph
-        chosen, names = transfer_placements(plan.placements, captured, shape)
-        firsts = [transfer_name(f, plan.placements, names) for f in firsts]
-    else:
-        chosen = _data_parallel_placements(captured, plan, cluster)
+    # made on the graph at the global batch (a data-parallel plan's: at this micro-batch already),
+    # carried onto this micro-batch's graph
+    chosen, names = transfer_placements(plan.placements, captured, shape)
+    firsts = [transfer_name(s["first"], plan.placements, names) for s in plan.stages]
     missing = [p.placeholder for p in captured.params if p.placeholder not in chosen]
     if missing:
         raise RuntimeMismatchError(

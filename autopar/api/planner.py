@@ -6,7 +6,8 @@ dp × tp mesh and pipeline search on pp × dp × tp meshes → choose.
 What leaves no sharding to decide (one device, or a pinned data-parallel mesh
 with a fixed micro-batch count and no recompute setting) is costed by the
 analytic data-parallel model instead: ZeRO stage × micro-batch count,
-exhaustively (:mod:`autopar.api.data_parallel`).
+exhaustively (:mod:`autopar.api.data_parallel`); its plan carries the
+data-parallel layout's placements, solved on the graph of one micro-batch.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_plan
+from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_placements, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.memory import model_state_bytes, optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats
-from autopar.hardware.cluster import Cluster
+from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.data import param_zero_stage
 from autopar.plans.format import size_brief
@@ -98,9 +99,15 @@ def plan(
             schedule=sharded.schedule,
         )
     cfg, est, solver = data_parallel_plan(stats, cluster, gbs, prec, optimizer, limit, fixed, warnings)
+    # the placements it runs, on the graph the runtime captures (one micro-batch): decided once, here
+    micro, _ = captured_with_stats(
+        model, example_inputs, loss_fn, example_targets, batch=cfg.global_batch_size // cfg.microbatches
+    )
+    mesh = MeshShape(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    placements = data_parallel_placements(micro, cluster, mesh, cfg.zero, prec, optimizer)
     solver.capture_s = round(t_capture, 3)
     solver.time_s = round(time.perf_counter() - t0, 3)
-    return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings)
+    return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings, placements=placements)
 
 
 def _checked_request(cluster, example_inputs, optimizer, precision, global_batch_size, memory_limit, fixed):

@@ -30,15 +30,17 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.api.parallelizer import layout_placements, parallelize
+from autopar.api.parallelizer import parallelize
 from autopar.capture.joint import CapturedGraph, capture, model_loss
 from autopar.core.errors import LaunchError
 from autopar.core.placements import Placements
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
-from autopar.hardware.cluster import Cluster
+from autopar.cost_models.memory import precision_spec
+from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.search.pipeline.stages import forward_segments
+from autopar.search.sharding.layouts import layout_placements
 from autopar.search.sharding.random_ops import is_random
 from autopar.search.sharding.strategies import enumerate_strategies
 
@@ -196,7 +198,9 @@ def plan_with_layout(
     if layout in ("random", "flowing"):
         chosen = random_placements(captured, shape, seed, flowing=layout == "flowing")
     else:
-        chosen = layout_placements(captured, plan, cluster, layout, split_batch=True)
+        mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
+        prec = precision_spec(plan.precision)
+        chosen = layout_placements(captured, cluster, mesh, prec, plan.optimizer, layout, split_batch=True)
     return dataclasses.replace(
         plan, placements=chosen, solver=dataclasses.replace(plan.solver, status=f"{layout} layout (for testing)")
     )
