@@ -212,32 +212,10 @@ def solve_pipeline(
     if not candidates:
         return None
     per = max(time_limit_s / len(candidates), 1.0)
-    mesh, mp, sp, m_solve = pm.mesh, pm.mp, pm.sp, pm.solve_microbatches
+    mesh, mp, m_solve = pm.mesh, pm.mp, pm.solve_microbatches
     shape = (mesh.dp, mesh.tp)
     best: tuple | None = None  # (step, m, schedule, chunks, choice, segments, solution, source)
-    divides = microbatch_filter(pm.captured, shape, m_solve)
-
-    def answers():
-        """(source, solution, micro-batch counts it divides at) of each candidate."""
-        for source, allowed in candidates:
-            problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
-            known = start if source == "milp" else None
-            solution = solve_strategies(problem, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
-            counts = _splittable(pm, sp, solution.choice) if solution.choice else []
-            if solution.choice:
-                yield source, solution, counts
-            if m_solve not in counts:
-                # placements that split a batch dim finer than a micro-batch holds: solve again without
-                # them (they divide at every count, since every count divides the most micro-batches)
-                narrow = divides if allowed is None else both(sp, allowed, divides)
-                narrowed = restrict(sp.problem, sp, narrow)
-                solution = solve_strategies(
-                    narrowed, time_limit_s=per, bound=False, start=known, target_gap=target_gap
-                )
-                if solution.choice:
-                    yield source, solution, _splittable(pm, sp, solution.choice)
-
-    for source, solution, counts in answers():
+    for source, solution, counts in _stage_answers(pm, candidates, per, start, target_gap):
         sp_solve = with_microbatches(mp.sp, m_solve)
         base = segment_figures(
             pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale
@@ -267,6 +245,30 @@ def solve_pipeline(
         "mesh %s: pipeline %s, %d micro-batches, step %.4g s (%s)", mesh, schedule, m, est.step_time_s, source
     )
     return result
+
+
+def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | None, target_gap: float):
+    """(source, solution, micro-batch counts it divides at) of each candidate way to shard inside the stages.
+
+    An answer whose placements split a batch dim finer than a micro-batch holds is solved
+    again without such placements (they divide at every count, since every count divides
+    the most micro-batches).
+    """
+    sp, m_solve = pm.sp, pm.solve_microbatches
+    divides = microbatch_filter(pm.captured, (pm.mesh.dp, pm.mesh.tp), m_solve)
+    for source, allowed in candidates:
+        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+        known = start if source == "milp" else None
+        solution = solve_strategies(problem, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
+        counts = _splittable(pm, sp, solution.choice) if solution.choice else []
+        if solution.choice:
+            yield source, solution, counts
+        if m_solve not in counts:
+            narrow = divides if allowed is None else both(sp, allowed, divides)
+            narrowed = restrict(sp.problem, sp, narrow)
+            solution = solve_strategies(narrowed, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
+            if solution.choice:
+                yield source, solution, _splittable(pm, sp, solution.choice)
 
 
 def solve_pipeline_mesh(
@@ -381,14 +383,28 @@ def search_pipelines(
     if not seeded:
         return []
 
-    def step(r: PipelineResult | None) -> float:
-        return r.estimate.step_time_s if r is not None else math.inf
-
-    order = sorted(range(len(seeded)), key=lambda i: step(seeded[i][1]))
-    top = order[:MILP_MESHES]
     per_mesh = (time.perf_counter() - start) / max(costed, 1)  # what costing one mesh took
+    _milp_round(seeded, start + time_limit_s, per_mesh, schedules, zero)
+    return [r for _, r in seeded if r is not None]
+
+
+def _step(r: PipelineResult | None) -> float:
+    return r.estimate.step_time_s if r is not None else math.inf
+
+
+def _milp_round(
+    seeded: list[tuple[PipelineMesh, PipelineResult | None]],
+    deadline: float,
+    per_mesh: float,
+    schedules: tuple[str, ...],
+    zero: int | None,
+) -> None:
+    """The MILP inside the stages of the ``MILP_MESHES`` fastest seeded meshes, started from their seeded
+    answers; each takes at most ``MILP_ROUND_OF`` times what costing a mesh took (``per_mesh``), and
+    replaces its mesh's entry of ``seeded`` when faster."""
+    top = sorted(range(len(seeded)), key=lambda i: _step(seeded[i][1]))[:MILP_MESHES]
     for n, i in enumerate(top):
-        left = max(start + time_limit_s - time.perf_counter(), 0.0) / (len(top) - n)
+        left = max(deadline - time.perf_counter(), 0.0) / (len(top) - n)
         left = min(left, MILP_ROUND_OF * per_mesh)  # it starts from the seeded answer: a polish, not a search
         if left < per_mesh:  # a MILP round takes at least as long as a seed costing: no time for it
             log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
@@ -396,9 +412,8 @@ def search_pipelines(
         pm, old = seeded[i]
         known = old.sharding.solution.choice if old is not None else None
         res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=(), start=known)
-        if res is not None and step(res) < step(old) * (1 - 1e-9):
+        if res is not None and _step(res) < _step(old) * (1 - 1e-9):
             seeded[i] = (pm, res)
-    return [r for _, r in seeded if r is not None]
 
 
 def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limit) -> Estimate:
