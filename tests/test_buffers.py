@@ -125,8 +125,8 @@ def test_buffers_end_each_step_as_one_device_leaves_them_on_4_processes():
 
 
 def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatch):
-    """At 0.1 MB a device the search would cut the batch into 4 micro-batches of a 2-stage pipeline,
-    were BatchNorm not there; with it, it stays at one micro-batch (and pays with tensor parallelism)."""
+    """With BatchNorm the search keeps one micro-batch and no pipeline; at 70 KB a device, where no layout
+    it finds at one micro-batch fits, it would cut the batch into micro-batches were BatchNorm not there."""
     torch.manual_seed(0)
     model, batch = resnet_tiny()
     cluster = autopar.Cluster.local(4)
@@ -136,6 +136,9 @@ def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatc
         fixed = autopar.plan(model, batch, cluster, precision="fp32", fixed=ask)  # analytic, then the MILP
         assert fixed.microbatches == 2, ask
         assert any("normalizes each micro-batch by its own statistics" in w for w in fixed.warnings), ask
+    # at 70 KB no layout found at one micro-batch fits: the rule keeps it (and says so), the search without it splits
+    tight = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=7e4)
+    assert tight.microbatches == 1 and tight.mesh["pp"] == 1
     monkeypatch.setattr(autopar.api.planner, "coupling_modules", lambda gm: [])
-    unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=1e5)
-    assert unaware.microbatches > 1
+    unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=7e4)
+    assert unaware.microbatches > 1 and unaware.estimate.fits

@@ -74,6 +74,7 @@ from autopar.solver.prune_rows import prune_rows
 
 __all__ = [
     "ELIMINATION_LIMIT",
+    "PROBE_ELIMINATION_LIMIT",
     "CoreProblem",
     "InfeasibleError",
     "MemoryRows",
@@ -90,7 +91,12 @@ logger = logging.getLogger(__name__)
 # A pair factor counts as separable when its residual is below this fraction of its largest entry.
 _SEPARABLE_RTOL = 1e-12
 # Eliminations whose new factor table would exceed this many entries are not done.
-ELIMINATION_LIMIT = 16384
+ELIMINATION_LIMIT = 4096
+
+PROBE_ELIMINATION_LIMIT = 16384
+"""The table limit of the solve without memory limit that comes first (``autopar.solver.solve``'s
+step 0): eliminating further usually finishes the problem there, while a larger core left
+for a MILP has larger tables, past what HiGHS branches on in time."""
 
 
 @dataclass
@@ -179,6 +185,7 @@ class Reducer:
             else:
                 self._add(scope, table, lambda v: None)
         self.describe = describe
+        self.elimination_limit = ELIMINATION_LIMIT
         self.limit = memory_limit
         self.tol = tol
         self.rows = rows
@@ -356,7 +363,7 @@ class Reducer:
         nbrs = self.neighbours(k)
         for v in nbrs:
             size *= len(self.keep[v])
-        if size > ELIMINATION_LIMIT:
+        if size > self.elimination_limit:
             return 0
         if any(self.relevant_var[v] for v in nbrs):
             kept = len(self.keep[k]) + sum(self.table[f].size for f in self.of_var[k])

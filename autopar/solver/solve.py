@@ -118,7 +118,7 @@ from autopar.solver.milp import Milp, build_milp, hint_values, milp_nonzeros_at_
 from autopar.solver.min_peak import min_peak_memory
 from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
 from autopar.solver.prune_rows import prune_rows
-from autopar.solver.reduce import Reducer
+from autopar.solver.reduce import ELIMINATION_LIMIT, PROBE_ELIMINATION_LIMIT, Reducer
 from autopar.solver.validate import node_label, validate
 from autopar.solver.variables import group_vars, variable_graph
 
@@ -226,6 +226,8 @@ class _Run:
         self.item_mem = [np.asarray(m, dtype=float) for m in item_memory]
         self.starts: list[list[int]] = []  # known answers to start from (a strategy per node)
         self.target_gap = GAP_TARGET
+        self.elimination_limit = ELIMINATION_LIMIT
+        self.probe = False  # step 0: the reductions, heuristics and a bound only
         self.stats = SolverStats(
             nodes=len(problem.node_costs),
             edges=len(problem.edges),
@@ -258,7 +260,7 @@ class _Run:
                 raise RuntimeError("reduction settled every node but the answer does not check out; please report")
             self.stats.lower_bound = best[1]
             return self.answer(best, "optimal", 0.0, "reduction", "optimal")
-        milp, relax, skip = self.planned_milp()
+        milp, relax, skip = (None, False, True) if self.probe else self.planned_milp()
         best, local = self.heuristics(skip)
         best, local = self.from_starts(best, local)
         result, proved = None, True
@@ -280,7 +282,7 @@ class _Run:
             logger.warning("solve: %s reports infeasible but the greedy answer fits; returning it", self.name)
         used = self.name if result is not None else "greedy"
         lower = self.lower_bound(result, best)
-        if _gap(best[1], lower) is None or _gap(best[1], lower) > self.target_gap:
+        if not self.probe and (_gap(best[1], lower) is None or _gap(best[1], lower) > self.target_gap):
             best, local, optimal, used = self.improved(best, local, lower, used)
             if optimal:
                 self.stats.lower_bound = best[1]
@@ -297,6 +299,7 @@ class _Run:
         run.problem = dataclasses.replace(self.problem, memory_limit=None)
         run.limit, run.tol, run.rows = None, 0.0, None
         run.bound, run.exact_peak, run.starts = True, False, []
+        run.elimination_limit, run.probe = PROBE_ELIMINATION_LIMIT, True
         run.stats = dataclasses.replace(self.stats, memory_rows=0, budget_s=budget)
         return run
 
@@ -339,6 +342,7 @@ class _Run:
         self.reducer = Reducer(
             self.costs, self.mats.items(), self.item_var, self.item_mem, self.rows, self.limit, self.tol, self.describe
         )
+        self.reducer.elimination_limit = self.elimination_limit
         try:
             if self.reduce:
                 self.reducer.run(self.start + REDUCE_SHARE * self.budget)
