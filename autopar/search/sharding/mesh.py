@@ -45,7 +45,6 @@ SEED_GAP = 0.05
 it is solved to this gap, and the unrestricted search (to ``GAP_TARGET``) improves on it."""
 
 
-
 def solve_mesh(
     captured: CapturedGraph,
     cluster: Cluster,
