@@ -11,7 +11,8 @@ pp × dp × tp where the search tries pipelines): strategy enumeration, MILP
 build, solve (the unrestricted problem and the seed layouts on it; for a
 pipeline, also the placement of its stage cuts). "per mesh" is those three
 divided by the number of meshes: what each further mesh shape adds to a
-plan. The solver's status of the chosen mesh and its gap are printed too.
+plan. The chosen plan's estimated step, and the solver's status of the chosen mesh and its
+gap, are printed too.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(layers: int, gpus: int, time_limit: float, flat: bool = False) -> dict:
         "status": plan.solver.status,
         "gap": plan.solver.gap,
         "mesh": plan.mesh_str(),
+        "step": plan.estimate.step_time_s,
     }
 
 
@@ -66,7 +68,7 @@ def main() -> None:
         grid = [(8, 64), (16, 64), (32, 64), (80, 64), (32, 8), (32, 512)]
     print(
         f"{'layers':>6} {'GPUs':>5} {'meshes':>6} {'capture':>8} {'strategies':>10} {'build':>7} {'solve':>7} "
-        f"{'per mesh':>8} {'total':>7}  {'chosen mesh':<22} {'status':<9} {'gap':>6}",
+        f"{'per mesh':>8} {'total':>7}  {'chosen mesh':<22} {'step':>8} {'status':<9} {'gap':>6}",
         flush=True,
     )
     for layers, gpus in grid:
@@ -76,7 +78,7 @@ def main() -> None:
         print(
             f"{r['layers']:>6} {r['gpus']:>5} {r['meshes']:>6} {r['capture']:>7.1f}s {r['strategies']:>9.1f}s "
             f"{r['build']:>6.1f}s {r['solve']:>6.1f}s {per_mesh:>7.2f}s {r['total']:>6.1f}s  "
-            f"{r['mesh']:<22} {r['status']:<9} {gap:>6}",
+            f"{r['mesh']:<22} {r['step']:>7.4f}s {r['status']:<9} {gap:>6}",
             flush=True,
         )
 
