@@ -319,8 +319,8 @@ class _Run:
         st.memory_free_fits = peak <= self.limit + self.tol
         if not st.memory_free_fits:
             return None
-        if sol.gap is None or sol.gap > self.target_gap:
-            self.starts.append(sol.choice)  # it fits: the limited search starts from it
+        if sol.gap is None or sol.gap > self.target_gap or any(objective_of(self.problem, c) < sol.objective for c in self.starts):
+            self.starts.append(sol.choice)  # it fits: the limited search starts from it (and from a cheaper start)
             return None
         free_stats = sol.stats
         st.nodes_after_reduction = free_stats.nodes_after_reduction
