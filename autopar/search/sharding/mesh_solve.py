@@ -9,7 +9,6 @@ strategies forbidden or the activation memory divided; this module holds that pr
 (:class:`ShardingResult`) and the restrictions (:func:`zero_filter`, :func:`both`).
 """
 
-
 from __future__ import annotations
 
 import logging
