@@ -166,9 +166,9 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     in_runtime = [
         c
         for c in res.charged
-        if c["reason"] == "zero" or (c["reason"] == "grad-sync" and c["to"] in zero and c["axis"] == "dp")
+        if c.reason == "zero" or (c.reason == "grad-sync" and c.dst in zero and c.axis == "dp")
     ]
-    assert len([c for c in in_runtime if c["reason"] == "zero"]) == len(zero)
+    assert len([c for c in in_runtime if c.reason == "zero"]) == len(zero)
     in_graph = [c for c in res.charged if c not in in_runtime]
     charged_count, charged_bytes = _totals(_as_run_on_gloo(in_graph, (mesh.dp, mesh.tp)))
     assert graph_count == charged_count

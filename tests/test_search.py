@@ -39,12 +39,12 @@ def _forward_activation_collectives(plan, module_prefix, min_bytes):
     return [
         c
         for c in plan.solver.charged
-        if c["reason"] == "data"
-        and inside(c["from_module"])
-        and inside(c["to_module"])
-        and c["phase"] == "forward"
-        and not c["from_param"]
-        and c["bytes"] >= min_bytes
+        if c.reason == "data"
+        and inside(c.src_module)
+        and inside(c.dst_module)
+        and c.phase == "forward"
+        and not c.src_param
+        and c.bytes >= min_bytes
     ]
 
 
@@ -89,8 +89,8 @@ def test_narrow_layer_large_batch_is_data_parallel():
             # weight-gradient matmuls contract over the batch: partial sums, reduced once per step
             assert all(o == P for o in e["outputs"][0] if o != R), e
     # the forward moves parameters (when they are stored sharded), never activations
-    forward = [c for c in plan.solver.charged if c["phase"] == "forward" and c["bytes"] > 1e4]
-    assert all(c["from_param"] for c in forward), forward[:3]
+    forward = [c for c in plan.solver.charged if c.phase == "forward" and c.bytes > 1e4]
+    assert all(c.src_param for c in forward), forward[:3]
 
 
 def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():

@@ -20,14 +20,15 @@ from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Cluster
-from autopar.search.sharding.instance import ShardingProblem, charged_collectives
+from autopar.plans.op_records import ChargedCollective
+from autopar.search.sharding.instance import EdgeCollective, ShardingProblem, charged_collectives
 from autopar.search.sharding.step_memory import step_memory
 from autopar.solver import Solution
 
 
 def describe_collectives(
     captured: CapturedGraph, sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]
-) -> list[dict[str, Any]]:
+) -> list[ChargedCollective]:
     """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     params = {p.placeholder for p in captured.params}
@@ -36,20 +37,20 @@ def describe_collectives(
             params.add(n.name)
     out = []
     for c in charged_collectives(sp, choice, mesh_shape):
-        src = by_name[c["from"]]
+        src = by_name[c.src]
         out.append(
-            {
-                "kind": c["kind"],
-                "axis": SHARDING_AXES[c["mesh_dim"]],
-                "bytes": c["bytes"],
-                "from": c["from"],
-                "to": c["to"],
-                "reason": c["reason"],
-                "from_module": node_module(src),
-                "to_module": node_module(by_name[c["to"]]),
-                "phase": src.meta.get("autopar_phase", ""),
-                "from_param": c["from"] in params,
-            }
+            ChargedCollective(
+                kind=c.kind,
+                axis=SHARDING_AXES[c.mesh_dim],
+                bytes=c.bytes,
+                src=c.src,
+                dst=c.dst,
+                reason=c.reason,
+                src_module=node_module(src),
+                dst_module=node_module(by_name[c.dst]),
+                phase=src.meta.get("autopar_phase", ""),
+                src_param=c.src in params,
+            )
         )
     return out
 
@@ -122,16 +123,16 @@ def evaluate(
     )
 
 
-def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
+def _aggregate(records: list[EdgeCollective], mesh_shape, links) -> list[dict]:
     """Collectives per (kind, mesh axis): how many, average bytes, total time."""
     agg: dict[tuple[str, str], dict] = {}
     for r in records:
-        d = r["mesh_dim"]
-        key = (r["kind"], SHARDING_AXES[d])
+        d = r.mesh_dim
+        key = (r.kind, SHARDING_AXES[d])
         a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
-        a["bytes"] += r["bytes"]
+        a["bytes"] += r.bytes
         a["count"] += 1
-        a["time_s"] += collective_time(r["kind"], r["bytes"], mesh_shape[d], links[d])
+        a["time_s"] += collective_time(r.kind, r.bytes, mesh_shape[d], links[d])
     for a in agg.values():
         a["bytes"] = a["bytes"] / max(a["count"], 1)  # bytes each, on average
     return sorted(agg.values(), key=lambda a: (a["axis"], a["kind"]))

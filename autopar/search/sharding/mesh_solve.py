@@ -26,6 +26,7 @@ from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
@@ -54,7 +55,7 @@ class ShardingResult:
     estimate: Estimate
     placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
+    charged: list[ChargedCollective] = field(default_factory=list)  # every collective the estimate charged
     source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
     milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
     # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
