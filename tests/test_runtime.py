@@ -27,6 +27,7 @@ from autopar.hardware.cluster import MeshShape
 from autopar.plans.data import param_zero_stage
 from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_layout, random_placements
 from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
@@ -125,16 +126,17 @@ def _totals(records) -> tuple[Counter, Counter]:
     return count, nbytes
 
 
-def _as_run_on_gloo(charged: list[dict], mesh_shape: tuple[int, int]) -> list[dict]:
+def _as_run_on_gloo(charged: list, mesh_shape: tuple[int, int]) -> list[dict]:
     """Gloo has no all-to-all: DTensor gathers the whole tensor and keeps its chunk instead
     (torch's ``shard_dim_alltoall`` on a CPU mesh), so each charged all-to-all runs as an all-gather of
     the group's tensor. A GPU cluster runs the all-to-all the plan charged."""
     out = []
     for c in charged:
-        if c["kind"] == "all_to_all":
-            n = mesh_shape[("dp", "tp").index(c["axis"])]
-            c = {**c, "kind": "all_gather", "bytes": c["bytes"] * n}
-        out.append(c)
+        run = {"kind": c.kind, "axis": c.axis, "bytes": c.bytes}
+        if c.kind == "all_to_all":
+            n = mesh_shape[("dp", "tp").index(c.axis)]
+            run = {**run, "kind": "all_gather", "bytes": c.bytes * n}
+        out.append(run)
     return out
 
 
@@ -148,12 +150,7 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     mesh = MeshShape(dp=4, tp=1, pp=1) if layout == "zero3" else MeshShape(dp=2, tp=2, pp=1)
     params = {p.placeholder: p.name for p in captured.params}
     res = solve_mesh(
-        captured,
-        cluster,
-        mesh,
-        precision_spec("fp32"),
-        "adamw",
-        float("inf"),
+        MeshRequest(captured, cluster, mesh, precision_spec("fp32"), "adamw", float("inf")),
         30.0,
         allowed=seed_filter(layout, params, factory is gpt2_tiny) if layout else None,
     )

@@ -15,6 +15,7 @@ from autopar.core.errors import PlanError
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.search.sharding.strategies import Strategy
 
@@ -45,9 +46,8 @@ def layout_placements(
             return False
         return seed(node, strategy)
 
-    res = solve_mesh(
-        captured, cluster, mesh, precision, optimizer, float("inf"), LAYOUT_TIME_LIMIT_S, allowed=allowed
-    )
+    request = MeshRequest(captured, cluster, mesh, precision, optimizer, float("inf"))
+    res = solve_mesh(request, LAYOUT_TIME_LIMIT_S, allowed=allowed)
     if not res.placements:
         where = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}
         raise PlanError(f"no {kind} layout found for {captured.model_name} on mesh {where}")
