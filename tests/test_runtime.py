@@ -26,11 +26,12 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.plans.data import param_zero_stage
 from autopar.runtime.grad_accumulation import GradAccumulator
+from autopar.search.sharding.layouts import layout_placements
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_layout, random_placements
-from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
+from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny, resnet_tiny
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -241,6 +242,34 @@ def test_a_data_parallel_plan_carries_the_placements_it_runs(fake_world, monkeyp
     assert not solves
     old = autopar.parallelize(model, cluster, inputs, plan=dataclasses.replace(plan, placements={}))
     assert solves and old.plan.placements == plan.placements and old.graph.code == carried.graph.code
+
+
+@pytest.mark.parametrize("factory", [gpt2_tiny, llama_tiny, resnet_tiny])
+@pytest.mark.parametrize("kind", ["dp", "zero3"])
+def test_one_device_layouts_are_read_off_without_a_solve(factory, kind, monkeypatch):
+    """On one device every node has one strategy: the layout's placements are the ones the solve would return.
+
+    zero3 wants parameters sharded, which one device cannot: that falls back to the solve, as before.
+    """
+    model, inputs = factory()
+    captured = capture(model, inputs)
+    cluster, mesh, prec = autopar.Cluster.local(1), MeshShape(dp=1, tp=1, pp=1), precision_spec("bf16-mixed")
+    params = {p.placeholder: p.name for p in captured.params}
+    request = MeshRequest(captured, cluster, mesh, prec, "adamw", float("inf"))
+    solved = solve_mesh(request, 30.0, allowed=seed_filter(kind, params, factory is gpt2_tiny)).placements
+    solves = []
+    real = autopar.search.sharding.layouts.solve_mesh
+    monkeypatch.setattr(
+        autopar.search.sharding.layouts, "solve_mesh", lambda *a, **k: solves.append(1) or real(*a, **k)
+    )
+    if kind == "zero3" and not solved:
+        with pytest.raises(autopar.PlanError):
+            layout_placements(captured, cluster, mesh, prec, "adamw", kind)
+        assert solves
+        return
+    read = layout_placements(captured, cluster, mesh, prec, "adamw", kind)
+    assert list(read.items()) == list(solved.items())
+    assert len(solves) == (kind == "zero3")
 
 
 def test_parallelize_outside_a_job_says_how_to_launch():

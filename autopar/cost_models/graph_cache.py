@@ -3,8 +3,9 @@
 Users re-plan one model with other options (a ZeRO stage, a memory limit, a
 cluster); a 7B capture takes seconds and its result does not change. The key
 covers the model object, its parameter names, shapes and dtypes, the
-example inputs' shapes and dtypes, the loss function and the batch size the
-graph is captured at.
+loss function, and the shapes, dtypes and devices of the inputs the graph is
+captured from (the example inputs resized to the batch asked for, so that
+asking for the batch they already have reuses their capture).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ def captured_with_stats(
 ) -> tuple[CapturedGraph, GraphStats]:
     """Capture ``model`` (at ``batch`` samples if given) and read its statistics, reusing the last capture."""
     global _last
-    key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn), batch)
-    if _last is not None and _last[0] == key:
-        log.info("reusing the capture of %s", type(model).__name__)
-        return _last[1], _last[2]
     if batch is not None:
         example_inputs = resize_batch(example_inputs, batch)
         example_targets = resize_batch(example_targets, batch)
+    # keyed by the inputs as captured: a batch the examples already have is the capture without one
+    key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn))
+    if _last is not None and _last[0] == key:
+        log.info("reusing the capture of %s", type(model).__name__)
+        return _last[1], _last[2]
     captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     stats = graph_stats(captured)
     _last = (key, captured, stats)

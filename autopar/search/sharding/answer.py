@@ -23,6 +23,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.instance import EdgeCollective, ShardingProblem, charged_collectives
 from autopar.search.sharding.step_memory import step_memory
+from autopar.search.sharding.strategies import Strategy
 from autopar.solver import Solution
 
 
@@ -142,11 +143,21 @@ def read_placements(
     captured: CapturedGraph, sp: ShardingProblem, choice: list[int]
 ) -> dict[str, dict[str, Any]]:
     """Per node: op, module, chosen output placements and the placements its inputs are brought to."""
+    chosen = [sp.strategies[i][c] for i, c in enumerate(choice)]
+    return placements_of(captured, sp.nodes, chosen, sp.dp_dim)
+
+
+def placements_of(
+    captured: CapturedGraph, nodes: list[str], chosen: list[Strategy], dp_dim: int | None
+) -> dict[str, dict[str, Any]]:
+    """:func:`read_placements` of the strategies ``chosen`` for ``nodes``, however they were chosen.
+
+    ``dp_dim``: the mesh dim a parameter's ZeRO stage is written for (a dp-replicated one writes its own).
+    """
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     param_of = {p.placeholder: p.name for p in captured.params}
     out = {}
-    for i, name in enumerate(sp.nodes):
-        s = sp.strategies[i][choice[i]]
+    for name, s in zip(nodes, chosen, strict=True):
         node = by_name[name]
         out[name] = {
             "op": str(node.target) if node.op == "call_function" else node.op,
@@ -158,7 +169,7 @@ def read_placements(
             out[name]["recompute"] = "selective"
         if name in param_of:
             out[name]["param"] = param_of[name]
-            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim].is_replicate():
+            if dp_dim is not None and s.outputs[0] is not None and s.outputs[0][dp_dim].is_replicate():
                 out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
     _recompute_views(captured, out)
     return out
