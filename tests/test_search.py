@@ -66,7 +66,7 @@ def test_wide_layer_small_batch_is_megatron_tensor_parallel(wide_plan):
     assert attention and all(e["inputs"][0][1] == S(1) for e in attention)  # split by heads
     # one all-reduce, or one reduce-scatter + all-gather pair, per sub-block (attention, MLP)
     activation = 1024 * 8192 * 2  # one (seq, hidden) activation in bf16
-    kinds = [c["kind"] for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
+    kinds = [c.kind for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
     assert "all_to_all" not in kinds
     assert kinds.count("all_reduce") + kinds.count("reduce_scatter") == 2, kinds
     assert kinds.count("all_gather") == kinds.count("reduce_scatter"), kinds
