@@ -12,6 +12,7 @@ Plans before format 3 wrote the same facts as loose dicts with other keys
 
 from __future__ import annotations
 
+import copy
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -30,7 +31,7 @@ def _compact(obj: Any) -> dict[str, Any]:
             else (f.default_factory() if f.default_factory is not MISSING else MISSING)
         )
         if value != default:
-            out[f.name] = value
+            out[f.name] = copy.deepcopy(value)  # the JSON form shares nothing with the record
     return out
 
 
@@ -190,7 +191,7 @@ class OpRecords:
         return node in self.records or node in self.same_as
 
     def to_dict(self) -> dict[str, Any]:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "records"}
         body["records"] = {name: r.to_dict() for name, r in self.records.items()}
         return body
 

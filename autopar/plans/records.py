@@ -136,10 +136,8 @@ class SearchRecord:
         if body.get("pipeline"):
             body["pipeline"] = PipelineRecord(**body["pipeline"])
         body["charged"] = [ChargedCollective.from_dict(c, version) for c in body.get("charged") or []]
-        if body.get("ops"):
-            body["ops"] = OpRecords.from_dict(body["ops"], version)
-        if body.get("sharding"):
-            body["sharding"] = ShardingFacts.from_dict(body["sharding"])
+        body["ops"] = OpRecords.from_dict(body["ops"], version) if body.get("ops") else None
+        body["sharding"] = ShardingFacts.from_dict(body["sharding"]) if body.get("sharding") else None
         return cls(**body)
 
     def mesh_record(self, mesh: dict[str, int]) -> MeshRecord | None:
