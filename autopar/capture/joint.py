@@ -239,6 +239,15 @@ def capture(
     return CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls, updated)
 
 
+def state_infos(model: nn.Module) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """The model's trainable parameters and its fixed state as the joint graph takes them (placeholders unnamed)."""
+    state = _ModelState.of(model)
+    return (
+        [TensorInfo(n, "", tuple(t.shape), t.dtype) for n, t in state.trainable],
+        [TensorInfo(n, "", tuple(t.shape), t.dtype) for n, t in state.fixed],
+    )
+
+
 @dataclass
 class _ModelState:
     """The model's parameters and buffers in the joint graph's order: trainable parameters, then fixed state.
