@@ -20,7 +20,7 @@ from torch import nn
 
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.joint import capture, state_infos
-from autopar.capture.unroll import TEMPLATE_LAYERS, NotUnrollable, unroll, with_canonical_names
+from autopar.capture.unroll import TEMPLATE_LAYERS, NotUnrollable, unroll
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def capture_folded(
     loss_fn: Callable[..., Any] | None = None,
     example_targets: Any = None,
 ) -> CapturedGraph:
-    """:func:`~autopar.capture.joint.capture` with canonical names, tracing four layers of a repeated stack."""
+    """:func:`~autopar.capture.joint.capture`, tracing four layers of a repeated stack."""
     found = repeated_stack(model)
     if found is not None:
         parent, attr, path = found
@@ -48,7 +48,7 @@ def capture_folded(
             setattr(parent, attr, stack)
         params, fixed = state_infos(model)
         try:
-            return unroll(with_canonical_names(short), path, len(stack), params, fixed)
+            return unroll(short, path, len(stack), params, fixed)
         except NotUnrollable as why:
             log.info(
                 "capture: %s's layers under %s do not repeat cleanly (%s); tracing all of them",
@@ -56,7 +56,7 @@ def capture_folded(
                 path,
                 why,
             )
-    return with_canonical_names(capture(model, example_inputs, loss_fn, example_targets))
+    return capture(model, example_inputs, loss_fn, example_targets)
 
 
 def repeated_stack(model: nn.Module) -> tuple[nn.Module, str, str] | None:

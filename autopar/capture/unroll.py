@@ -72,6 +72,9 @@ class _Template:
     shared_before: list[fx.Node]  # body nodes before the first layer's forward
     shared_between: list[fx.Node]  # after the last layer's forward, before its backward
     shared_after: list[fx.Node]  # after the first layer's backward
+    seq_lo: list[int]  # the smallest autograd sequence number of each layer's forward
+    seq_end: int  # one past the last layer's
+    seq_step: int  # how far apart consecutive middle layers' sequence numbers are
 
 
 def _signature(nodes: list[fx.Node]) -> list[tuple[str, str]]:
@@ -125,7 +128,45 @@ def _template(c: CapturedGraph, stack: str) -> _Template:
             raise NotUnrollable(f"the middle layers' {kind} parts differ")
         if _pattern(parts[(1, kind)], where) != _pattern(parts[(2, kind)], where):
             raise NotUnrollable(f"the middle layers' {kind} parts read different values")
-    return _Template(where, parts, shared_before, shared_between, shared_after)
+    seq_lo, seq_end, seq_step = _sequence_numbers(parts)
+    return _Template(where, parts, shared_before, shared_between, shared_after, seq_lo, seq_end, seq_step)
+
+
+def _sequence_numbers(parts: dict[tuple[int, str], list[fx.Node]]) -> tuple[list[int], int, int]:
+    """Where each layer's autograd sequence numbers start and end, and the step between middle layers.
+
+    A backward node carries the ``seq_nr`` of the forward op it differentiates (the
+    pipeline search reads it), so the copies get theirs shifted by whole layers; the
+    two middle layers must be exactly one step apart for that to be the trace's.
+    """
+
+    def numbers(t: int, kind: str) -> list[int | None]:
+        return [n.meta.get("seq_nr") for n in parts[(t, kind)]]
+
+    lo = []
+    for t in range(TEMPLATE_LAYERS):
+        found = [s for s in numbers(t, "fwd") if s is not None]
+        if not found:
+            raise NotUnrollable(f"layer {t} has no autograd sequence numbers")
+        lo.append(min(found))
+    step = lo[2] - lo[1]
+    end = max(s for s in numbers(TEMPLATE_LAYERS - 1, "fwd") if s is not None) + 1
+
+    def outside(s: int) -> bool:  # before the layers or after them (gradient sums carry the last op's)
+        return s < lo[0] or s >= end
+
+    for kind in ("fwd", "bwd"):
+        for a, b in zip(numbers(1, kind), numbers(2, kind), strict=True):
+            if (
+                a is None
+                and b is None
+                or a is not None
+                and b is not None
+                and (b - a == step or a == b and outside(a))
+            ):
+                continue
+            raise NotUnrollable("the middle layers' autograd sequence numbers are not one layer apart")
+    return lo, end, step
 
 
 def _spans(label: list[int | None], split: int) -> dict[tuple[int, str], tuple[int, int]]:
@@ -210,9 +251,19 @@ def unroll(
         t_to, kind, pos = w
         return layered[(_target_layer(t_from, j, t_to, layers), kind, pos)]
 
+    def seq_nr(s: int, t: int | None, j: int) -> int:
+        if s < tpl.seq_lo[0]:
+            return s
+        if s >= tpl.seq_end:
+            return s + (layers - TEMPLATE_LAYERS) * tpl.seq_step
+        t_s = max(k for k in range(TEMPLATE_LAYERS) if tpl.seq_lo[k] <= s)
+        return s + (_target_layer(t, j, t_s, layers) - t_s) * tpl.seq_step
+
     def copy(n: fx.Node, t: int | None, j: int) -> fx.Node:
         out = new.node_copy(n, lambda m: arg(m, t, j))
         out.meta = dict(n.meta)
+        if "seq_nr" in n.meta:
+            out.meta["seq_nr"] = seq_nr(n.meta["seq_nr"], t, j)
         if t is not None and "autopar_module" in n.meta:
             mod = n.meta["autopar_module"]
             if _layer_of_name(mod, stack) is not None:
@@ -233,6 +284,8 @@ def unroll(
         node.meta = dict(ph_nodes[src.placeholder].meta)
         if j is not None and "autopar_module" in node.meta:
             node.meta["autopar_module"] = _renamed(node.meta["autopar_module"], stack, j)
+        if "seq_nr" in node.meta:
+            node.meta["seq_nr"] = seq_nr(node.meta["seq_nr"], None if j is None else template_layer(j), j)
         if j is None:
             copied[ph_nodes[src.placeholder]] = node
         else:
@@ -243,6 +296,8 @@ def unroll(
         node = ph_nodes[i.placeholder]
         copied[node] = new.node_copy(node)
         copied[node].meta = dict(node.meta)
+        if "seq_nr" in node.meta:
+            copied[node].meta["seq_nr"] = seq_nr(node.meta["seq_nr"], None, -1)
         infos.append(i)
 
     def run(nodes: list[fx.Node]) -> None:
@@ -273,6 +328,8 @@ def unroll(
         )
     out = new.output((arg(loss_t, None, -1), *grads))
     out.meta = dict(next(n for n in reversed(c.gm.graph.nodes) if n.op == "output").meta)
+    if "seq_nr" in out.meta:
+        out.meta["seq_nr"] = seq_nr(out.meta["seq_nr"], None, -1)
     gm = canonical_names(c.gm, new)
     loss, grad_nodes, _ = graph_results(gm, n_params)
     grad_names = {p.name: g.name for p, g in zip(new_params, grad_nodes, strict=True) if g is not None}

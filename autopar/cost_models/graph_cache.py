@@ -5,6 +5,11 @@ cluster); a 7B capture takes seconds and its result does not change. The key
 covers the model object, its parameter names, shapes and dtypes, the
 example inputs' shapes and dtypes, the loss function and the batch size the
 graph is captured at.
+
+The planner only reads the graph, so a repeated layer stack is traced four
+layers deep and written out to its full depth (:mod:`autopar.capture.fold`);
+the runtime traces the whole model and carries the plan onto it by op sequence
+(:mod:`autopar.codegen.transfer`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 
 import torch
 
-from autopar.capture.joint import CapturedGraph, capture
+from autopar.capture.fold import capture_folded
+from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
 
@@ -35,7 +41,7 @@ def captured_with_stats(
     if batch is not None:
         example_inputs = resize_batch(example_inputs, batch)
         example_targets = resize_batch(example_targets, batch)
-    captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     stats = graph_stats(captured)
     _last = (key, captured, stats)
     return captured, stats
