@@ -16,10 +16,12 @@ import pytest
 import torch
 from torch import nn
 
+import autopar
 from autopar.capture.fold import capture_folded, repeated_stack
 from autopar.capture.joint import CapturedGraph, capture
 from autopar.capture.unroll import fingerprint
-from examples.models import gpt, llama
+from autopar.codegen.transfer import same_graph
+from examples.models import gpt, llama, llama_tiny6
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,3 +131,12 @@ def test_a_branch_the_four_traced_layers_do_not_show_changes_the_fingerprint() -
     model, x = _Stack(8), torch.randn(4, 16)
     folded, whole = capture_folded(model, x), capture(model, x)
     assert fingerprint(folded.gm) != fingerprint(whole.gm)
+
+
+def test_a_plan_made_on_the_folded_capture_names_the_nodes_the_runtime_traces() -> None:
+    """The planner traces four of llama_tiny6's layers; the runtime all six: the plan's placements
+    name the runtime graph's nodes exactly (tests/test_runtime.py trains such a plan on 4 processes)."""
+    torch.manual_seed(0)
+    model, inputs = llama_tiny6()
+    plan = autopar.plan(model, inputs, autopar.Cluster.local(4), fixed={"dp": 2, "tp": 2}, precision="fp32")
+    assert same_graph(plan.placements, capture(model, inputs))
