@@ -132,6 +132,12 @@ def llama_tiny4():
     return llama(4, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 
 
+def llama_tiny6():
+    """llama_tiny with 6 layers: deep enough that the planner traces four and writes out the rest
+    (:mod:`autopar.capture.fold`), while the runtime traces all six."""
+    return llama(6, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
+
+
 def gpt2_tiny4_padded():
     """gpt2_tiny4 on padded sequences: sequence i keeps 16 - 2i labels, the rest are -100 (ignored).
 

@@ -6,6 +6,11 @@ covers the model object, its parameter names, shapes and dtypes, the
 loss function, and the shapes, dtypes and devices of the inputs the graph is
 captured from (the example inputs resized to the batch asked for, so that
 asking for the batch they already have reuses their capture).
+
+The planner only reads the graph, so a repeated layer stack is traced four
+layers deep and written out to its full depth (:mod:`autopar.capture.fold`);
+the runtime traces the whole model and carries the plan onto it by op sequence
+(:mod:`autopar.codegen.transfer`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 
 import torch
 
-from autopar.capture.joint import CapturedGraph, capture
+from autopar.capture.fold import capture_folded
+from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
 
@@ -37,7 +43,7 @@ def captured_with_stats(
     if _last is not None and _last[0] == key:
         log.info("reusing the capture of %s", type(model).__name__)
         return _last[1], _last[2]
-    captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     stats = graph_stats(captured)
     _last = (key, captured, stats)
     return captured, stats
