@@ -169,6 +169,35 @@ def mlp_tiny():
     return MLP(), (torch.randn(8, 32), torch.randn(8, 32))
 
 
+class ResidualMLPs(torch.nn.Module):
+    """``layers`` residual MLP blocks in an ``nn.ModuleList``: a layer stack with few ops per layer."""
+
+    def __init__(self, layers: int = 6, width: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MLPBlock(width, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, target)
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def mlp_deep():
+    """Six residual MLP blocks (batch 8, width 32): deep enough that the planner traces four and writes
+    out the rest (:mod:`autopar.capture.fold`) while the runtime traces all six, small enough to run."""
+    return ResidualMLPs(), (torch.randn(8, 32), torch.randn(8, 32))
+
+
 def resnet_tiny():
     """A HuggingFace ResNet (BatchNorm after every convolution) small enough for tests: two stages of one
     basic block, 8 images of 3 x 16 x 16, 4 classes. Its forward updates every BatchNorm's running

@@ -135,7 +135,7 @@ def test_a_branch_the_four_traced_layers_do_not_show_changes_the_fingerprint() -
 
 def test_a_plan_made_on_the_folded_capture_names_the_nodes_the_runtime_traces() -> None:
     """The planner traces four of llama_tiny6's layers; the runtime all six: the plan's placements
-    name the runtime graph's nodes exactly (tests/test_runtime.py trains such a plan on 4 processes)."""
+    name the runtime graph's nodes exactly (tests/test_runtime.py trains a folded plan of mlp_deep on 4 processes)."""
     torch.manual_seed(0)
     model, inputs = llama_tiny6()
     plan = autopar.plan(model, inputs, autopar.Cluster.local(4), fixed={"dp": 2, "tp": 2}, precision="fp32")

@@ -31,7 +31,7 @@ from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_layout, random_placements
-from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, llama_tiny6, mlp_tiny, resnet_tiny
+from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -88,7 +88,7 @@ def test_plans_on_4_processes_train_like_one_device():
     ]
     count = int(os.environ.get("AUTOPAR_FUZZ_PLANS", "1"))
     cases += [(llama_tiny, plan_with_layout_random(llama_tiny, seed)) for seed in range(count)]
-    cases += [(llama_tiny6, plan_with_layout_random(llama_tiny6, 0))]  # planned on a folded capture
+    cases += [(mlp_deep, plan_with_layout_random(mlp_deep, 0))]  # planned on a folded capture
     cases += [
         (gpt2_tiny, _accumulating_plan(gpt2_tiny)),
         (gpt2_tiny4_padded, _loss_split_plan(gpt2_tiny4_padded, 4, 2, 2)),
