@@ -1,24 +1,27 @@
-"""A joint graph of L repeated layers, written from the trace of three.
+"""A joint graph of L repeated layers, written from the trace of four.
 
 Tracing is what capture spends its time on (torch.export, then the joint trace:
 about 0.3 s a LLaMA-7B layer on one core), and a transformer is one layer
-repeated. So the planner traces the model with its layer stack cut to three
-layers (the first, one middle, the last) and writes the joint graph of all L
-from it: the middle layer's forward is copied L - 2 times in order, its backward
-L - 2 times in reverse, each copy reading the copy before or after it where the
-template read its neighbour, and the parameters of every layer get their
-placeholders and gradient outputs.
+repeated. So the planner traces the model with its layer stack cut to four
+layers (the first, two middle ones, the last) and writes the joint graph of all
+L from it: the first middle layer's forward is copied L - 2 times in order, its
+backward L - 2 times in reverse, each copy reading the copy before or after it
+where the template read its neighbour; every layer gets its parameter
+placeholders and gradient outputs, and autograd sequence numbers shifted by
+whole layers.
 
 The copy is exact only if every middle layer traces like the template. That is
-checked where it can be: the three traced layers must have the same ops in the
-same order (forward and backward), every reference must stay within one layer of
-its own, and nothing outside the layers may read the middle one (a loss summed
-over every layer, as a mixture of experts' load balancing does, would need all
-of them). A layer whose Python branches on its own index in a way the first
-three do not show cannot be seen from here: the graph names are canonical
-(:func:`canonical_names`), so the full trace taken at run time has the same
-names exactly when it has the same ops, and :func:`fingerprint` tells the two
-apart.
+checked where it can be: the two traced middle layers must have the same ops in
+the same order (forward and backward), read their inputs alike relative to their
+own layer, and carry sequence numbers exactly one layer apart; every reference
+must stay within one layer of its own, and nothing outside the layers may read a
+middle one (a loss summed over every layer, as a mixture of experts' load
+balancing can be, would need all of them). A layer whose Python branches on its
+own index in a way the four traced layers do not show cannot be seen from here:
+the graph names are canonical (:func:`canonical_names`), so the runtime's full
+trace has the same names exactly when it has the same ops (:func:`fingerprint`
+tells the two apart), and the runtime carries a plan over by op alignment
+(:mod:`autopar.codegen.transfer`) where they differ.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ _SUFFIX = re.compile(r"_\d+$")
 
 
 class NotUnrollable(Exception):
-    """The three traced layers do not repeat cleanly; the message says where."""
+    """The traced layers do not repeat cleanly; the message says where."""
 
 
 def _layer_of_name(name: str, stack: str) -> int | None:
@@ -65,7 +68,7 @@ def _placeholder_name(prefix: str, name: str) -> str:
 
 @dataclass
 class _Template:
-    """Where each node of the three-layer graph sits: (layer, part, position) or shared (None)."""
+    """Where each node of the four-layer graph sits: (layer, part, position) or shared (None)."""
 
     where: dict[fx.Node, tuple[int, str, int] | None]
     parts: dict[tuple[int, str], list[fx.Node]]  # (layer, "ph" | "fwd" | "bwd") -> nodes in order
@@ -227,11 +230,11 @@ def _target_layer(t_from: int | None, j: int, t_to: int, layers: int) -> int:
 def unroll(
     c: CapturedGraph, stack: str, layers: int, params: list[TensorInfo], fixed: list[TensorInfo]
 ) -> CapturedGraph:
-    """The joint graph of ``layers`` layers under ``stack`` from ``c``, the trace with three.
+    """The joint graph of ``layers`` layers under ``stack`` from ``c``, the trace with four.
 
     ``params`` and ``fixed`` list the full model's trainable parameters and its fixed
     state (buffers), in the joint graph's order, with shapes and dtypes (placeholder
-    names are filled here). Raises :class:`NotUnrollable` when the three layers do not
+    names are filled here). Raises :class:`NotUnrollable` when the traced layers do not
     repeat cleanly.
     """
     if c.updated:
