@@ -140,3 +140,16 @@ def test_a_plan_made_on_the_folded_capture_names_the_nodes_the_runtime_traces() 
     model, inputs = llama_tiny6()
     plan = autopar.plan(model, inputs, autopar.Cluster.local(4), fixed={"dp": 2, "tp": 2}, precision="fp32")
     assert same_graph(plan.placements, capture(model, inputs))
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+
+
+def test_the_stack_is_the_outermost_list_not_the_experts_inside_each_layer() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_Experts() for _ in range(6))
+    parent, attr, path = repeated_stack(model)
+    assert (parent, attr, path) == (model, "layers", "layers")

@@ -44,11 +44,15 @@ def capture_folded(
         try:
             setattr(parent, attr, nn.ModuleList(list(stack)[:TEMPLATE_LAYERS]))
             short = capture(model, example_inputs, loss_fn, example_targets)
+        except Exception as why:  # noqa: BLE001 - a forward that needs every layer is traced whole
+            short = None
+            log.info("capture: %s with %s cut short does not trace (%s)", type(model).__name__, path, why)
         finally:
             setattr(parent, attr, stack)
         params, fixed = state_infos(model)
         try:
-            return unroll(short, path, len(stack), params, fixed)
+            if short is not None:
+                return unroll(short, path, len(stack), params, fixed)
         except NotUnrollable as why:
             log.info(
                 "capture: %s's layers under %s do not repeat cleanly (%s); tracing all of them",
@@ -60,15 +64,21 @@ def capture_folded(
 
 
 def repeated_stack(model: nn.Module) -> tuple[nn.Module, str, str] | None:
-    """The longest ``nn.ModuleList`` of like layers: (its parent, its attribute name, its path); None if none."""
-    best: tuple[int, tuple[nn.Module, str, str]] | None = None
+    """The outermost ``nn.ModuleList`` of like layers (the longest of those): (parent, attribute, path).
+
+    Outermost, so that a mixture of experts' list of experts inside each layer is
+    never taken for the layer stack. None if there is none.
+    """
+    found: list[tuple[int, str, nn.Module, str]] = []
     for path, parent in model.named_modules():
         for attr, child in parent.named_children():
             if isinstance(child, nn.ModuleList) and len(child) >= MIN_LAYERS and _alike(list(child)):
-                full = f"{path}.{attr}" if path else attr
-                if best is None or len(child) > best[0]:
-                    best = (len(child), (parent, attr, full))
-    return None if best is None else best[1]
+                found.append((len(child), f"{path}.{attr}" if path else attr, parent, attr))
+    outer = [f for f in found if not any(f[1].startswith(g[1] + ".") for g in found)]
+    if not outer:
+        return None
+    _, full, parent, attr = max(outer, key=lambda f: f[0])
+    return parent, attr, full
 
 
 def _alike(layers: list[nn.Module]) -> bool:
