@@ -1,6 +1,8 @@
 """The sharding search picks the layouts practitioners pick: Megatron tensor parallel for a wide layer
 at a small batch, plain data parallel for a narrow layer at a large batch."""
 
+import math
+
 import pytest
 
 import autopar
@@ -10,8 +12,10 @@ from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
 from autopar.cost_models.memory import precision_spec
+from autopar.hardware.cluster import MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
+from autopar.search.pipeline.preview import HOPELESS, Preview
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from examples.models import llama, llama_tiny
 
@@ -109,3 +113,20 @@ def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():
     assert [r.mesh.tp for r in every] == [4, 2, 1]
     best, first = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0, deadline=0.0)
     assert [r.mesh.tp for r in first] == [4] and best is first[0]
+
+
+def test_the_first_pipeline_of_a_neighbouring_tp_is_costed_however_it_previews():
+    """Figures carried over from a mesh without a pipeline preview a tp's pipelines up to 15% slow (GPT 39B on
+    512 A100s: tp = 8 previewed past the costed tp = 4 pipeline, then costed faster), so the first pipeline of
+    half or twice the fastest costed tp is costed; once its tp has been costed, the preview may rule it out."""
+    preview = Preview.__new__(Preview)  # the rule alone: previewed steps given, no graph
+    preview.figures, preview.tried, preview.flat_best = {4: None, 8: None}, set(), 10.0
+    preview.best, preview.best_mesh = (math.inf, 0), None
+    steps = {4: 9.0, 8: 12.0}
+    preview.step = lambda mesh: steps[mesh.tp]
+    tp4, tp8, tp8_deeper = MeshShape(32, 4, 4), MeshShape(32, 8, 2), MeshShape(16, 8, 4)
+    assert not preview.hopeless(tp8)  # nothing costed yet: every tp with figures gets a pipeline costed
+    preview.costed(tp4, 8.97)
+    assert not preview.hopeless(tp8)  # 12 > 1.1 x 8.97, but tp = 8 has no costed pipeline yet
+    preview.costed(tp8, 8.65)
+    assert 12.0 > 8.65 * (1 + HOPELESS) and preview.hopeless(tp8_deeper)
