@@ -60,7 +60,9 @@ Edges E_uv[a, b] (seconds), every matrix built by :func:`resharding_matrix`
         gathered where an op computes with it, not into a view the backward would keep alive
     gradient synchronisation (:func:`grad_sync_edges`), grad of p → p:
         E[a, (b, z)] = bring the gradient to p's placement b; a partial sum over d is
-        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d
+        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d; each collective
+        costs its bytes' share of a full bucket's, t(BUCKET) · bytes / BUCKET, since gradients
+        are sent in buckets (the estimate costs the buckets themselves: autopar.search.sharding.answer)
     buffer update (:func:`buffer_update_edges`), new value of an in-place updated buffer → the buffer:
         E[a, b] = redistribute(new value under a → the buffer's placement under b)
 
@@ -101,6 +103,7 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, roofline_time
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
 from autopar.cost_models.reshard import INF, grad_sync_steps, shard_factor
+from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.graph_facts import GraphFacts, graph_facts
@@ -129,7 +132,7 @@ class Memo:
     rows: dict[tuple, NodeRow] = field(default_factory=dict)
     list_numbers: dict[tuple[int, ...], int] = field(default_factory=dict)  # distinct strategy lists
     matrices: dict[tuple, list[float]] = field(default_factory=dict)
-    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero) -> seconds
+    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero, bucketed) -> seconds
     # the placements an edge's ends have and need, per strategy, numbered once per strategy list
     haves: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
     needs: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
@@ -556,24 +559,34 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
     # such views, and the gathered parameter would stay alive from the forward to the backward
     pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
-    key = (have_id, need_id, info.nbytes, pinned)
+    bucketed = info.kind == "grad-sync"
+    key = (have_id, need_id, info.nbytes, pinned, bucketed)
     row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
         row = ctx.memo.matrices[key] = [
-            _move_time(ctx, have, b, info.nbytes, zero, pinned) for have in haves for b, zero in need
+            _move_time(ctx, have, b, info.nbytes, zero, pinned, bucketed) for have in haves for b, zero in need
         ]
     return row
 
 
-def _move_time(ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool) -> float:
-    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be)."""
+def _move_time(
+    ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool, bucketed: bool = False
+) -> float:
+    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be).
+
+    ``bucketed``: a gradient's synchronisation, sent in buckets with the other gradients, costs its share
+    of a full bucket's collective, ``t(BUCKET_BYTES) · bytes / BUCKET_BYTES``: linear in its bytes, as the
+    objective needs, and summing to the estimate's bucketed time (:func:`autopar.cost_models.comm.bucketed_time`)
+    to within one bucket's latency.
+    """
     if have is None or need is None:
         return 0.0
-    t = ctx.memo.moves.get((have, need, nbytes, zero))
+    key = (have, need, nbytes, zero, bucketed)
+    t = ctx.memo.moves.get(key)
     if t is None:
         steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
-        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links)
-        t = ctx.memo.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
+        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links, bucketed)
+        t = ctx.memo.moves[key] = FORBIDDEN_S if t == INF else t
     return FORBIDDEN_S if pinned and t > 0 else t
 
 
@@ -623,5 +636,11 @@ def repeated_layer_groups(gm: fx.GraphModule, sp: ShardingProblem) -> list[list[
     return [[index[n] for n in g] for g in groups] or None
 
 
-def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
+def _steps_time(
+    steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link], bucketed: bool = False
+) -> float:
+    if bucketed:
+        return sum(
+            collective_time(kind, BUCKET_BYTES, mesh_shape[d], links[d]) * b / BUCKET_BYTES for kind, d, b in steps
+        )
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
