@@ -14,7 +14,11 @@ Conventions, shared by every function below:
   each rank holds; for broadcast and send_recv the buffer sent.
 - ``n`` is the number of ranks in the group; n == 1 costs nothing.
 - ``link.bandwidth`` is bytes/s per GPU per direction; ``efficiency``
-  divides it (1.0 = line rate).
+  (default ``LINK_EFFICIENCY``) multiplies it: the fraction of the line rate
+  NCCL's bus bandwidth reaches on large messages, calibrated by
+  ``benchmarks/calibrate.py``.
+- Gradients and ZeRO's gathers go in buckets (:func:`bucketed_time`): the
+  latency term is paid per bucket, not per tensor.
 
 Nothing here compares ``nbytes`` with a number unless it is one, so a sympy
 expression for the size passes through and the time stays symbolic.

@@ -1,10 +1,24 @@
 """The costing of a chosen answer to a sharding problem: its estimate, placements and collectives.
 
 The Estimate reads the chosen strategies back through the same cost terms
-the MILP minimised, then adds what the linear objective cannot express:
-gradient synchronisation overlaps the backward pass (bucketed, as DDP
-does), so only the part of it that outlasts the backward compute, or the
-last bucket, is exposed.
+the MILP minimised, then adds what the linear objective cannot express, the
+overlap of communication with compute, as the analytic data-parallel model
+(:mod:`autopar.cost_models.step`) does, so that one layout costs the same on
+either path:
+
+    step      = compute + exposed + optimizer
+    exposed   = data + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd) + Z
+    X(c, w)   = max(c − w, the last bucket's share of c)
+
+where ``data`` is every activation moved between ops (tensor-parallel
+collectives included: on the critical path), G_fwd / G_bwd the parameters
+moved to forward / backward ops (ZeRO-3's all-gathers, once per micro-batch,
+prefetched under the pass that reads them, as FSDP does), R the gradient
+synchronisation in buckets (:func:`autopar.cost_models.comm.bucketed_time`;
+a partial gradient reduced on its way to the gradient, a bias's ``sum``,
+counts as gradient synchronisation), T_fwd / T_bwd the forward and backward
+compute, and Z ZeRO-1/2's gather of the stepped shards after the optimizer
+(in buckets, nothing left to hide it under).
 """
 
 from __future__ import annotations
