@@ -78,9 +78,11 @@ class ComputeEfficiency:
                 )
 
 
-# Fitted by benchmarks/calibrate.py to published measured throughputs (Megatron-LM GPT 1.7B on
-# 32 A100s; torchtitan Llama 3 8B on 64 A100s), unfused eager ATen ops being charged one by one.
-# Rerun it after any change to the cost model and copy its figures here.
+# Fitted to two published data-parallel runs (Megatron-LM GPT 1.7B on 32 A100s; torchtitan Llama 3
+# 8B on 64 A100s), unfused eager ATen ops being charged one by one. benchmarks/calibrate.py now fits
+# three factors on eighteen runs; its fit (README, Calibration) is a compromise between run families
+# the model does not tell apart (fused kernels, overlapped tensor-parallel communication) that puts
+# memory-bound ops at the full HBM bandwidth, which no device reaches: it is not used here.
 DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.81, memory=0.40)
 
 _DTYPE_ALIASES = {
