@@ -77,8 +77,10 @@ C. torchtitan, FSDP2 (ZeRO 3), bf16, eager:
      checkpointing, 331 tokens/s/GPU; sequence 8,192.
 
 Runs left out: torchtitan's 70B and 405B H100 runs train in Float8 and
-autopar has no fp8 peak; Llama 3 405B (Meta, 2024) publishes TFLOP/s per GPU
-without the micro-batch count and schedule its 1F1B variant ran.
+autopar has no fp8 peak. Llama 3 405B (Meta, 2024; 8,192 H100, tp 8, pp 16,
+16M tokens a batch, 430 TFLOP/s per GPU) was found only in a secondary page
+(glennklockwood.com/garden/llama-3.1, quoting an SC'24 slide), which gives
+neither the micro-batch count nor the pipeline schedule.
 """
 
 from __future__ import annotations

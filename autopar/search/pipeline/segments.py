@@ -18,7 +18,7 @@ from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
-from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem, gradient_chain
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
@@ -131,14 +131,21 @@ def _add_node_figures(
 def _add_edge_figures(
     f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
 ) -> None:
-    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch."""
+    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch.
+
+    A partial gradient reduced on its way to the gradient (a bias's ``sum``, a norm's
+    weight gradient) is gradient synchronisation too, wherever the solver put its
+    collective (:func:`autopar.search.sharding.instance.gradient_chain`): it overlaps
+    with the last backward, as the flat estimate has it, not with every micro-batch's.
+    """
     p = sp.problem
     backward = set(sp.backward_nodes)
     grad_edges = set(sp.grad_edges)
+    chain = gradient_chain(sp)
     for e, (u, v) in enumerate(p.edges):
         cost = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
         seg = index_seg[v]
-        if e in grad_edges:
+        if e in grad_edges or (sp.edge_info[e].kind == "data" and sp.edge_info[e].dst in chain):
             f.sync[seg] += cost
         elif v in backward:
             f.bwd[seg] += cost / m

@@ -8,6 +8,7 @@ import the builder.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,7 +95,8 @@ def parameter_sourced(sp: ShardingProblem) -> set[str]:
 
 def gradient_chain(sp: ShardingProblem) -> set[str]:
     """Names of the nodes that only make parameter gradients: the gradients, and backward nodes whose every
-    reader is one of them (a bias's ``sum`` then its ``view``, a norm's ``getitem``).
+    reader is one of them and as large (a bias's ``sum`` then its ``view``, a norm's ``getitem``; not the
+    activation a weight gradient's matmul reads, whose moves are on the backward's critical path).
 
     Moving such a value is gradient synchronisation wherever on the chain the
     solver puts it: it overlaps with the rest of the backward and is sent in
@@ -107,10 +109,16 @@ def gradient_chain(sp: ShardingProblem) -> set[str]:
         node = sp.facts.by_name.get(name)
         if node is None or name in out:
             continue
-        users = [u.name for u in node.users if u.op != "output"]
-        if users and all(u in out for u in users):
+        users = [u for u in node.users if u.op != "output"]
+        size = _numel(node)
+        if users and size and all(u.name in out and _numel(u) == size for u in users):
             out.add(name)
     return out
+
+
+def _numel(node) -> int:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return math.prod(int(d) for d in shape) if shape is not None else 0
 
 
 def per_microbatch_grad_sync(sp: ShardingProblem, strategy: Strategy) -> bool:
