@@ -18,7 +18,7 @@ from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
-from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem, gradient_chain, parameter_sourced
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
@@ -70,6 +70,8 @@ def segment_figures(
             grad_sync_s=f.sync[j],
             boundary_bytes=f.boundary[j],
             params=f.params[j],
+            forward_fixed_s=f.fwd_fixed[j],
+            backward_fixed_s=f.bwd_fixed[j],
         )
         for j in range(k)
     ]
@@ -88,10 +90,12 @@ class _SegmentFigures:
     sync: list[float]
     params: list[int]
     boundary: list[float]
+    fwd_fixed: list[float]  # per micro-batch, whatever its size: parameters moved to the ops that read them
+    bwd_fixed: list[float]
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
-        return cls(*([0.0] * k for _ in range(7)), [0] * k, [0.0] * k)
+        return cls(*([0.0] * k for _ in range(7)), [0] * k, [0.0] * k, [0.0] * k, [0.0] * k)
 
 
 def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
@@ -131,19 +135,33 @@ def _add_node_figures(
 def _add_edge_figures(
     f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
 ) -> None:
-    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch."""
+    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch.
+
+    A partial gradient reduced on its way to the gradient (a bias's ``sum``, a norm's
+    weight gradient) is gradient synchronisation too, wherever the solver put its
+    collective (:func:`autopar.search.sharding.instance.gradient_chain`): it overlaps
+    with the last backward, as the flat estimate has it, not with every micro-batch's.
+    """
     p = sp.problem
     backward = set(sp.backward_nodes)
     grad_edges = set(sp.grad_edges)
+    chain = gradient_chain(sp)
+    moved = parameter_sourced(sp)
     for e, (u, v) in enumerate(p.edges):
         cost = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
         seg = index_seg[v]
-        if e in grad_edges:
+        info = sp.edge_info[e]
+        fixed = info.kind == "data" and info.src in moved  # moved again for every micro-batch
+        if e in grad_edges or (info.kind == "data" and info.dst in chain):
             f.sync[seg] += cost
         elif v in backward:
             f.bwd[seg] += cost / m
+            if fixed:
+                f.bwd_fixed[seg] += cost / m
         else:
             f.fwd[seg] += cost / m
+            if fixed:
+                f.fwd_fixed[seg] += cost / m
 
 
 def _add_activation_memory(f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int]) -> None:
@@ -231,7 +249,8 @@ def rescale(segments: list[Segment], measured: int, microbatches: int) -> list[S
 
     A micro-batch is ``1/m`` of the rank's batch: its compute, activations and the
     bytes it sends scale with that (every op of the graph is linear in the batch);
-    the per-step figures (states, optimizer, gradient sync) do not change.
+    the per-step figures (states, optimizer, gradient sync) do not change, nor do
+    the parameters a micro-batch moves to its ops (``forward_fixed_s``, ``backward_fixed_s``).
     """
     if measured == microbatches:
         return segments
@@ -239,8 +258,8 @@ def rescale(segments: list[Segment], measured: int, microbatches: int) -> list[S
     return [
         replace(
             s,
-            forward_s=s.forward_s * f,
-            backward_s=s.backward_s * f,
+            forward_s=(s.forward_s - s.forward_fixed_s) * f + s.forward_fixed_s,
+            backward_s=(s.backward_s - s.backward_fixed_s) * f + s.backward_fixed_s,
             saved_bytes=s.saved_bytes * f,
             transient_bytes=s.transient_bytes * f,
             boundary_bytes=s.boundary_bytes * f,

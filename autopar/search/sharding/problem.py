@@ -61,7 +61,9 @@ every matrix built by its :func:`resharding_matrix`
         gathered where an op computes with it, not into a view the backward would keep alive
     gradient synchronisation (:func:`grad_sync_edges`), grad of p → p:
         E[a, (b, z)] = bring the gradient to p's placement b; a partial sum over d is
-        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d
+        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d; each collective
+        costs its bytes' share of a full bucket's, t(BUCKET) · bytes / BUCKET, since gradients
+        are sent in buckets (the estimate costs the buckets themselves: autopar.search.sharding.answer)
     buffer update (:func:`buffer_update_edges`), new value of an in-place updated buffer → the buffer:
         E[a, b] = redistribute(new value under a → the buffer's placement under b)
 
