@@ -54,8 +54,10 @@ B. Megatron-Core r0.8.0 weak scaling on H100 (DGX H100, 8 x NDR 400 Gb/s per
    heads, hidden, layers, tp, pp, dp, GPUs, batch, TFLOP/s per GPU and MFU;
    vocabulary 131,072, sequence 4,096 (README text); overlapped DP gradient
    reduce and parameter gather (hence the distributed optimizer, ZeRO 1), TP
-   communication overlap. MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs,
-   taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. Assumed: no activation
+   communication overlap (costed as such, :mod:`autopar.cost_models.overlap`:
+   the tensor-parallel collectives pipelined with the GEMMs next to them; every
+   other run is costed with autopar's own runtime, which does not overlap them).
+   MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs, taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. Assumed: no activation
    recompute, micro-batch 1, 1F1B, a GPT-3-style block (GeLU MLP of 4h, the GeLU
    one kernel as in A; attention one fused kernel, as Transformer Engine's flash
    attention runs it).
@@ -99,7 +101,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopar  # noqa: E402
-from autopar.cost_models import comm, compute  # noqa: E402
+from autopar.cost_models import comm, compute, overlap  # noqa: E402
 from autopar.cost_models.compute import ComputeEfficiency  # noqa: E402
 from autopar.hardware.cluster import DEVICES  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
@@ -127,6 +129,8 @@ class Run:
     tokens_per_gpu_s: float  # published throughput
     fit: bool = False
     attention: str = "sdpa"  # HuggingFace's attention: "sdpa" (one fused kernel) or "eager" (its ops one by one)
+    # what the run's runtime overlaps beyond autopar's own (its source names it): Megatron-Core's TP overlap
+    runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
     notes: str = ""
 
     @property
@@ -180,6 +184,7 @@ def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tf
         fixed,
         tflops * 1e12 / flops_per_token,
         fit,
+        runtime=overlap.Runtime(tp_comm_overlap=True),
     )
 
 
@@ -240,10 +245,15 @@ def set_factors(matmul: float, memory: float, link: float) -> None:
 
 
 def step_time(run: Run, model, inputs) -> float:
-    """The planner's step time for the run's pinned configuration at the factors currently set."""
-    plan = autopar.plan(
-        model, inputs, run.cluster, global_batch_size=run.batch, fixed=run.fixed, time_limit_s=30
-    )
+    """The planner's step time for the run's pinned configuration at the factors currently set,
+    costed with the runtime the run used."""
+    overlap.RUNTIME = run.runtime
+    try:
+        plan = autopar.plan(
+            model, inputs, run.cluster, global_batch_size=run.batch, fixed=run.fixed, time_limit_s=30
+        )
+    finally:
+        overlap.RUNTIME = overlap.AUTOPAR_RUNTIME
     if not plan.estimate.fits:
         run.notes = f"over memory ({plan.estimate.memory.peak / 1e9:.0f} GB)"
     return plan.estimate.step_time_s

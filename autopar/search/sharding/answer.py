@@ -7,11 +7,14 @@ overlap of communication with compute, as the analytic data-parallel model
 either path:
 
     step      = compute + exposed + optimizer
-    exposed   = data + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd) + Z
+    exposed   = data + Y(P_fwd, T_fwd) + Y(P_bwd, T_bwd) + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd) + Z
     X(c, w)   = max(c − w, the last bucket's share of c)
 
-where ``data`` is every activation moved between ops (tensor-parallel
-collectives included: on the critical path), G_fwd / G_bwd the parameters
+where ``data`` is every activation moved between ops (on the critical path),
+P_fwd / P_bwd the tensor-parallel collectives among them when the runtime the
+estimate describes overlaps them with GEMMs, Y their exposed part
+(:func:`autopar.cost_models.overlap.tp_exposed`; autopar's own runtime does not
+overlap them: P = 0 and they stay in ``data``), G_fwd / G_bwd the parameters
 moved to forward / backward ops (ZeRO-3's all-gathers, once per micro-batch,
 prefetched under the pass that reads them, as FSDP does), R the gradient
 synchronisation in buckets (:func:`autopar.cost_models.comm.bucketed_time`;
@@ -30,6 +33,7 @@ import torch
 
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
 from autopar.core.mesh import SHARDING_AXES
+from autopar.cost_models import overlap
 from autopar.cost_models.comm import bucketed_time, collective_time
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import Estimate
@@ -37,11 +41,13 @@ from autopar.cost_models.reshard import grad_sync_steps
 from autopar.cost_models.step import BUCKET_BYTES, exposed_part
 from autopar.hardware.cluster import Cluster
 from autopar.search.sharding.instance import (
+    TP_DIM,
     ShardingProblem,
     charged_collectives,
     gradient_chain,
     parameter_sourced,
     per_microbatch_grad_sync,
+    tp_seconds,
 )
 from autopar.search.sharding.step_memory import step_memory
 from autopar.solver import Solution
@@ -105,8 +111,11 @@ def evaluate(
     comm = _step_comm(sp, choice, mesh_shape, links)
     # the parameters' gathers hide under the pass that reads them, the gradients' reduction under the
     # backward; ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
+    tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
     exposed = (
         comm.data
+        + overlap.tp_exposed(comm.tp_forward, compute - backward, tp)
+        + overlap.tp_exposed(comm.tp_backward, backward, tp)
         + exposed_part(comm.gather_forward, compute - backward, comm.gathered_forward_bytes)
         + exposed_part(
             comm.gather_backward + comm.grad, backward, comm.gathered_backward_bytes or comm.grad_bytes
@@ -148,6 +157,10 @@ class StepComm:
     """A chosen answer's communication per step, by what it can hide under (seconds; bytes per micro-batch)."""
 
     data: float = 0.0  # activations moved between ops: on the critical path
+    # of those, the tensor-parallel collectives a runtime may overlap with GEMMs (autopar.cost_models.overlap);
+    # counted apart only when the runtime the estimate describes does so
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
     gather_forward: float = 0.0  # parameters moved to forward ops (ZeRO-3's all-gathers)
     gather_backward: float = 0.0  # parameters moved to backward ops
     gathered_forward_bytes: float = 0.0  # one micro-batch's, whole (before sharding)
@@ -158,7 +171,7 @@ class StepComm:
 
     @property
     def total(self) -> float:
-        return self.data + self.gather_forward + self.gather_backward + self.grad + self.zero_gather
+        return self.data + self.tp_forward + self.tp_backward + self.gather_forward + self.gather_backward + self.grad + self.zero_gather
 
 
 def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...], links: list) -> StepComm:
@@ -200,7 +213,7 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
                 out.gather_forward += c
                 out.gathered_forward_bytes += info.nbytes
         else:
-            out.data += c
+            _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward)
     for (kind, d, rounds), nbytes in buckets.items():
         out.grad += rounds * bucketed_time(kind, nbytes, mesh_shape[d], links[d], BUCKET_BYTES)[0]
     stepped = sum(sp.state_parts[i][choice[i]][0] for i in sp.param_nodes if sp.strategies[i][choice[i]].zero)
@@ -208,6 +221,23 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
         d = sp.dp_dim
         out.zero_gather = bucketed_time("all_gather", stepped, mesh_shape[d], links[d], BUCKET_BYTES)[0]
     return out
+
+
+def _add_data(
+    out: StepComm, sp: ShardingProblem, e: int, choice: list[int], mesh_shape, links, cost: float, in_backward: bool
+) -> None:
+    """An activation's move: on the critical path, its tensor-parallel part apart when the runtime overlaps it."""
+    info = sp.edge_info[e]
+    tp = 0.0
+    if overlap.RUNTIME.tp_comm_overlap and info.kind == "data" and cost > 0:
+        u, v = sp.problem.edges[e]
+        a, b = sp.strategies[u][choice[u]], sp.strategies[v][choice[v]]
+        tp = min(cost, tp_seconds(info, a, b, mesh_shape, links, sp.dp_dim))
+    out.data += cost - tp
+    if in_backward:
+        out.tp_backward += tp
+    else:
+        out.tp_forward += tp
 
 
 def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:

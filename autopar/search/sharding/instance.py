@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements
+from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import grad_sync_steps
 from autopar.search.sharding.graph_facts import GraphFacts
 from autopar.search.sharding.strategies import Strategy
@@ -132,6 +134,27 @@ def per_microbatch_grad_sync(sp: ShardingProblem, strategy: Strategy) -> bool:
     out = strategy.outputs[0]
     dp_sharded = sp.dp_dim is not None and out is not None and not out[sp.dp_dim].is_replicate()
     return strategy.zero == 2 or dp_sharded
+
+
+TP_DIM = SHARDING_AXES.index("tp")
+"""The mesh dim of the tensor-parallel axis in a per-op placement list."""
+
+
+def tp_seconds(
+    info: EdgeInfo, a: Strategy, b: Strategy, mesh_shape: tuple[int, ...], links: list, dp_dim: int | None
+) -> float:
+    """Seconds of a data edge's move (source under ``a``, reader under ``b``) that run on the tensor-parallel axis.
+
+    The collectives of one edge can span both mesh dims (a batch split over dp
+    gathered while a hidden dim is reduced over tp); only the tp axis's are
+    tensor-parallel collectives a runtime may overlap with GEMMs
+    (:mod:`autopar.cost_models.overlap`).
+    """
+    have, need = info.have(a), info.need(b)
+    if have is None or need is None or len(mesh_shape) <= TP_DIM or mesh_shape[TP_DIM] == 1:
+        return 0.0
+    steps = grad_sync_steps(have, need, 0, info.nbytes, mesh_shape, dp_dim) or []
+    return sum(collective_time(k, size, mesh_shape[d], links[d]) for k, d, size in steps if d == TP_DIM)
 
 
 def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]) -> list[dict]:
