@@ -47,6 +47,7 @@ from autopar.cost_models.graph_cache import captured_with_stats  # noqa: E402
 from autopar.cost_models.memory import PRECISIONS  # noqa: E402
 from autopar.search.pipeline.mesh import solve_pipeline_mesh  # noqa: E402
 from autopar.search.sharding.mesh import search_meshes, solve_mesh  # noqa: E402
+from autopar.search.sharding.request import MeshRequest  # noqa: E402
 from autopar.search.sharding.seeds import seed_filter  # noqa: E402
 from autopar.search.sharding.strategies import enumerate_strategies  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
@@ -69,35 +70,17 @@ def run(name: str, build, cluster: Cluster, batch: int, time_limit: float) -> di
     dp_mesh = cluster.check_mesh(dp=world, tp=1)
     strategies = enumerate_strategies(captured.gm, (world, 1), ("dp", "tp"))
     for kind in ("dp", "zero3"):
-        res = solve_mesh(
-            captured,
-            cluster,
-            dp_mesh,
-            prec,
-            "adamw",
-            limit,
-            time_limit / 4,
-            allowed=seed_filter(kind, params, conv1d),
-            strategies=strategies,
-            recompute=True,  # as the search solves its seeds: the same problem, so a ratio >= 1 by construction
-        )
+        # recompute as the search solves its seeds: the same problem, so a ratio >= 1 by construction
+        request = MeshRequest(captured, cluster, dp_mesh, prec, "adamw", limit, recompute=True)
+        res = solve_mesh(request, time_limit / 4, allowed=seed_filter(kind, params, conv1d), strategies=strategies)
         out[kind] = res.estimate.step_time_s if res.estimate.fits else float("inf")
     best_meg, best_tp = float("inf"), None
     tp = 2
     while tp <= min(cluster.gpus_per_node, world):
         if batch % (world // tp) == 0:
             mesh = cluster.check_mesh(dp=world // tp, tp=tp)
-            res = solve_mesh(
-                captured,
-                cluster,
-                mesh,
-                prec,
-                "adamw",
-                limit,
-                time_limit / 4,
-                allowed=seed_filter("megatron", params, conv1d),
-                recompute=True,
-            )
+            request = MeshRequest(captured, cluster, mesh, prec, "adamw", limit, recompute=True)
+            res = solve_mesh(request, time_limit / 4, allowed=seed_filter("megatron", params, conv1d))
             if res.estimate.fits and res.estimate.step_time_s < best_meg:
                 best_meg, best_tp = res.estimate.step_time_s, tp
         tp *= 2
@@ -127,23 +110,12 @@ def hand_set_megatron(captured, cluster: Cluster, layers: int, time_limit: float
             if layers % pp or world % (tp * pp) or captured.batch_size % (world // (tp * pp)):
                 continue
             mesh = cluster.check_mesh(dp=world // (tp * pp), tp=tp, pp=pp)
+            request = MeshRequest(captured, cluster, mesh, prec, "adamw", limit, recompute=True)
             if pp == 1:
-                res = solve_mesh(
-                    captured, cluster, mesh, prec, "adamw", limit, time_limit, allowed=seed, recompute=True
-                )
+                res = solve_mesh(request, time_limit, allowed=seed)
                 step = res.estimate.step_time_s if res.estimate.fits else float("inf")
             else:
-                res = solve_pipeline_mesh(
-                    captured,
-                    cluster,
-                    mesh,
-                    prec,
-                    "adamw",
-                    limit,
-                    time_limit,
-                    layouts=("megatron",),
-                    even_cuts=True,
-                )
+                res = solve_pipeline_mesh(request, time_limit, layouts=("megatron",), even_cuts=True)
                 step = res.estimate.step_time_s if res is not None else float("inf")
             if step < best[0]:
                 best = (step, f"{tp}x{pp}x{mesh.dp}")

@@ -137,6 +137,12 @@ def llama_tiny4():
     return llama(4, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 
 
+def llama_tiny6():
+    """llama_tiny with 6 layers: deep enough that the planner traces four and writes out the rest
+    (:mod:`autopar.capture.fold`), while the runtime traces all six."""
+    return llama(6, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
+
+
 def gpt2_tiny4_padded():
     """gpt2_tiny4 on padded sequences: sequence i keeps 16 - 2i labels, the rest are -100 (ignored).
 
@@ -166,6 +172,35 @@ class MLP(torch.nn.Module):
 def mlp_tiny():
     """An MLP small enough for tests: batch 8, width 32, hidden 128."""
     return MLP(), (torch.randn(8, 32), torch.randn(8, 32))
+
+
+class ResidualMLPs(torch.nn.Module):
+    """``layers`` residual MLP blocks in an ``nn.ModuleList``: a layer stack with few ops per layer."""
+
+    def __init__(self, layers: int = 6, width: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MLPBlock(width, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, target)
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def mlp_deep():
+    """Six residual MLP blocks (batch 8, width 32): deep enough that the planner traces four and writes
+    out the rest (:mod:`autopar.capture.fold`) while the runtime traces all six, small enough to run."""
+    return ResidualMLPs(), (torch.randn(8, 32), torch.randn(8, 32))
 
 
 def resnet_tiny():

@@ -56,37 +56,37 @@ def plan(planned, tmp_path_factory):
 def test_records_are_compact_json_and_bounded(planned):
     plan, small = planned
     ops = plan.solver.ops
-    text = json.dumps(ops)
+    text = json.dumps(ops.to_dict())
     assert len(text) < 200_000
-    recs = ops["records"]
-    assert recs and ops["dropped"] == 0
+    recs = ops.records
+    assert recs and ops.dropped == 0
     # repeated layers are stored once: layer 1's ops point at layer 0's records
-    assert ops["same_as"] and all(target in recs for target in ops["same_as"].values())
-    assert not any(".h.1." in r.get("module", "") for r in recs.values() if "param" in r)
+    assert ops.same_as and all(target in recs for target in ops.same_as.values())
+    assert not any(".h.1." in r.module for r in recs.values() if r.param)
     for name, r in recs.items():
-        assert r["alts"] and r["why"] and r["n"] >= len(r["alts"])
+        assert r.alternatives and r.why and r.strategies >= len(r.alternatives)
         # the chosen strategy is listed first and is the plan's placement
         placed = plan.placements[name]["outputs"]
-        assert r["alts"][0]["out"] == " | ".join(placement_text(p) if p else "-" for p in placed)
+        assert r.chosen.outputs == " | ".join(placement_text(p) if p else "-" for p in placed)
     # the FLOP-heavy ops and every parameter are there
-    assert any(r.get("flops", 0) > 0 for r in recs.values())
+    assert any(r.flops > 0 for r in recs.values())
     params = {e["param"] for e in plan.placements.values() if "param" in e}
-    recorded = {r["param"] for r in recs.values() if "param" in r}
-    aliased = {plan.placements[n].get("param") for n in ops["same_as"]} - {None}
+    recorded = {r.param for r in recs.values() if r.param}
+    aliased = {plan.placements[n].get("param") for n in ops.same_as} - {None}
     assert params == recorded | aliased
     # limits hold: at most 5 records, 2 strategies each, the rest counted
-    assert len(small["records"]) <= 5 and small["dropped"] > 0
-    assert all(len(r["alts"]) <= 2 for r in small["records"].values())
-    assert all(t in small["records"] for t in small["same_as"].values())
+    assert len(small.records) <= 5 and small.dropped > 0
+    assert all(len(r.alternatives) <= 2 for r in small.records.values())
+    assert all(t in small.records for t in small.same_as.values())
 
 
 def test_explain_an_op(plan):
-    ops = plan.solver.ops["records"]
-    name = max(ops, key=lambda n: ops[n].get("flops", 0))
+    ops = plan.solver.ops.records
+    name = max(ops, key=lambda n: ops[n].flops)
     text = plan.explain(name)
-    assert name in text and ops[name]["op"] in text
+    assert name in text and ops[name].op in text
     assert "chosen" in text and "why:" in text and "strategies (" in text
-    assert ops[name]["alts"][0]["out"] in text
+    assert ops[name].chosen.outputs in text
 
 
 def test_explain_a_parameter_by_name_and_a_repeated_copy(plan):
@@ -127,8 +127,8 @@ def test_explain_without_records_falls_back_to_placements(plan):
 
 def test_recompute_and_zero_keys_are_shown(plan):
     p = copy.deepcopy(plan)
-    ops = p.solver.ops["records"]
-    name = next(n for n in ops if "param" not in ops[n] and ops[n].get("flops"))
+    ops = p.solver.ops.records
+    name = next(n for n in ops if not ops[n].param and ops[n].flops)
     p.placements[name]["recompute"] = "selective"
     assert "recompute: selective" in p.explain(name)
 
@@ -208,8 +208,8 @@ def test_why_names_the_reason(kwargs, copies, needle):
 
     res, choice = _one_node_result(**kwargs)
     rec = _Context(res, choice, [[]], {0: copies}).record(0, alternatives=5)
-    assert needle in rec["why"], rec["why"]
-    assert rec["alts"][0]["out"] == ("R,R" if choice == [0] else "S(0),R")
+    assert needle in rec.why, rec.why
+    assert rec.chosen.outputs == ("R,R" if choice == [0] else "S(0),R")
 
 
 def test_explain_a_data_parallel_plan_says_there_are_no_ops(plan):

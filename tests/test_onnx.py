@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import logging
+import math
 
 import numpy as np
 import onnx

@@ -40,6 +40,7 @@ from autopar.search.pipeline.mesh import solve_pipeline_mesh
 from autopar.search.pipeline.segments import rescale
 from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, untie_across_stages
 from autopar.search.sharding.microbatches import microbatch_divides
+from autopar.search.sharding.request import MeshRequest
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline
 from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
 
@@ -139,7 +140,7 @@ def test_searched_cuts_and_microbatches_equal_the_brute_force_optimum():
     cluster = autopar.Cluster.local(4)
     mesh = MeshShape(dp=1, tp=2, pp=2)
     prec = precision_spec("fp32")
-    res = solve_pipeline_mesh(captured, cluster, mesh, prec, "adamw", math.inf, 5.0)
+    res = solve_pipeline_mesh(MeshRequest(captured, cluster, mesh, prec, "adamw", math.inf, recompute=True), 5.0)
     link = cluster.axis_link(mesh, "pp")
     from autopar.cost_models.comm import collective_time
 

@@ -7,7 +7,8 @@ import pytest
 from autopar import Cluster, Plan, PlanFormatError
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.data import FORMAT_VERSION
-from autopar.plans.records import SearchRecord
+from autopar.plans.op_records import ChargedCollective, OpAlternative, OpRecord, OpRecords
+from autopar.plans.records import SearchRecord, ShardingFacts
 
 
 def _plan() -> Plan:
@@ -72,9 +73,89 @@ def test_a_format_1_plan_still_loads_with_its_search_record(tmp_path):
     assert plan.format_version == FORMAT_VERSION
     record = plan.solver.mesh_record({"dp": 64, "tp": 1, "pp": 1})
     assert record.source == "dp seed" and record.timings == {"strategies_s": 0.25, "solve_s": 1.0}
-    assert plan.solver.alternatives[0].zero == 3 and plan.solver.charged[0]["kind"] == "all_gather"
+    assert plan.solver.alternatives[0].zero == 3
+    assert plan.solver.charged == [ChargedCollective("all_gather", src="a", dst="b")]
     assert "found by the dp seed seed" in plan.summary() or "found by the dp seed" in plan.summary()
     plan.save(path)
+    assert Plan.load(path) == plan
+
+
+def _format_2_solver() -> dict:
+    """A format-2 search record: charged collectives, per-op records and sharding facts as loose dicts."""
+    edge = {"kind": "all_reduce", "axis": "tp", "bytes": 4096.0, "from": "mm", "to": "add", "reason": "data"}
+    return {
+        "status": "optimal",
+        "charged": [{**edge, "from_module": "h.0.mlp", "to_module": "h.0", "phase": "forward", "from_param": False}],
+        "ops": {
+            "format": 1,
+            "axes": ["dp", "tp"],
+            "mesh": {"dp": 32, "tp": 2},
+            "source": "milp",
+            "status": "optimal",
+            "memory_limit": 8e10,
+            "peak": 1e10,
+            "records": {
+                "mm": {
+                    "op": "aten.mm.default", "module": "h.0.mlp", "phase": "forward", "flops": 1e12, "n": 4,
+                    "forbidden": 1, "copies": 2, "collectives": [edge], "why": "cheapest",
+                    "alts": [{"out": "S(0),S(1)", "in": ["S(0),R", "R,S(1)"], "compute_s": 1e-3, "comm_s": 2e-4,
+                              "mem": 1e6}],
+                },
+                "p_w": {"op": "placeholder", "param": "h.0.mlp.w", "n": 2, "forbidden": 0, "why": "only one",
+                        "alts": [{"out": "R,S(1)", "in": [], "compute_s": 0.0, "comm_s": 0.0, "mem": 2e6}]},
+            },
+            "same_as": {"mm_1": "mm"},
+            "dropped": 3,
+        },
+        "sharding": {"param_elements": 100, "zero_elements": {"0": 40, "3": 60},
+                     "split_elements": {"none": 40, "dp": 60}},
+    }
+
+
+def test_a_format_2_plan_still_loads_with_typed_records(tmp_path):
+    """Format 2 kept the charged collectives, per-op records and sharding facts as loose dicts."""
+    data = _plan().to_dict()
+    data["format_version"] = 2
+    data["solver"] = _format_2_solver()
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(data))
+    plan = Plan.load(path)
+    assert plan.format_version == FORMAT_VERSION
+    edge = ChargedCollective("all_reduce", "tp", 4096.0, "mm", "add", "data")
+    assert plan.solver.charged == [ChargedCollective(**{**vars(edge), "src_module": "h.0.mlp", "dst_module": "h.0",
+                                                        "phase": "forward"})]
+    ops = plan.solver.ops
+    assert (ops.mesh, ops.dropped, ops.same_as) == ({"dp": 32, "tp": 2}, 3, {"mm_1": "mm"})
+    assert ops.records["mm"] == OpRecord(
+        op="aten.mm.default", module="h.0.mlp", phase="forward", flops=1e12, strategies=4, forbidden=1,
+        alternatives=[OpAlternative("S(0),S(1)", ["S(0),R", "R,S(1)"], 1e-3, 2e-4, 1e6)], why="cheapest",
+        copies=2, collectives=[edge],
+    )
+    assert ops.record_of("mm_1") == (ops.records["mm"], "mm")
+    assert ops.records["p_w"].param == "h.0.mlp.w" and ops.records["p_w"].chosen.outputs == "R,S(1)"
+    assert plan.solver.sharding == ShardingFacts(100, {0: 40, 3: 60}, {"none": 40, "dp": 60})
+    plan.save(path)
+    assert json.loads(path.read_text())["format_version"] == FORMAT_VERSION
+    assert Plan.load(path) == plan
+
+
+def test_typed_records_round_trip_in_the_current_format(tmp_path):
+    """Format 3 writes the records under their fields' names, defaults left out, and reads them back equal."""
+    plan = _plan()
+    edge = ChargedCollective("all_gather", "dp", 1e6, "p_w", "p_w", "zero", src_param=True)
+    plan.solver.charged = [edge]
+    plan.solver.ops = OpRecords(
+        axes=["dp", "tp"],
+        records={"p_w": OpRecord(op="placeholder", param="w", strategies=2, collectives=[edge],
+                                 alternatives=[OpAlternative("S(0),R", [], memory=5e5)])},
+    )
+    plan.solver.sharding = ShardingFacts(10, {3: 10}, {"dp": 10})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    written = json.loads(path.read_text())["solver"]
+    assert written["charged"] == [{"kind": "all_gather", "axis": "dp", "bytes": 1e6, "src": "p_w", "dst": "p_w",
+                                   "reason": "zero", "src_param": True}]
+    assert written["ops"]["records"]["p_w"]["alternatives"] == [{"outputs": "S(0),R", "memory": 5e5}]
     assert Plan.load(path) == plan
 
 

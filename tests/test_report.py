@@ -11,6 +11,7 @@ import pytest
 import autopar
 from autopar import Cluster, Plan
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
+from autopar.plans.op_records import OpAlternative, OpRecord, OpRecords
 from autopar.plans.pictures import all_pngs, pipeline_schedule, save_pictures
 from autopar.plans.records import SearchRecord
 from autopar.plans.report import report_html, write_report
@@ -55,33 +56,23 @@ def _plan(pp: int = 1, microbatches: int = 1, model: str = "GPT2LMHeadModel") ->
         "inputs": [["S(0)", "R"], ["R", "S(1)"]],
         "recompute": "selective",
     }
-    ops = {
-        "format": 1,
-        "axes": ["dp", "tp"],
-        "records": {
-            "mm": {
-                "op": "aten.mm.default",
-                "module": "h.0.mlp",
-                "phase": "forward",
-                "flops": 1e12,
-                "n": 4,
-                "forbidden": 0,
-                "alts": [
-                    {
-                        "out": "S(0),S(1)",
-                        "in": ["S(0),R", "R,S(1)"],
-                        "compute_s": 1e-3,
-                        "comm_s": 0.0,
-                        "mem": 1e6,
-                    },
-                    {"out": "S(0),R", "in": ["S(0),R", "R,R"], "compute_s": 2e-3, "comm_s": 0.0, "mem": 2e6},
+    ops = OpRecords(
+        axes=["dp", "tp"],
+        records={
+            "mm": OpRecord(
+                op="aten.mm.default",
+                module="h.0.mlp",
+                phase="forward",
+                flops=1e12,
+                strategies=4,
+                alternatives=[
+                    OpAlternative("S(0),S(1)", ["S(0),R", "R,S(1)"], compute_s=1e-3, memory=1e6),
+                    OpAlternative("S(0),R", ["S(0),R", "R,R"], compute_s=2e-3, memory=2e6),
                 ],
-                "why": "cheapest of its 4 allowed strategies",
-            }
+                why="cheapest of its 4 allowed strategies",
+            )
         },
-        "same_as": {},
-        "dropped": 0,
-    }
+    )
     return Plan(
         model=model,
         fingerprint="abc",

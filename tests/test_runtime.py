@@ -26,10 +26,12 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.plans.data import param_zero_stage
 from autopar.runtime.grad_accumulation import GradAccumulator
+from autopar.search.sharding.layouts import layout_placements
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_layout, random_placements
-from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_tiny
+from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -86,6 +88,7 @@ def test_plans_on_4_processes_train_like_one_device():
     ]
     count = int(os.environ.get("AUTOPAR_FUZZ_PLANS", "1"))
     cases += [(llama_tiny, plan_with_layout_random(llama_tiny, seed)) for seed in range(count)]
+    cases += [(mlp_deep, plan_with_layout_random(mlp_deep, 0))]  # planned on a folded capture
     cases += [
         (gpt2_tiny, _accumulating_plan(gpt2_tiny)),
         (gpt2_tiny4_padded, _loss_split_plan(gpt2_tiny4_padded, 4, 2, 2)),
@@ -125,16 +128,17 @@ def _totals(records) -> tuple[Counter, Counter]:
     return count, nbytes
 
 
-def _as_run_on_gloo(charged: list[dict], mesh_shape: tuple[int, int]) -> list[dict]:
+def _as_run_on_gloo(charged: list, mesh_shape: tuple[int, int]) -> list[dict]:
     """Gloo has no all-to-all: DTensor gathers the whole tensor and keeps its chunk instead
     (torch's ``shard_dim_alltoall`` on a CPU mesh), so each charged all-to-all runs as an all-gather of
     the group's tensor. A GPU cluster runs the all-to-all the plan charged."""
     out = []
     for c in charged:
-        if c["kind"] == "all_to_all":
-            n = mesh_shape[("dp", "tp").index(c["axis"])]
-            c = {**c, "kind": "all_gather", "bytes": c["bytes"] * n}
-        out.append(c)
+        run = {"kind": c.kind, "axis": c.axis, "bytes": c.bytes}
+        if c.kind == "all_to_all":
+            n = mesh_shape[("dp", "tp").index(c.axis)]
+            run = {**run, "kind": "all_gather", "bytes": c.bytes * n}
+        out.append(run)
     return out
 
 
@@ -148,12 +152,7 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     mesh = MeshShape(dp=4, tp=1, pp=1) if layout == "zero3" else MeshShape(dp=2, tp=2, pp=1)
     params = {p.placeholder: p.name for p in captured.params}
     res = solve_mesh(
-        captured,
-        cluster,
-        mesh,
-        precision_spec("fp32"),
-        "adamw",
-        float("inf"),
+        MeshRequest(captured, cluster, mesh, precision_spec("fp32"), "adamw", float("inf")),
         30.0,
         allowed=seed_filter(layout, params, factory is gpt2_tiny) if layout else None,
     )
@@ -166,9 +165,9 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     in_runtime = [
         c
         for c in res.charged
-        if c["reason"] == "zero" or (c["reason"] == "grad-sync" and c["to"] in zero and c["axis"] == "dp")
+        if c.reason == "zero" or (c.reason == "grad-sync" and c.dst in zero and c.axis == "dp")
     ]
-    assert len([c for c in in_runtime if c["reason"] == "zero"]) == len(zero)
+    assert len([c for c in in_runtime if c.reason == "zero"]) == len(zero)
     in_graph = [c for c in res.charged if c not in in_runtime]
     charged_count, charged_bytes = _totals(_as_run_on_gloo(in_graph, (mesh.dp, mesh.tp)))
     assert graph_count == charged_count
@@ -244,6 +243,34 @@ def test_a_data_parallel_plan_carries_the_placements_it_runs(fake_world, monkeyp
     assert not solves
     old = autopar.parallelize(model, cluster, inputs, plan=dataclasses.replace(plan, placements={}))
     assert solves and old.plan.placements == plan.placements and old.graph.code == carried.graph.code
+
+
+@pytest.mark.parametrize("factory", [gpt2_tiny, llama_tiny, resnet_tiny])
+@pytest.mark.parametrize("kind", ["dp", "zero3"])
+def test_one_device_layouts_are_read_off_without_a_solve(factory, kind, monkeypatch):
+    """On one device every node has one strategy: the layout's placements are the ones the solve would return.
+
+    zero3 wants parameters sharded, which one device cannot: that falls back to the solve, as before.
+    """
+    model, inputs = factory()
+    captured = capture(model, inputs)
+    cluster, mesh, prec = autopar.Cluster.local(1), MeshShape(dp=1, tp=1, pp=1), precision_spec("bf16-mixed")
+    params = {p.placeholder: p.name for p in captured.params}
+    request = MeshRequest(captured, cluster, mesh, prec, "adamw", float("inf"))
+    solved = solve_mesh(request, 30.0, allowed=seed_filter(kind, params, factory is gpt2_tiny)).placements
+    solves = []
+    real = autopar.search.sharding.layouts.solve_mesh
+    monkeypatch.setattr(
+        autopar.search.sharding.layouts, "solve_mesh", lambda *a, **k: solves.append(1) or real(*a, **k)
+    )
+    if kind == "zero3" and not solved:
+        with pytest.raises(autopar.PlanError):
+            layout_placements(captured, cluster, mesh, prec, "adamw", kind)
+        assert solves
+        return
+    read = layout_placements(captured, cluster, mesh, prec, "adamw", kind)
+    assert list(read.items()) == list(solved.items())
+    assert len(solves) == (kind == "zero3")
 
 
 def test_parallelize_outside_a_job_says_how_to_launch():

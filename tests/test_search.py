@@ -39,12 +39,12 @@ def _forward_activation_collectives(plan, module_prefix, min_bytes):
     return [
         c
         for c in plan.solver.charged
-        if c["reason"] == "data"
-        and inside(c["from_module"])
-        and inside(c["to_module"])
-        and c["phase"] == "forward"
-        and not c["from_param"]
-        and c["bytes"] >= min_bytes
+        if c.reason == "data"
+        and inside(c.src_module)
+        and inside(c.dst_module)
+        and c.phase == "forward"
+        and not c.src_param
+        and c.bytes >= min_bytes
     ]
 
 
@@ -66,7 +66,7 @@ def test_wide_layer_small_batch_is_megatron_tensor_parallel(wide_plan):
     assert attention and all(e["inputs"][0][1] == S(1) for e in attention)  # split by heads
     # one all-reduce, or one reduce-scatter + all-gather pair, per sub-block (attention, MLP)
     activation = 1024 * 8192 * 2  # one (seq, hidden) activation in bf16
-    kinds = [c["kind"] for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
+    kinds = [c.kind for c in _forward_activation_collectives(plan, "model.layers.0", activation / 100)]
     assert "all_to_all" not in kinds
     assert kinds.count("all_reduce") + kinds.count("reduce_scatter") == 2, kinds
     assert kinds.count("all_gather") == kinds.count("reduce_scatter"), kinds
@@ -89,8 +89,8 @@ def test_narrow_layer_large_batch_is_data_parallel():
             # weight-gradient matmuls contract over the batch: partial sums, reduced once per step
             assert all(o == P for o in e["outputs"][0] if o != R), e
     # the forward moves parameters (when they are stored sharded), never activations
-    forward = [c for c in plan.solver.charged if c["phase"] == "forward" and c["bytes"] > 1e4]
-    assert all(c["from_param"] for c in forward), forward[:3]
+    forward = [c for c in plan.solver.charged if c.phase == "forward" and c.bytes > 1e4]
+    assert all(c.src_param for c in forward), forward[:3]
 
 
 def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():

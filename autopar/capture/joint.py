@@ -70,6 +70,7 @@ from autopar.capture.replay import (
     needs_functionalization,
     trace_joint,
 )
+from autopar.capture.unroll import with_canonical_names
 from autopar.core.errors import CaptureError
 
 __all__ = [
@@ -236,7 +237,17 @@ def capture(
         time.perf_counter() - t1,
     )
     n_p, n_s = len(state.trainable), len(state.all)
-    return CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls, updated)
+    c = CapturedGraph(gm, infos[:n_p], infos[n_p:n_s], infos[n_s:], loss.name, grads, batch, cls, updated)
+    return with_canonical_names(c)
+
+
+def state_infos(model: nn.Module) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """The model's trainable parameters and its fixed state as the joint graph takes them (placeholders unnamed)."""
+    state = _ModelState.of(model)
+    return (
+        [TensorInfo(n, "", tuple(t.shape), t.dtype) for n, t in state.trainable],
+        [TensorInfo(n, "", tuple(t.shape), t.dtype) for n, t in state.fixed],
+    )
 
 
 @dataclass

@@ -3,8 +3,14 @@
 Users re-plan one model with other options (a ZeRO stage, a memory limit, a
 cluster); a 7B capture takes seconds and its result does not change. The key
 covers the model object, its parameter names, shapes and dtypes, the
-example inputs' shapes and dtypes, the loss function and the batch size the
-graph is captured at.
+loss function, and the shapes, dtypes and devices of the inputs the graph is
+captured from (the example inputs resized to the batch asked for, so that
+asking for the batch they already have reuses their capture).
+
+The planner only reads the graph, so a repeated layer stack is traced four
+layers deep and written out to its full depth (:mod:`autopar.capture.fold`);
+the runtime traces the whole model and carries the plan onto it by op sequence
+(:mod:`autopar.codegen.transfer`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import Any
 
 import torch
 
-from autopar.capture.joint import CapturedGraph, capture
+from autopar.capture.fold import capture_folded
+from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
 
@@ -28,14 +35,15 @@ def captured_with_stats(
 ) -> tuple[CapturedGraph, GraphStats]:
     """Capture ``model`` (at ``batch`` samples if given) and read its statistics, reusing the last capture."""
     global _last
-    key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn), batch)
-    if _last is not None and _last[0] == key:
-        log.info("reusing the capture of %s", type(model).__name__)
-        return _last[1], _last[2]
     if batch is not None:
         example_inputs = resize_batch(example_inputs, batch)
         example_targets = resize_batch(example_targets, batch)
-    captured = capture(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    # keyed by the inputs as captured: a batch the examples already have is the capture without one
+    key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn))
+    if _last is not None and _last[0] == key:
+        log.info("reusing the capture of %s", type(model).__name__)
+        return _last[1], _last[2]
+    captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     stats = graph_stats(captured)
     _last = (key, captured, stats)
     return captured, stats

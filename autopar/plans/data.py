@@ -27,8 +27,11 @@ from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.format import GB, count, secs
 from autopar.plans.records import SearchRecord
 
-FORMAT_VERSION = 2
-"""2: ``solver`` is a :class:`~autopar.plans.records.SearchRecord` (1: a loose dict, still read)."""
+FORMAT_VERSION = 3
+"""3: the search record's collectives, per-op records and sharding facts are typed records
+(:mod:`autopar.plans.op_records`), written under their fields' names; 2: ``solver`` is a
+:class:`~autopar.plans.records.SearchRecord` holding those as loose dicts; 1: a loose dict.
+Every earlier format is still read."""
 
 
 @dataclass
@@ -62,8 +65,9 @@ class PlanData:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-able values, placements in their plain form."""
-        body = asdict(replace(self, placements={}))
+        body = asdict(replace(self, placements={}, solver=SearchRecord()))
         body["placements"] = {node: _entry_json(e, texts) for node, e in self.placements.items()}
+        body["solver"] = self.solver.to_dict()
         return body
 
     @classmethod
@@ -88,7 +92,7 @@ class PlanData:
             est.setdefault("hfu", est.get("mfu", 0.0))
             est.setdefault("hardware_flops", est.get("model_flops", 0.0))
             body["estimate"] = Estimate(memory=mem, **est)
-            body["solver"] = SearchRecord.from_dict(body.get("solver"))
+            body["solver"] = SearchRecord.from_dict(body.get("solver"), version)
             body["format_version"] = FORMAT_VERSION  # read into this version's form
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(body) - known)

@@ -26,6 +26,7 @@ from autopar.core.module_paths import layer_key
 from autopar.core.placements import text, texts
 from autopar.plans.data import PlanData
 from autopar.plans.format import GB, secs, size
+from autopar.plans.op_records import ChargedCollective, OpRecord, OpRecords
 
 MAX_LAYER_ROWS = 40  # ops listed when explaining a layer; the rest are counted
 MAX_DIFF_ROWS = 40  # placement changes listed in a diff
@@ -59,13 +60,13 @@ def resolve(plan: PlanData, name: str) -> tuple[str, str]:
     """("node", node name) or ("module", module path or pattern) for ``name``; raises if neither."""
     name = name.strip()
     ops = _ops(plan)
-    if name in plan.placements or name in ops.get("records", {}) or name in ops.get("same_as", {}):
+    if name in plan.placements or ops.knows(name):
         return "node", name
     for node, entry in plan.placements.items():
         if entry.get("param") == name:
             return "node", node
-    for node, rec in ops.get("records", {}).items():
-        if rec.get("param") == name:
+    for node, rec in ops.records.items():
+        if rec.param == name:
             return "node", node
     pattern = _module_pattern(name)
     if any(pattern.match(m) for m in _modules(plan)):
@@ -74,7 +75,7 @@ def resolve(plan: PlanData, name: str) -> tuple[str, str]:
 
 
 def _unknown_message(plan: PlanData, name: str) -> str:
-    if not plan.placements and not _ops(plan).get("records"):
+    if not plan.placements and not _ops(plan).records:
         return (
             f"the plan has no per-op placements, so nothing named {name!r}: the data-parallel model made "
             "it (every op replicated on its device)"
@@ -93,14 +94,14 @@ def _unknown_message(plan: PlanData, name: str) -> str:
     return f"the plan has no op, parameter or module named {name!r}{hint}"
 
 
-def _ops(plan: PlanData) -> dict[str, Any]:
-    ops = plan.solver.ops
-    return ops if isinstance(ops, dict) else {}
+def _ops(plan: PlanData) -> OpRecords:
+    """The plan's per-op records; none (an empty set) for a plan the search left none in."""
+    return plan.solver.ops if plan.solver.ops is not None else OpRecords()
 
 
 def _modules(plan: PlanData) -> set[str]:
     mods = {e.get("module", "") for e in plan.placements.values()}
-    mods |= {r.get("module", "") for r in _ops(plan).get("records", {}).values()}
+    mods |= {r.module for r in _ops(plan).records.values()}
     return {m for m in mods if m}
 
 
@@ -110,11 +111,9 @@ def _module_pattern(name: str) -> re.Pattern[str]:
     return re.compile(rf"^{body}(\..*)?$")
 
 
-def record_of(plan: PlanData, node: str) -> tuple[dict[str, Any] | None, str]:
+def record_of(plan: PlanData, node: str) -> tuple[OpRecord | None, str]:
     """The search's record for ``node`` and the node it was recorded under (a repeated layer's first copy)."""
-    ops = _ops(plan)
-    rep = ops.get("same_as", {}).get(node, node)
-    return ops.get("records", {}).get(rep), rep
+    return _ops(plan).record_of(node)
 
 
 def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
@@ -122,20 +121,20 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
 
     entry = plan.placements.get(node, {})
     rec, rep = record_of(plan, node)
-    op = entry.get("op") or (rec or {}).get("op", "?")
-    module = entry.get("module", (rec or {}).get("module", ""))
-    param = entry.get("param") or (rec or {}).get("param")
+    op = entry.get("op") or (rec.op if rec is not None else "?")
+    module = entry.get("module", rec.module if rec is not None else "")
+    param = entry.get("param") or (rec.param if rec is not None else None)
     title = f"{node}: {op}" + (f" in {module}" if module else " (top level)")
     if param:
         title = f"parameter {param} (node {node}) in {module or 'the top level'}"
     console.print(title, style="bold")
-    axes = ", ".join(_ops(plan).get("axes") or plan.mesh_axes())
+    axes = ", ".join(_ops(plan).axes or plan.mesh_axes())
     facts = []
     if rec is not None:
-        if rec.get("phase") and rec["phase"] != "input":
-            facts.append(f"{rec['phase']} pass")
-        if rec.get("flops"):
-            facts.append(f"{_flops(rec['flops'])} for the whole batch")
+        if rec.phase and rec.phase != "input":
+            facts.append(f"{rec.phase} pass")
+        if rec.flops:
+            facts.append(f"{_flops(rec.flops)} for the whole batch")
     if facts:
         console.print("; ".join(facts))
     if entry:
@@ -155,16 +154,16 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
         )
     else:
         if rep != node:
-            n = rec.get("copies")
+            n = rec.copies if rec.copies > 1 else None
             console.print(
                 f"repeated layer: recorded under its copy {rep}"
                 + (f" ({n} copies take one decision)" if n else " (the copies' records were the same)")
             )
-        console.print(f"why: {rec.get('why', '?')}")
-        alts = rec.get("alts", [])
+        console.print(f"why: {rec.why or '?'}")
+        alts = rec.alternatives
         t = Table(
-            title=f"strategies ({len(alts)} of {rec.get('n', len(alts))} shown"
-            + (f", {rec['forbidden']} ruled out" if rec.get("forbidden") else "")
+            title=f"strategies ({len(alts)} of {rec.strategies or len(alts)} shown"
+            + (f", {rec.forbidden} ruled out" if rec.forbidden else "")
             + "; costs with every other op as chosen)"
         )
         for col in ("", "output", "inputs", "compute", "communication", "total", "memory"):
@@ -172,12 +171,12 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
         for k, a in enumerate(alts):
             t.add_row(
                 "chosen" if k == 0 else "",
-                a["out"],
-                "; ".join(a.get("in", [])) or "-",
-                secs(a["compute_s"]),
-                secs(a["comm_s"]),
-                secs(a["compute_s"] + a["comm_s"]),
-                size(a["mem"]),
+                a.outputs,
+                "; ".join(a.inputs) or "-",
+                secs(a.compute_s),
+                secs(a.comm_s),
+                secs(a.total_s),
+                size(a.memory),
             )
         console.print(t)
         if param:
@@ -191,7 +190,7 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
         for col in ("collective", "axis", "bytes", "from", "to", "why"):
             t.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for c in colls:
-            t.add_row(c["kind"], c["axis"], size(c["bytes"]), c["from"], c["to"], _reason(c["reason"]))
+            t.add_row(c.kind, c.axis, size(c.bytes), c.src, c.dst, _reason(c.reason))
         console.print(t)
     else:
         console.print("It causes no collective: its inputs arrive as it needs them.")
@@ -199,12 +198,12 @@ def _explain_node(plan: PlanData, node: str, console, asked: str) -> None:
         console.print(f"({asked!r} is this node)")
 
 
-def _collectives_of(plan: PlanData, node: str, rec: dict | None, rep: str) -> list[dict[str, Any]]:
-    charged = [c for c in plan.solver.charged if node in (c.get("from"), c.get("to"))]
+def _collectives_of(plan: PlanData, node: str, rec: OpRecord | None, rep: str) -> list[ChargedCollective]:
+    charged = [c for c in plan.solver.charged if c.touches(node)]
     if charged:
         return charged
     if rec is not None and rep == node:
-        return rec.get("collectives", [])
+        return rec.collectives
     return []
 
 
@@ -232,16 +231,16 @@ def _explain_module(plan: PlanData, name: str, console) -> None:
         if "param" in e:
             continue
         rec, _ = record_of(plan, n)
-        chosen = rec["alts"][0] if rec and rec.get("alts") else None
         if rec is None:
             continue
-        totals["flops"] += rec.get("flops", 0.0)
+        chosen = rec.chosen
+        totals["flops"] += rec.flops
         if chosen:
-            totals["compute_s"] += chosen["compute_s"]
-            totals["comm_s"] += chosen["comm_s"]
+            totals["compute_s"] += chosen.compute_s
+            totals["comm_s"] += chosen.comm_s
         rows.append((n, e, rec, chosen))
     if rows:
-        rows.sort(key=lambda r: -(r[2].get("flops") or 0.0))
+        rows.sort(key=lambda r: -r[2].flops)
         t = Table(title=f"ops with work or communication ({min(len(rows), MAX_LAYER_ROWS)} of {len(rows)})")
         for col in ("node", "op", "phase", "FLOPs", "output", "compute", "communication", "recompute"):
             t.add_column(col, justify="right" if col in ("FLOPs", "compute", "communication") else "left")
@@ -249,11 +248,11 @@ def _explain_module(plan: PlanData, name: str, console) -> None:
             t.add_row(
                 n,
                 _short_op(e.get("op", "")),
-                rec.get("phase", ""),
-                _flops(rec.get("flops", 0.0)),
+                rec.phase,
+                _flops(rec.flops),
                 " | ".join(_pl(p) for p in e.get("outputs", [])),
-                secs(chosen["compute_s"]) if chosen else "-",
-                secs(chosen["comm_s"]) if chosen else "-",
+                secs(chosen.compute_s) if chosen else "-",
+                secs(chosen.comm_s) if chosen else "-",
                 e.get("recompute", ""),
             )
         console.print(t)
@@ -261,19 +260,15 @@ def _explain_module(plan: PlanData, name: str, console) -> None:
             f"total: {_flops(totals['flops'])}, compute {secs(totals['compute_s'])}, communication on its "
             f"ops' edges {secs(totals['comm_s'])} (an edge between two of them counts twice)"
         )
-    elif not _ops(plan):
+    elif plan.solver.ops is None:
         _module_placements(plan, members, console)
-    charged = [
-        c
-        for c in plan.solver.charged
-        if pattern.match(c.get("from_module", "")) or pattern.match(c.get("to_module", ""))
-    ]
+    charged = [c for c in plan.solver.charged if pattern.match(c.src_module) or pattern.match(c.dst_module)]
     if charged:
         agg: dict[tuple[str, str, str], list[float]] = {}
         for c in charged:
-            a = agg.setdefault((c["kind"], c["axis"], _reason(c["reason"])), [0, 0.0])
+            a = agg.setdefault((c.kind, c.axis, _reason(c.reason)), [0, 0.0])
             a[0] += 1
-            a[1] += c["bytes"]
+            a[1] += c.bytes
         t = Table(title="collectives into, out of or inside it")
         for col in ("collective", "axis", "why", "count", "bytes in all"):
             t.add_column(col, justify="right" if col in ("count", "bytes in all") else "left")
@@ -290,8 +285,7 @@ def _module_placements(plan: PlanData, members: list[tuple[str, dict[str, Any]]]
     """A module's op placements from the plan alone (no search records): heavy ops and those that communicate."""
     from rich.table import Table
 
-    talking = {c.get("from") for c in plan.solver.charged}
-    talking |= {c.get("to") for c in plan.solver.charged}
+    talking = {c.src for c in plan.solver.charged} | {c.dst for c in plan.solver.charged}
     rows = [
         (n, e)
         for n, e in members

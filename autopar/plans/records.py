@@ -3,15 +3,18 @@
 The planner writes a :class:`SearchRecord`; the summary, the report, ``explain``
 and ``diff`` read its fields. Its JSON form is its fields; plans of format 1 kept
 the same facts as a loose dict (each mesh's phase timings flattened into its
-entry), which :meth:`SearchRecord.from_dict` still reads.
+entry), and plans of formats 1 and 2 kept the charged collectives and the per-op
+records as loose dicts (:mod:`autopar.plans.op_records`), which
+:meth:`SearchRecord.from_dict` still reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from autopar.core.mesh import MESH_AXES
+from autopar.plans.op_records import ChargedCollective, OpRecords
 
 
 def mesh_text(mesh: dict[str, int]) -> str:
@@ -64,14 +67,35 @@ class PipelineRecord:
 
 
 @dataclass
+class ShardingFacts:
+    """What the summary's sharding lines read: parameter elements by ZeRO stage and by the axes that split them.
+
+    Kept because placements hold no shapes; made by :func:`autopar.plans.summary.sharding_facts`.
+    ``split_elements`` is keyed by the mesh axes joined with "+" ("none": whole on every device).
+    """
+
+    param_elements: int = 0
+    zero_elements: dict[int, int] = field(default_factory=dict)
+    split_elements: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardingFacts:
+        """From JSON, where the ZeRO stages are text keys."""
+        return cls(
+            param_elements=int(data.get("param_elements", 0)),
+            zero_elements={int(z): n for z, n in (data.get("zero_elements") or {}).items()},
+            split_elements=dict(data.get("split_elements") or {}),
+        )
+
+
+@dataclass
 class SearchRecord:
     """How the plan was found: the solver's verdict on the chosen mesh and every mesh costed.
 
     ``gap`` is the solver's proven relative gap on the chosen mesh (None: no bound);
-    ``charged`` the collectives the chosen placements cause (dicts with "from", "to",
-    "kind", ...); ``ops`` the per-op records ``explain`` reads
-    (:mod:`autopar.search.sharding.explain_records`); ``sharding`` the facts the
-    summary's memory lines read (:func:`autopar.plans.summary.sharding_facts`).
+    ``charged`` the collectives the chosen placements cause; ``ops`` the per-op
+    records ``explain`` reads (:mod:`autopar.search.sharding.explain_records`);
+    ``sharding`` the facts the summary's sharding lines read.
     """
 
     status: str = ""
@@ -84,11 +108,11 @@ class SearchRecord:
     meshes: list[MeshRecord] = field(default_factory=list)
     alternatives: list[Alternative] = field(default_factory=list)
     pipeline: PipelineRecord | None = None
-    charged: list[dict[str, Any]] = field(default_factory=list)
+    charged: list[ChargedCollective] = field(default_factory=list)
     graph_nodes: int | None = None
     nodes_after_reduction: int | None = None
-    ops: dict[str, Any] | None = None
-    sharding: dict[str, Any] | None = None
+    ops: OpRecords | None = None
+    sharding: ShardingFacts | None = None
     capture_s: float | None = None
     time_s: float | None = None
 
@@ -96,11 +120,14 @@ class SearchRecord:
         return bool(self.status)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(replace(self, charged=[], ops=None))
+        body["charged"] = [c.to_dict() for c in self.charged]
+        body["ops"] = self.ops.to_dict() if self.ops is not None else None
+        return body
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> SearchRecord:
-        """A record from its JSON form, or from format 1's loose dict (unknown keys dropped)."""
+    def from_dict(cls, data: dict[str, Any] | None, version: int) -> SearchRecord:
+        """A record from the JSON of plan format ``version`` (format 1's loose dict too; unknown keys dropped)."""
         data = dict(data or {})
         known = {f.name for f in fields(cls)}
         body = {k: v for k, v in data.items() if k in known}
@@ -108,7 +135,9 @@ class SearchRecord:
         body["alternatives"] = [Alternative(**a) for a in body.get("alternatives") or []]
         if body.get("pipeline"):
             body["pipeline"] = PipelineRecord(**body["pipeline"])
-        body["charged"] = list(body.get("charged") or [])
+        body["charged"] = [ChargedCollective.from_dict(c, version) for c in body.get("charged") or []]
+        body["ops"] = OpRecords.from_dict(body["ops"], version) if body.get("ops") else None
+        body["sharding"] = ShardingFacts.from_dict(body["sharding"]) if body.get("sharding") else None
         return cls(**body)
 
     def mesh_record(self, mesh: dict[str, int]) -> MeshRecord | None:

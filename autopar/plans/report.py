@@ -18,6 +18,7 @@ from typing import Any
 
 from autopar.plans.data import PlanData
 from autopar.plans.format import count, secs, size
+from autopar.plans.op_records import OpAlternative
 from autopar.plans.pictures import all_pngs
 from autopar.plans.records import mesh_text, solver_line
 
@@ -267,8 +268,7 @@ def placement_or_dash(p: Any) -> str:
 
 
 def _ops_table(plan: PlanData) -> str:
-    ops = plan.solver.ops
-    records = (ops or {}).get("records") or {}
+    records = plan.solver.ops.records if plan.solver.ops is not None else {}
     if not records:
         recompute = [(n, e) for n, e in plan.placements.items() if "recompute" in e]
         if recompute:
@@ -282,21 +282,21 @@ def _ops_table(plan: PlanData) -> str:
         return ""
     header = ["node", "op", "module", "phase", "GFLOP", "output", "compute", "comm", "copies", "recompute"]
     numeric = {4, 6, 7, 8}
-    ranked = sorted(records.items(), key=lambda kv: -(kv[1].get("flops") or 0.0))[:MAX_OP_ROWS]
+    ranked = sorted(records.items(), key=lambda kv: -kv[1].flops)[:MAX_OP_ROWS]
     body = []
     for name, rec in ranked:
-        chosen = (rec.get("alts") or [{}])[0]
+        chosen = rec.chosen or OpAlternative(outputs="-")
         entry = plan.placements.get(name, {})
         cells = [
             name,
-            rec.get("op", "").replace("aten.", "").replace(".default", ""),
-            rec.get("module", ""),
-            rec.get("phase", ""),
-            f"{(rec.get('flops') or 0) / 1e9:.3g}",
-            chosen.get("out", "-"),
-            secs(chosen.get("compute_s", 0.0)),
-            secs(chosen.get("comm_s", 0.0)),
-            str(rec.get("copies", 1)),
+            rec.op.replace("aten.", "").replace(".default", ""),
+            rec.module,
+            rec.phase,
+            f"{rec.flops / 1e9:.3g}",
+            chosen.outputs,
+            secs(chosen.compute_s),
+            secs(chosen.comm_s),
+            str(rec.copies),
             entry.get("recompute", ""),
         ]
         body.append(
@@ -309,7 +309,7 @@ def _ops_table(plan: PlanData) -> str:
         )
         # why it won, on its own row under the op: long sentences would stretch a column
         body.append(
-            f'<tr><td></td><td class="why" colspan="{len(header) - 1}">why: {html.escape(rec.get("why", ""))}</td></tr>'
+            f'<tr><td></td><td class="why" colspan="{len(header) - 1}">why: {html.escape(rec.why)}</td></tr>'
         )
     more = len(records) - len(ranked)
     note = f" ({more} more recorded)" if more > 0 else ""

@@ -21,7 +21,7 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import replicated, texts
 from autopar.plans.data import PlanData, param_zero_stage
 from autopar.plans.format import GB, secs, size
-from autopar.plans.records import mesh_text, solver_line
+from autopar.plans.records import ShardingFacts, mesh_text, solver_line
 
 _STATES = {
     0: "replicated",
@@ -47,7 +47,9 @@ def _op_name(op: str) -> str:
     return parts[1] if len(parts) > 2 else parts[-1]
 
 
-def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES) -> dict:
+def sharding_facts(
+    captured, placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES
+) -> ShardingFacts:
     """Parameter elements by ZeRO stage and by the mesh axes that split them (placements hold no shapes)."""
     zero: Counter = Counter()
     split: Counter = Counter()
@@ -59,9 +61,9 @@ def sharding_facts(captured, placements: dict[str, dict[str, Any]], axes: tuple[
         n = math.prod(p.shape)
         total += n
         out = entry["outputs"][0] or replicated(len(axes))
-        zero[str(param_zero_stage(entry))] += n
+        zero[param_zero_stage(entry)] += n
         split["+".join(a for a, pl in zip(axes, out, strict=False) if not pl.is_replicate()) or "none"] += n
-    return {"param_elements": total, "zero_elements": dict(zero), "split_elements": dict(split)}
+    return ShardingFacts(param_elements=total, zero_elements=dict(zero), split_elements=dict(split))
 
 
 def recompute_facts(placements: dict[str, dict[str, Any]]) -> dict:
@@ -94,11 +96,11 @@ def summary_rows(plan) -> list[tuple[str, str]]:
     """(key, value) rows for the summary's configuration table: how it shards, ZeRO, recompute."""
     facts = plan.solver.sharding
     mesh = plan.mesh
-    if not facts:
+    if facts is None:
         return [("ZeRO stage", str(plan.zero)), ("recompute", plan.recompute)]
-    total = facts["param_elements"]
+    total = facts.param_elements
     dp = mesh.get("dp", 1)
-    split = facts["split_elements"]
+    split = facts.split_elements
     parts = []
     for axes, n in sorted(split.items(), key=lambda kv: -kv[1]):
         if axes == "none":
@@ -111,11 +113,9 @@ def summary_rows(plan) -> list[tuple[str, str]]:
         parts.insert(0, f"batch split {dp} ways over dp")
     if mesh.get("pp", 1) > 1:
         parts.insert(0, f"layers cut into {len(plan.stages) or mesh['pp']} pipeline stages over pp={mesh['pp']}")
-    zero = facts["zero_elements"]
-    stages = sorted(zero.items(), key=lambda kv: -kv[1])
+    stages = sorted(facts.zero_elements.items(), key=lambda kv: -kv[1])
     zero_text = "; ".join(
-        f"{z} for {_share(n, total)} ({_STATES[int(z)]}{f' {dp} ways over dp' if int(z) else ''})"
-        for z, n in stages
+        f"{z} for {_share(n, total)} ({_STATES[z]}{f' {dp} ways over dp' if z else ''})" for z, n in stages
     )
     rec = recompute_facts(plan.placements)
     if rec["ops"]:

@@ -28,9 +28,9 @@ from autopar.plans.plan import Plan
 from autopar.search.sharding.answer import evaluate
 from autopar.search.sharding.derived import with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
-from autopar.search.sharding.mesh_solve import mesh_links
 from autopar.search.sharding.problem import build_problem
 from autopar.search.sharding.recompute import apply_recompute
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import Solution
 
@@ -85,10 +85,10 @@ def estimate_plan(
     )
     captured, placements = apply_recompute(captured, plan.placements)
     mesh = cluster.check_mesh(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
-    shape = (mesh.dp, mesh.tp)
-    links = mesh_links(cluster, mesh)
+    request = MeshRequest(captured, cluster, mesh, precision, plan.optimizer)  # no limit: costed as it is
+    shape, links = request.shape, request.links
     strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
-    sp = build_problem(captured, strategies, shape, links, cluster.device_spec, precision, plan.optimizer)
+    sp = build_problem(request, strategies)
     sp = with_microbatches(sp, max(plan.microbatches, 1))
     choice = chosen_strategies(sp, placements, plan.zero)
     limit = plan.estimate.memory_limit or float(cluster.memory_bytes)

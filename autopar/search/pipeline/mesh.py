@@ -63,6 +63,7 @@ from autopar.search.sharding.mesh_solve import (
     zero_filter,
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.solver import GAP_TARGET, solve_strategies
 
@@ -143,31 +144,21 @@ class PipelineMesh:
         return collective_time("send_recv", nbytes, 2, self.link) if nbytes > 0 else 0.0
 
 
-def prepare_pipeline_mesh(
-    captured: CapturedGraph,
-    cluster: Cluster,
-    mesh: MeshShape,
-    precision: Precision,
-    optimizer: str,
-    memory_limit: float,
-    *,
-    microbatches: int | None = None,
-    recompute: bool = True,
-) -> PipelineMesh | None:
-    """Build ``mesh``'s problem (pp ≥ 2); None when the model has fewer segments than stages."""
+def prepare_pipeline_mesh(request: MeshRequest, *, microbatches: int | None = None) -> PipelineMesh | None:
+    """Build the problem of ``request``'s mesh (pp ≥ 2); None when the model has fewer segments than stages."""
+    captured, mesh = request.captured, request.mesh
     graph_segments = forward_segments(captured)
     if len(graph_segments) < mesh.pp:
         return None
     counts = microbatch_counts(captured.batch_size // mesh.dp, mesh.pp, microbatches)
     if not counts:
         return None
-    mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+    mp = prepare_mesh(request)
     sp = pipeline_memory_problem(with_microbatches(mp.sp, counts[-1]), mesh.pp)
-    scale = precision.activation_bytes / max(
-        (p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4
+    link = request.cluster.axis_link(mesh, "pp")
+    return PipelineMesh(
+        captured, mesh, mp, sp, counts, graph_segments, link, request.activation_scale, mp.memory_limit
     )
-    link = cluster.axis_link(mesh, "pp")
-    return PipelineMesh(captured, mesh, mp, sp, counts, graph_segments, link, scale, memory_limit)
 
 
 def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: tuple[str, ...] | None):
@@ -272,33 +263,18 @@ def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | 
 
 
 def solve_pipeline_mesh(
-    captured: CapturedGraph,
-    cluster: Cluster,
-    mesh: MeshShape,
-    precision: Precision,
-    optimizer: str,
-    memory_limit: float,
+    request: MeshRequest,
     time_limit_s: float,
     *,
     schedules: tuple[str, ...] = ("1F1B",),
     microbatches: int | None = None,
     zero: int | None = None,
-    recompute: bool = True,
     milp: bool = True,
     layouts: tuple[str, ...] | None = None,
     even_cuts: bool = False,
 ) -> PipelineResult | None:
-    """:func:`prepare_pipeline_mesh` then :func:`solve_pipeline`: the fastest pipeline on ``mesh``, or None."""
-    pm = prepare_pipeline_mesh(
-        captured,
-        cluster,
-        mesh,
-        precision,
-        optimizer,
-        memory_limit,
-        microbatches=microbatches,
-        recompute=recompute,
-    )
+    """:func:`prepare_pipeline_mesh` then :func:`solve_pipeline`: the fastest pipeline on ``request``'s mesh, or None."""
+    pm = prepare_pipeline_mesh(request, microbatches=microbatches)
     if pm is None:
         return None
     return solve_pipeline(
@@ -358,16 +334,8 @@ def search_pipelines(
             )
             break
         mesh = todo.pop(0)
-        pm = prepare_pipeline_mesh(
-            captured,
-            cluster,
-            mesh,
-            precision,
-            optimizer,
-            memory_limit,
-            microbatches=microbatches,
-            recompute=recompute,
-        )
+        request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+        pm = prepare_pipeline_mesh(request, microbatches=microbatches)
         if pm is not None:
             costed += 1
             # a share of what is left that lets a large mesh's solve find an answer: the limit ends

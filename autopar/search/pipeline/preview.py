@@ -29,6 +29,7 @@ from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.pipeline.segments import microbatch_counts, rescale, segment_figures
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
 from autopar.search.sharding.mesh_solve import mesh_links
+from autopar.search.sharding.request import activation_scale
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,7 @@ class Preview:
     def __init__(self, captured: CapturedGraph, cluster: Cluster, precision: Precision, memory_limit: float):
         self.captured, self.cluster, self.memory_limit = captured, cluster, memory_limit
         self.graph_segments = forward_segments(captured)
-        self.activation_scale = precision.activation_bytes / max(
-            (p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4
-        )
+        self.activation_scale = activation_scale(captured, precision)
         self.figures: dict[int, tuple[list[Segment], float]] = {}  # tp -> segments, their micro-batch size
         self.tried: set[int] = set()  # tensor-parallel sizes a pipeline mesh was costed for
         self.best: tuple[float, int] = (math.inf, 0)  # the fastest pipeline costed: step, tp

@@ -40,8 +40,10 @@ from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.reshard import grad_sync_steps
 from autopar.cost_models.step import BUCKET_BYTES, exposed_part
 from autopar.hardware.cluster import Cluster
+from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.instance import (
     TP_DIM,
+    EdgeCollective,
     ShardingProblem,
     charged_collectives,
     gradient_chain,
@@ -50,12 +52,13 @@ from autopar.search.sharding.instance import (
     tp_seconds,
 )
 from autopar.search.sharding.step_memory import step_memory
+from autopar.search.sharding.strategies import Strategy
 from autopar.solver import Solution
 
 
 def describe_collectives(
     captured: CapturedGraph, sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]
-) -> list[dict[str, Any]]:
+) -> list[ChargedCollective]:
     """The collectives of a chosen answer, each with the axis, bytes, module and phase it belongs to."""
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     params = {p.placeholder for p in captured.params}
@@ -64,20 +67,20 @@ def describe_collectives(
             params.add(n.name)
     out = []
     for c in charged_collectives(sp, choice, mesh_shape):
-        src = by_name[c["from"]]
+        src = by_name[c.src]
         out.append(
-            {
-                "kind": c["kind"],
-                "axis": SHARDING_AXES[c["mesh_dim"]],
-                "bytes": c["bytes"],
-                "from": c["from"],
-                "to": c["to"],
-                "reason": c["reason"],
-                "from_module": node_module(src),
-                "to_module": node_module(by_name[c["to"]]),
-                "phase": src.meta.get("autopar_phase", ""),
-                "from_param": c["from"] in params,
-            }
+            ChargedCollective(
+                kind=c.kind,
+                axis=SHARDING_AXES[c.mesh_dim],
+                bytes=c.bytes,
+                src=c.src,
+                dst=c.dst,
+                reason=c.reason,
+                src_module=node_module(src),
+                dst_module=node_module(by_name[c.dst]),
+                phase=src.meta.get("autopar_phase", ""),
+                src_param=c.src in params,
+            )
         )
     return out
 
@@ -240,16 +243,16 @@ def _add_data(
         out.tp_forward += tp
 
 
-def _aggregate(records: list[dict], mesh_shape, links) -> list[dict]:
+def _aggregate(records: list[EdgeCollective], mesh_shape, links) -> list[dict]:
     """Collectives per (kind, mesh axis): how many, average bytes, total time."""
     agg: dict[tuple[str, str], dict] = {}
     for r in records:
-        d = r["mesh_dim"]
-        key = (r["kind"], SHARDING_AXES[d])
+        d = r.mesh_dim
+        key = (r.kind, SHARDING_AXES[d])
         a = agg.setdefault(key, {"kind": key[0], "axis": key[1], "bytes": 0.0, "count": 0, "time_s": 0.0})
-        a["bytes"] += r["bytes"]
+        a["bytes"] += r.bytes
         a["count"] += 1
-        a["time_s"] += collective_time(r["kind"], r["bytes"], mesh_shape[d], links[d])
+        a["time_s"] += collective_time(r.kind, r.bytes, mesh_shape[d], links[d])
     for a in agg.values():
         a["bytes"] = a["bytes"] / max(a["count"], 1)  # bytes each, on average
     return sorted(agg.values(), key=lambda a: (a["axis"], a["kind"]))
@@ -259,11 +262,21 @@ def read_placements(
     captured: CapturedGraph, sp: ShardingProblem, choice: list[int]
 ) -> dict[str, dict[str, Any]]:
     """Per node: op, module, chosen output placements and the placements its inputs are brought to."""
+    chosen = [sp.strategies[i][c] for i, c in enumerate(choice)]
+    return placements_of(captured, sp.nodes, chosen, sp.dp_dim)
+
+
+def placements_of(
+    captured: CapturedGraph, nodes: list[str], chosen: list[Strategy], dp_dim: int | None
+) -> dict[str, dict[str, Any]]:
+    """:func:`read_placements` of the strategies ``chosen`` for ``nodes``, however they were chosen.
+
+    ``dp_dim``: the mesh dim a parameter's ZeRO stage is written for (a dp-replicated one writes its own).
+    """
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     param_of = {p.placeholder: p.name for p in captured.params}
     out = {}
-    for i, name in enumerate(sp.nodes):
-        s = sp.strategies[i][choice[i]]
+    for name, s in zip(nodes, chosen, strict=True):
         node = by_name[name]
         out[name] = {
             "op": str(node.target) if node.op == "call_function" else node.op,
@@ -275,7 +288,7 @@ def read_placements(
             out[name]["recompute"] = "selective"
         if name in param_of:
             out[name]["param"] = param_of[name]
-            if sp.dp_dim is not None and s.outputs[0] is not None and s.outputs[0][sp.dp_dim].is_replicate():
+            if dp_dim is not None and s.outputs[0] is not None and s.outputs[0][dp_dim].is_replicate():
                 out[name]["zero"] = s.zero  # 0 written out: the plan's stage is not this parameter's default
     _recompute_views(captured, out)
     return out

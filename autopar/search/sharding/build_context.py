@@ -23,6 +23,7 @@ from autopar.cost_models.reshard import shard_factor
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.graph_facts import GraphFacts, graph_facts
 from autopar.search.sharding.instance import EdgeInfo
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.step_memory import Item
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 
@@ -136,38 +137,33 @@ class Terms:
 
 
 def make_context(
-    captured: CapturedGraph,
-    strategies: dict[str, NodeStrategies],
-    mesh_shape: tuple[int, ...],
-    links: list[Link],
-    device,
-    precision: Precision,
-    optimizer: str,
-    efficiency: ComputeEfficiency | None,
-    dp_dim: int | None,
-    microbatches: int,
-    recompute: bool,
+    request: MeshRequest, strategies: dict[str, NodeStrategies], dp_dim: int | None, microbatches: int
 ) -> BuildContext:
-    """The constants every step reads, derived once per build."""
-    traced = max((p.dtype.itemsize for p in captured.params if p.dtype.is_floating_point), default=4)
-    b_opt = optimizer_bytes_per_param(precision, optimizer)
+    """The constants every step reads, derived once per build.
+
+    Recompute variants are offered when the request asks for them and has a memory
+    limit: without one, a variant only costs time.
+    """
+    captured, precision, device = request.captured, request.precision, request.cluster.device_spec
+    mesh_shape = request.shape
+    b_opt = optimizer_bytes_per_param(precision, request.optimizer)
     return BuildContext(
         captured=captured,
         facts=graph_facts(captured.gm),
         strategies=strategies,
         mesh_shape=mesh_shape,
-        links=links,
+        links=request.links,
         device=device,
         precision=precision,
-        efficiency=efficiency,
+        efficiency=request.efficiency,
         dp_dim=dp_dim,
         microbatches=microbatches,
-        recompute=recompute,
+        recompute=request.recompute and request.memory_limit is not None,
         params={p.placeholder for p in captured.params},
         inputs={t.placeholder for t in captured.inputs},
-        scale=precision.activation_bytes / traced,
+        scale=request.activation_scale,
         dp_n=mesh_shape[dp_dim] if dp_dim is not None else 1,
-        mem_bw=device.hbm_bandwidth * (efficiency or DEFAULT_EFFICIENCY).memory,
+        mem_bw=device.hbm_bandwidth * (request.efficiency or DEFAULT_EFFICIENCY).memory,
         b_opt=b_opt,
         b_copy=partition_copy_bytes(precision),
         opt_traffic=precision.grad_bytes + 2 * b_opt + precision.param_bytes,

@@ -2,7 +2,8 @@
 
 The plan holds only what was chosen; the search knew the alternatives. This
 pass reads them off a :class:`~autopar.search.sharding.mesh.ShardingResult` while
-they still exist and writes compact, JSON-able records: for each op that
+they still exist and writes compact records (:class:`~autopar.plans.op_records.OpRecords`,
+plain data the plan keeps): for each op that
 matters (it has FLOPs, is a parameter, or sends or receives a collective),
 the strategies it had, what each would cost *with every other node kept as
 chosen* (compute, plus the communication on the edges that touch it, plus
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from autopar.capture.joint import CapturedGraph, node_module
@@ -33,12 +35,12 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.core.module_paths import layer_key
 from autopar.core.placements import Placements, text
 from autopar.plans.format import secs_brief, size_brief
+from autopar.plans.op_records import ChargedCollective, OpAlternative, OpRecord, OpRecords
 
 if TYPE_CHECKING:
     from autopar.search.sharding.instance import ShardingProblem
     from autopar.search.sharding.mesh_solve import ShardingResult
 
-RECORDS_FORMAT = 1
 # the sharding problem marks a forbidden resharding with this cost (seconds): resharding_edges.FORBIDDEN_S
 _FORBIDDEN_S = 1e6
 # a local saving below this fraction of the chosen cost (or 10 ns) is a tie, not a reason to explain
@@ -66,33 +68,26 @@ def explain_records(
     res: ShardingResult,
     limit: int = 2000,
     alternatives: int = 5,
-) -> dict[str, Any]:
+) -> OpRecords:
     """Compact per-op records of ``res``'s search on ``captured``'s graph, for ``plan.solver.ops``.
 
-    Returns ``{"format", "axes", "mesh", "source", "status", "memory_limit", "peak",
-    "records": {node: record}, "same_as": {node: node recorded}, "dropped": int}``.
-    A record holds ``op``, ``module``, ``phase``, ``flops`` (whole batch), ``param``
-    (parameters only), ``copies`` (repeated layers sharing the decision), ``n``
-    (strategies it had), ``forbidden`` (of those, how many were ruled out: forbidden,
-    or needing a resharding from its neighbours' placements that cannot be done),
-    ``alts`` (the chosen strategy first, then the cheapest others: ``out``, ``in``,
-    ``compute_s``, ``comm_s``, ``mem``), ``collectives`` and ``why``.
+    A record (:class:`~autopar.plans.op_records.OpRecord`) holds the op, its module,
+    phase and FLOPs (whole batch), the parameter's name, the repeated layers sharing
+    the decision, how many strategies it had and how many of those were ruled out
+    (forbidden, or needing a resharding from its neighbours' placements that cannot
+    be done), the chosen strategy and the cheapest others, its collectives and why.
     """
     sp, choice = res.sp, res.solution.choice
-    base = {
-        "format": RECORDS_FORMAT,
-        "axes": list(SHARDING_AXES),
-        "mesh": {"dp": res.mesh.dp, "tp": res.mesh.tp},
-        "source": res.source,
-        "status": res.solution.status,
-        "memory_limit": _r(sp.problem.memory_limit or 0.0),
-        "peak": _r(res.estimate.memory.peak),
-        "records": {},
-        "same_as": {},
-        "dropped": 0,
-    }
+    ops = OpRecords(
+        axes=list(SHARDING_AXES),
+        mesh={"dp": res.mesh.dp, "tp": res.mesh.tp},
+        source=res.source,
+        status=res.solution.status,
+        memory_limit=_r(sp.problem.memory_limit or 0.0),
+        peak=_r(res.estimate.memory.peak),
+    )
     if not choice:
-        return base
+        return ops
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     param_of = {t.placeholder: t.name for t in captured.params}
     colls = _collectives_by_node(res)
@@ -100,29 +95,24 @@ def explain_records(
     order, same_as = _nodes_to_record(sp, param_of, colls, rep_of)
     kept = order[:limit]
     kept_names = {sp.nodes[i] for i in kept}
-    base["dropped"] = len(order) - len(kept)
-    base["same_as"] = {k: v for k, v in same_as.items() if v in kept_names}
+    ops.dropped = len(order) - len(kept)
+    ops.same_as = {k: v for k, v in same_as.items() if v in kept_names}
     ctx = _Context(res, choice, _incident_edges(sp), copies)
     for i in sorted(kept):
         name = sp.nodes[i]
         node = by_name.get(name)
-        rec = ctx.record(i, alternatives)
-        rec.update(
+        ops.records[name] = replace(
+            ctx.record(i, alternatives),
             op=str(node.target) if node is not None and node.op == "call_function" else "placeholder",
             module=node_module(node) if node is not None else "",
             phase=node.meta.get("autopar_phase", "") if node is not None else "",
             flops=_r(sp.flops[i]),
+            param=param_of.get(name),
+            copies=copies.get(i, 1),
+            collectives=colls.get(name, []),
         )
-        if name in param_of:
-            rec["param"] = param_of[name]
-        if copies.get(i, 1) > 1:
-            rec["copies"] = copies[i]
-        cs = colls.get(name, [])
-        if cs:
-            rec["collectives"] = cs
-        base["records"][name] = dict(sorted(rec.items()))
-    _fold_identical(base)
-    return base
+    _fold_identical(ops)
+    return ops
 
 
 def _incident_edges(sp: ShardingProblem) -> list[list[int]]:
@@ -135,21 +125,14 @@ def _incident_edges(sp: ShardingProblem) -> list[list[int]]:
     return incident
 
 
-def _collectives_by_node(res: ShardingResult) -> dict[str, list[dict[str, Any]]]:
+def _collectives_by_node(res: ShardingResult) -> dict[str, list[ChargedCollective]]:
     """The charged collectives, each under the node it comes from and the node it goes to."""
-    colls: dict[str, list[dict[str, Any]]] = {}
+    colls: dict[str, list[ChargedCollective]] = {}
     for c in res.charged:
-        rec = {
-            "kind": c["kind"],
-            "axis": c["axis"],
-            "bytes": _r(c["bytes"]),
-            "from": c["from"],
-            "to": c["to"],
-            "reason": c["reason"],
-        }
-        colls.setdefault(c["from"], []).append(rec)
-        if c["to"] != c["from"]:
-            colls.setdefault(c["to"], []).append(rec)
+        rec = ChargedCollective(c.kind, c.axis, _r(c.bytes), c.src, c.dst, c.reason)
+        colls.setdefault(c.src, []).append(rec)
+        if c.dst != c.src:
+            colls.setdefault(c.dst, []).append(rec)
     return colls
 
 
@@ -194,30 +177,25 @@ def _nodes_to_record(
     return order, same_as
 
 
-def _fold_identical(base: dict[str, Any]) -> None:
+def _fold_identical(ops: OpRecords) -> None:
     """Alias records that repeat an earlier one up to the layer number (parameters of repeated layers).
 
     The solver ties only ops it may tie; parameters of identical layers usually get
     identical records anyway, and one copy says all there is to say.
     """
     seen: dict[str, str] = {}
-    records, same_as = base["records"], base["same_as"]
+    records, same_as = ops.records, ops.same_as
     for name in list(records):
         rec = records[name]
-        key = json.dumps(
-            {
-                **{k: v for k, v in rec.items() if k not in ("module", "param", "collectives")},
-                "module": _fold(rec.get("module", "")),
-                "param": _fold(rec.get("param", "")),
-                "collectives": [
-                    {k: v for k, v in c.items() if k not in ("from", "to")}
-                    for c in rec.get("collectives", [])
-                ],
-            },
-            sort_keys=True,
+        folded = replace(
+            rec,
+            module=_fold(rec.module),
+            param=_fold(rec.param or ""),
+            collectives=[replace(c, src="", dst="") for c in rec.collectives],
         )
+        key = json.dumps(asdict(folded), sort_keys=True)
         first = seen.setdefault(key, name)
-        if first != name and _fold(rec.get("module", "")) != rec.get("module", ""):
+        if first != name and _fold(rec.module) != rec.module:
             same_as[name] = first
             del records[name]
     for name, target in same_as.items():
@@ -256,7 +234,8 @@ class _Context:
             out.append((c, comm))
         return out
 
-    def record(self, i: int, alternatives: int) -> dict[str, Any]:
+    def record(self, i: int, alternatives: int) -> OpRecord:
+        """Node ``i``'s strategies, the chosen one first, and why it won (the caller adds the node's facts)."""
         sp = self.sp
         chosen = self.choice[i]
         costs = self.local_costs(i)
@@ -268,24 +247,24 @@ class _Context:
         shown = [chosen, *others[: max(alternatives - 1, 0)]]
         strategies = sp.strategies[i]
 
-        def alt(s: int) -> dict[str, Any]:
+        def alt(s: int) -> OpAlternative:
             st = strategies[s]
             c, m = costs[s]
-            return {
-                "out": _outputs_str(st.outputs),
-                "in": [placement_str(x) for x in st.inputs],
-                "compute_s": _r(c),
-                "comm_s": _r(m),
-                "mem": _r(self.held(i, s)),
-            }
+            return OpAlternative(
+                outputs=_outputs_str(st.outputs),
+                inputs=[placement_str(x) for x in st.inputs],
+                compute_s=_r(c),
+                comm_s=_r(m),
+                memory=_r(self.held(i, s)),
+            )
 
-        rec: dict[str, Any] = {
-            "n": len(strategies),
-            "forbidden": len(strategies) - len(set(allowed) | {chosen}),
-            "alts": [alt(s) for s in shown],
-            "why": self.why(i, chosen, others, costs, strategies),
-        }
-        return rec
+        return OpRecord(
+            op="",
+            strategies=len(strategies),
+            forbidden=len(strategies) - len(set(allowed) | {chosen}),
+            alternatives=[alt(s) for s in shown],
+            why=self.why(i, chosen, others, costs, strategies),
+        )
 
     def held(self, i: int, s: int) -> float:
         """Bytes node ``i`` holds under strategy ``s``: its output, or a parameter's value, state and gradient."""

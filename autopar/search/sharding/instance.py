@@ -157,7 +157,22 @@ def tp_seconds(
     return sum(collective_time(k, size, mesh_shape[d], links[d]) for k, d, size in steps if d == TP_DIM)
 
 
-def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]) -> list[dict]:
+@dataclass(frozen=True)
+class EdgeCollective:
+    """One collective a chosen answer implies: on the edge ``src`` -> ``dst`` over mesh dim ``mesh_dim``.
+
+    ``reason`` is the edge's kind, or "zero" for a ZeRO-1/2 parameter gather after the step.
+    """
+
+    kind: str
+    mesh_dim: int
+    bytes: float
+    src: str
+    dst: str
+    reason: str
+
+
+def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...]) -> list[EdgeCollective]:
     """Every collective the chosen strategies imply, one record per edge that communicates."""
     out = []
     for e, (iu, iv) in enumerate(sp.problem.edges):
@@ -168,22 +183,12 @@ def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tupl
             continue
         zero = b.zero if info.input_pos < 0 else 0
         for coll, d, size in grad_sync_steps(have, need, zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
-            out.append(
-                {"kind": coll, "mesh_dim": d, "bytes": size, "from": info.src, "to": info.dst, "reason": info.kind}
-            )
+            out.append(EdgeCollective(coll, d, size, info.src, info.dst, info.kind))
     for i in sp.param_nodes:
         s = sp.strategies[i][choice[i]]
         if s.zero:
             local = sp.state_parts[i][choice[i]][0]
             name = sp.nodes[i]
-            out.append(
-                {
-                    "kind": "all_gather",
-                    "mesh_dim": sp.dp_dim,
-                    "bytes": local,
-                    "from": name,
-                    "to": name,
-                    "reason": "zero",
-                }
-            )
+            assert sp.dp_dim is not None  # a ZeRO strategy exists only with a data-parallel dim
+            out.append(EdgeCollective("all_gather", sp.dp_dim, local, name, name, "zero"))
     return out

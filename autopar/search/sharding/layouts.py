@@ -6,17 +6,26 @@ restriction, with no memory limit, on the graph it is given.  Plans of the
 analytic data-parallel path carry the dp (or zero3) layout's placements made
 this way (:func:`autopar.api.data_parallel.data_parallel_placements`), and the
 correctness oracle runs the layouts as plans (:mod:`autopar.verify.oracle`).
+Where the layout leaves nothing to choose (one device: one strategy per node),
+the placements are read off the strategies without building the problem
+(:func:`forced_placements`): the same answer, without the seconds a large
+model's build and solve take.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
+from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.search.sharding.answer import placements_of
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 # The solver's time limit for a layout: the seed leaves it little to choose.
 LAYOUT_TIME_LIMIT_S = 30.0
@@ -45,10 +54,34 @@ def layout_placements(
             return False
         return seed(node, strategy)
 
-    res = solve_mesh(
-        captured, cluster, mesh, precision, optimizer, float("inf"), LAYOUT_TIME_LIMIT_S, allowed=allowed
-    )
+    request = MeshRequest(captured, cluster, mesh, precision, optimizer, float("inf"))
+    strategies = enumerate_strategies(captured.gm, request.shape, SHARDING_AXES)
+    forced = forced_placements(captured, strategies, allowed)
+    if forced is not None:
+        return forced
+    res = solve_mesh(request, LAYOUT_TIME_LIMIT_S, allowed=allowed, strategies=strategies)
     if not res.placements:
         where = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}
         raise PlanError(f"no {kind} layout found for {captured.model_name} on mesh {where}")
     return res.placements
+
+
+def forced_placements(
+    captured: CapturedGraph, strategies: dict[str, NodeStrategies], allowed: Callable[[str, Strategy], bool]
+) -> dict[str, dict] | None:
+    """The placements when every node has one strategy and the layout allows it (one device); None otherwise.
+
+    Then the sharding problem has one answer and no memory limit to miss, so solving
+    it would return exactly these: on one device every placement is replicated, and
+    building and solving the problem of a large model would cost seconds for nothing.
+    """
+    nodes, chosen = [], []
+    for node in captured.gm.graph.nodes:  # the problem's nodes, in its order
+        ns = strategies.get(node.name)
+        if ns is None or not ns.strategies:
+            continue
+        if len(ns.strategies) != 1 or not allowed(node.name, ns.strategies[0]):
+            return None
+        nodes.append(node.name)
+        chosen.append(ns.strategies[0])
+    return placements_of(captured, nodes, chosen, dp_dim=0)

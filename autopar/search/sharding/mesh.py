@@ -19,9 +19,8 @@ from dataclasses import replace
 
 from autopar.capture.joint import CapturedGraph
 from autopar.core.heap import long_lived_heap
-from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.memory import Precision
-from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.hardware.cluster import Cluster
 from autopar.search.sharding.mesh_solve import (
     MeshProblem,
     ShardingResult,
@@ -31,6 +30,7 @@ from autopar.search.sharding.mesh_solve import (
     solve_prepared,
     zero_filter,
 )
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
@@ -46,25 +46,16 @@ it is solved to this gap, and the unrestricted search (to ``GAP_TARGET``) improv
 
 
 def solve_mesh(
-    captured: CapturedGraph,
-    cluster: Cluster,
-    mesh: MeshShape,
-    precision: Precision,
-    optimizer: str,
-    memory_limit: float,
+    request: MeshRequest,
     time_limit_s: float = 60.0,
     allowed: Callable[[str, Strategy], bool] | None = None,
     strategies: dict[str, NodeStrategies] | None = None,
-    efficiency: ComputeEfficiency | None = None,
-    recompute: bool = False,
 ) -> ShardingResult:
-    """The cheapest sharding of ``captured`` on a dp × tp ``mesh`` that fits ``memory_limit``.
+    """The cheapest sharding of ``request``'s graph on its dp × tp mesh that fits its memory limit.
 
-    ``recompute``: activations may be recomputed (as :func:`search_meshes` allows by default).
+    ``request.recompute``: activations may be recomputed (as :func:`search_meshes` allows by default).
     """
-    mp = prepare_mesh(
-        captured, cluster, mesh, precision, optimizer, memory_limit, strategies, efficiency, recompute
-    )
+    mp = prepare_mesh(request, strategies)
     res = solve_prepared(mp, time_limit_s, allowed)
     res.timings = dict(mp.timings)
     return res
@@ -140,7 +131,8 @@ def search_meshes(
             log.info("meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
             break
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
-        mp = prepare_mesh(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+        request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
+        mp = prepare_mesh(request)
         res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",

@@ -22,15 +22,15 @@ from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.core.heap import long_lived_heap
 from autopar.core.mesh import SHARDING_AXES
-from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.estimate import Estimate
-from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 from autopar.solver import (
@@ -54,16 +54,12 @@ class ShardingResult:
     estimate: Estimate
     placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    charged: list[dict[str, Any]] = field(default_factory=list)  # every collective the estimate charged
+    charged: list[ChargedCollective] = field(default_factory=list)  # every collective the estimate charged
     source: str = "milp"  # "milp", or the seed layout whose answer beat the MILP's
     milp: ShardingResult | None = None  # when a seed won: the unrestricted MILP's result on the mesh
     # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
     # same problem fits them either, so the seed layouts of the mesh skip them
     unfit: frozenset[int] = frozenset()
-
-
-def mesh_links(cluster: Cluster, mesh: MeshShape) -> list:
-    return [cluster.axis_link(mesh, axis) for axis in SHARDING_AXES]
 
 
 @dataclass
@@ -76,57 +72,51 @@ class MeshProblem:
     they share this one build.
     """
 
-    captured: CapturedGraph
-    cluster: Cluster
-    mesh: MeshShape
+    request: MeshRequest
     links: list
     sp: ShardingProblem  # one micro-batch, repeated-layer groups set
-    memory_limit: float
-    compute_dtype: str
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def captured(self) -> CapturedGraph:
+        return self.request.captured
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.request.cluster
+
+    @property
+    def mesh(self) -> MeshShape:
+        return self.request.mesh
+
+    @property
+    def memory_limit(self) -> float:
+        """The limit the answers must fit (none: every answer fits)."""
+        limit = self.request.memory_limit
+        return math.inf if limit is None else limit
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.request.precision.compute_dtype
 
 
 @long_lived_heap()
-def prepare_mesh(
-    captured: CapturedGraph,
-    cluster: Cluster,
-    mesh: MeshShape,
-    precision: Precision,
-    optimizer: str,
-    memory_limit: float,
-    strategies: dict[str, NodeStrategies] | None = None,
-    efficiency: ComputeEfficiency | None = None,
-    recompute: bool = False,
-) -> MeshProblem:
-    """Enumerate strategies (unless given) and build the sharding problem of a dp × tp ``mesh``.
+def prepare_mesh(request: MeshRequest, strategies: dict[str, NodeStrategies] | None = None) -> MeshProblem:
+    """Enumerate strategies (unless given) and build the sharding problem of ``request``'s dp × tp mesh.
 
-    ``recompute``: activations may also be recomputed in the backward (a decision of the MILP).
+    ``request.recompute``: activations may also be recomputed in the backward (a decision of the MILP).
     """
     timings: dict[str, float] = {}
-    shape = (mesh.dp, mesh.tp)
     t = time.perf_counter()
     if strategies is None:
-        strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
+        strategies = enumerate_strategies(request.captured.gm, request.shape, SHARDING_AXES)
     timings["strategies_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    links = mesh_links(cluster, mesh)
-    sp = build_problem(
-        captured,
-        strategies,
-        shape,
-        links,
-        cluster.device_spec,
-        precision,
-        optimizer,
-        efficiency=efficiency,
-        memory_limit=memory_limit,
-        microbatches=1,
-        recompute=recompute,
-    )
-    sp.problem.groups = repeated_layer_groups(captured.gm, sp)
+    sp = build_problem(request, strategies, microbatches=1)
+    sp.problem.groups = repeated_layer_groups(request.captured.gm, sp)
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
-    return MeshProblem(captured, cluster, mesh, links, sp, memory_limit, precision.compute_dtype, timings)
+    return MeshProblem(request, request.links, sp, timings)
 
 
 @long_lived_heap()

@@ -99,15 +99,13 @@ from dataclasses import replace
 
 import torch.fx as fx
 
-from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import ComputeEfficiency, roofline_time
-from autopar.cost_models.memory import Precision
-from autopar.hardware.cluster import Link
+from autopar.cost_models.compute import roofline_time
 from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.recompute import recomputed
+from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.resharding_edges import buffer_update_edges, data_edges, grad_sync_edges
 from autopar.search.sharding.step_memory import accumulated, parameter_items
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
@@ -115,37 +113,17 @@ from autopar.solver import StrategyProblem
 
 
 def build_problem(
-    captured: CapturedGraph,
+    request: MeshRequest,
     strategies: dict[str, NodeStrategies],
-    mesh_shape: tuple[int, ...],
-    links: list[Link],
-    device,
-    precision: Precision,
-    optimizer: str,
-    efficiency: ComputeEfficiency | None = None,
     dp_dim: int | None = 0,
-    memory_limit: float | None = None,
     microbatches: int = 1,
-    recompute: bool = False,
 ) -> ShardingProblem:
-    """The MILP instance for one mesh: the steps of the module docstring's formulation, in order.
+    """The MILP instance for ``request``'s mesh: the steps of the module docstring's formulation, in order.
 
-    ``recompute``: with a memory limit, each recomputable activation also gets its
-    strategies again, recomputed in the backward.
+    ``request.recompute``: with a memory limit, each recomputable activation also gets
+    its strategies again, recomputed in the backward.
     """
-    ctx = make_context(
-        captured,
-        strategies,
-        mesh_shape,
-        links,
-        device,
-        precision,
-        optimizer,
-        efficiency,
-        dp_dim,
-        microbatches,
-        recompute=recompute and memory_limit is not None,  # a variant only pays off under a limit
-    )
+    ctx = make_context(request, strategies, dp_dim, microbatches)
     terms = Terms()
     for step in (
         node_terms,
@@ -156,7 +134,7 @@ def build_problem(
         buffer_update_edges,
     ):
         step(ctx, terms)
-    return _assemble(ctx, terms, memory_limit)
+    return _assemble(ctx, terms, request.memory_limit)
 
 
 def node_terms(ctx: BuildContext, t: Terms) -> None:
