@@ -21,6 +21,7 @@ from autopar.cost_models.graph_cache import captured_with_stats
 from autopar.cost_models.memory import precision_spec
 from autopar.search.recost import estimate_plan
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.request import MeshRequest
 from examples.models import gpt
 
 GBS = 32
@@ -62,7 +63,7 @@ def test_data_parallel_layout_costs_the_same_on_every_path(setup, zero):
     captured, _ = captured_with_stats(model, inputs, batch=GBS)
     mesh = cluster.check_mesh(dp=n, tp=1, pp=1)
     allowed = _layout(captured, zero)
-    res = solve_mesh(captured, cluster, mesh, precision_spec("bf16-mixed"), "adamw", float("inf"), 30.0, allowed)
+    res = solve_mesh(MeshRequest(captured, cluster, mesh, precision_spec("bf16-mixed"), "adamw", float("inf")), 30.0, allowed)
     sp, choice = res.sp, res.solution.choice
     assert all(allowed(sp.nodes[i], sp.strategies[i][c]) for i, c in enumerate(choice))  # the layout asked for
     placed = dataclasses.replace(analytic, placements=res.placements)

@@ -28,8 +28,7 @@ from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.pipeline.segments import microbatch_counts, rescale, segment_figures
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
-from autopar.search.sharding.mesh_solve import mesh_links
-from autopar.search.sharding.request import activation_scale
+from autopar.search.sharding.request import activation_scale, mesh_links
 
 log = logging.getLogger(__name__)
 
