@@ -1,138 +1,369 @@
-"""Calibrate the compute efficiency factors against published training throughputs.
+"""Calibrate the cost model's efficiency factors against published training throughputs.
 
-    .venv/bin/python benchmarks/calibrate.py          (about a minute: three meta-device captures)
+    PYTHONPATH=. .venv/bin/python benchmarks/calibrate.py            fit, then predict every run
+    PYTHONPATH=. .venv/bin/python benchmarks/calibrate.py --no-fit   predict with the library's factors
 
-autopar's step time is analytic (roofline per op + ring collectives), with
-two efficiency factors: the fraction of peak FLOP/s matmuls reach and the
-fraction of HBM bandwidth memory-bound ops reach. They are fitted here to
-published, measured data-parallel runs, then every run is predicted with
-the fitted factors and printed next to what was published. The fitted
-values are copied into ``autopar/cost_models/compute.py``
-(``DEFAULT_EFFICIENCY``); rerun this after any change to the cost model.
+Every run is planned by ``autopar.plan`` with its published configuration pinned
+in ``fixed`` (dp, tp, pp, ZeRO stage, micro-batches, schedule, recompute), on
+the model's real shape built on the meta device; the per-op sharding inside
+the mesh is the planner's own. The predicted throughput is the plan's
+``estimate.step_time_s``: the same cost model every path of the planner uses.
 
-Published runs (data parallel only: the runs tensor/pipeline parallel
-needs are added once the search costs those meshes):
+Three factors are fitted, on a third of the runs at most (``fit=True`` below;
+the small ones, whose plans are quick to make four times each):
+the fraction of peak FLOP/s compute-bound ops reach (``ComputeEfficiency.matmul``),
+the fraction of HBM bandwidth memory-bound ops reach (``ComputeEfficiency.memory``)
+and the fraction of a link's line rate a collective's bus bandwidth reaches
+(``comm.LINK_EFFICIENCY``). The step time of a pinned plan is, to first order,
+``D + A/e_matmul + B/e_memory + C/e_link``; the fit plans each fit run at a
+reference point and at one perturbation of each factor, reads A, B, C and D
+off the four step times, and minimises the squared log error of the fit runs
+over a grid of the three factors. Every run is then planned again at the
+fitted factors and printed beside what was published; the runs not fitted
+are held out. Copy the fitted figures into
+``autopar/cost_models/compute.py`` (``DEFAULT_EFFICIENCY``) and
+``autopar/cost_models/comm.py`` (``LINK_EFFICIENCY``) and rerun with
+``--no-fit`` to check.
 
-* Megatron-LM, Narayanan et al., SC'21, "Efficient Large-Scale Language
-  Model Training on GPU Clusters Using Megatron-LM", Table 1, first row:
-  GPT 1.7B (24 layers, hidden 2304, 24 heads, seq 2048, vocab 51200),
-  32 A100-80GB, tp = pp = 1, global batch 512, full activation recompute,
-  137 TFLOP/s per GPU counted with the paper's formula that includes the
-  recompute forward (96·B·s·l·h²·(1 + s/6h + V/16lh)).
-* torchtitan, docs/performance.md, "Llama 3 performance numbers": Llama 3
-  8B, 64 A100-80GB, FSDP2 (ZeRO-3), local batch 1, seq 8192, selective
-  layer activation checkpointing (every second layer), 2,904 tokens/s/GPU.
-* torchtitan, docs/performance.md, Table 1: Llama 3.1 8B, 8 H100 (96 GB
-  HBM2e at 2.4 TB/s), FSDP2, local batch 2, seq 8192, selective (per-op)
-  activation checkpointing, eager, 5,762 tokens/s/GPU. Held out of the fit.
+Published runs (each figure read at its source; what the source leaves open is
+an assumption, named per run)
+------------------------------------------------------------------------------
 
-Recompute is not yet a planned decision in autopar; its time is added here
-as the fraction of the forward pass that runs twice (1 for full, 1/2 for
-every-second-layer; per-op selective recompute re-runs the cheap ops and
-about half the matmuls' inputs: taken as 1/4, an approximation).
+A. Megatron-LM (Narayanan et al., SC'21), GPT weak scaling on Selene (DGX A100
+   80 GB, 8 x HDR 200 Gb/s per node): NVIDIA/Megatron-LM README at commit
+   50a4b5fa0280a160cc1b03a1c15faddbc1b1da9a (2021-04-08), table
+   ``images/cases_april2021.png``: hidden size, layers, model-parallel size,
+   GPUs, batch size and achieved TFLOP/s per GPU; vocabulary 51,200, sequence
+   2,048 (README text). The split of the model-parallel size into tp x pp
+   (tp = min(MP, 8), pp = MP / 8) and the head counts (hidden / 96 up to 3.6B,
+   / 128 up to 310B, / 160 above) are the paper's Table 1; attention FLOPs do
+   not depend on the head count. The MLP's GeLU is one kernel (Megatron-LM's fused
+   bias-GeLU; the model is built with "gelu_pytorch_tanh", one ``aten.gelu``,
+   rather than GPT-2's eight-op "gelu_new"). Attention is unfused, as in 2021
+   (before flash attention): the scores matmul, a softmax over the s x s scores,
+   dropout and the second matmul, each its own kernel (HuggingFace's "eager"
+   attention; Megatron-LM fused the scale, mask and softmax into one of them).
+   Full activation recompute; the TFLOP/s count
+   the recompute forward: 96·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs per step
+   (paper, eq. 3). Assumed: micro-batch 1, the 1F1B schedule (the README does
+   not name either), no distributed optimizer (ZeRO 0, 2021), dropout 0.1.
+
+B. Megatron-Core r0.8.0 weak scaling on H100 (DGX H100, 8 x NDR 400 Gb/s per
+   node): NVIDIA/Megatron-LM README at commit
+   d98e8a64ddf34856e74b24714e3bedb2f5a39553, ``images/model_table.png``:
+   heads, hidden, layers, tp, pp, dp, GPUs, batch, TFLOP/s per GPU and MFU;
+   vocabulary 131,072, sequence 4,096 (README text); overlapped DP gradient
+   reduce and parameter gather (hence the distributed optimizer, ZeRO 1), TP
+   communication overlap (costed as such, :mod:`autopar.cost_models.overlap`:
+   the tensor-parallel collectives pipelined with the GEMMs next to them; every
+   other run is costed with autopar's own runtime, which does not overlap them).
+   MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs, taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. Assumed: no activation
+   recompute, micro-batch 1, 1F1B, a GPT-3-style block (GeLU MLP of 4h, the GeLU
+   one kernel as in A; attention one fused kernel, as Transformer Engine's flash
+   attention runs it).
+
+C. torchtitan, FSDP2 (ZeRO 3), bf16, eager:
+   * pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` at
+     commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a, Tables 1 and 3, row
+     "FSDP": Llama 3.1 8B on 8 and on 128 H100 (Grand Teton: 96 GB HBM2e at
+     2.4 TB/s, 500 W, 400 Gb/s per GPU between hosts; its footnote 2: the peak
+     FLOP/s at 500 W lie between the SXM's and the NVL's, so 912 TFLOP/s bf16,
+     their middle, is taken), local batch 2, selective
+     (per-op) activation checkpointing: 5,762 and 5,605 tokens/s/GPU.
+     Sequence 8,192 (torchtitan's Llama 3 8B training config). Per-op
+     checkpointing is costed as autopar's "selective" (the attention core),
+     which replays less: an optimistic stand-in.
+   * pytorch/torchtitan ``docs/performance.md`` at commit
+     4d88a8a44fe439f73f564b83d60b29a906ef3507, "Llama 3 performance numbers":
+     Llama 3 70B on 64 A100 80 GB, local batch 1, full activation
+     checkpointing, 331 tokens/s/GPU; sequence 8,192.
+
+Runs left out: torchtitan's 70B and 405B H100 runs train in Float8 and
+autopar has no fp8 peak. Llama 3 405B (Meta, 2024; 8,192 H100, tp 8, pp 16,
+16M tokens a batch, 430 TFLOP/s per GPU) was found only in a secondary page
+(glennklockwood.com/garden/llama-3.1, quoting an SC'24 slide), which gives
+neither the micro-batch count nor the pipeline schedule.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import itertools
 import math
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar import Cluster  # noqa: E402
+import autopar  # noqa: E402
+from autopar.cost_models import comm, compute, overlap  # noqa: E402
 from autopar.cost_models.compute import ComputeEfficiency  # noqa: E402
-from autopar.cost_models.graph_cache import captured_with_stats  # noqa: E402
-from autopar.cost_models.memory import PRECISIONS  # noqa: E402
-from autopar.cost_models.step import Config, estimate_config  # noqa: E402
 from autopar.hardware.cluster import DEVICES  # noqa: E402
 from examples.models import gpt, llama  # noqa: E402
 
+# torchtitan's H100s (section C): 96 GB of HBM2e at 2.4 TB/s, run at 500 W; its benchmark page says their
+# peak "is between SXM and NVL" (989 and 835 TFLOP/s bf16 dense): taken as the middle of the two.
 H100_GRAND_TETON = dataclasses.replace(
-    DEVICES["H100-80GB"], name="H100-96GB-HBM2e", memory_bytes=96 * 10**9, hbm_bandwidth=2.4e12
+    DEVICES["H100-80GB"],
+    name="H100-96GB-HBM2e-500W",
+    memory_bytes=96 * 10**9,
+    hbm_bandwidth=2.4e12,
+    peak_flops={**DEVICES["H100-80GB"].peak_flops, "bf16": 912e12, "fp16": 912e12},
 )
 
-RUNS = [
-    {
-        "name": "Megatron GPT 1.7B, 32xA100, dp=32",
-        "model": lambda: gpt(24, 2304, 24, vocab=51200, seq=2048, batch=1),
-        "cluster": Cluster.preset("dgx-a100", nodes=4),
-        "config": Config(dp=32, zero=0, microbatches=1, micro_batch_size=16),
-        "recompute_fraction": 1.0,
-        "tokens_per_sample": 2048,
-        # per-GPU FLOP/s counted with recompute -> step time: F96 / (32 * 137e12)
-        "published_step_s": 96
-        * 512
-        * 2048
-        * 24
-        * 2304**2
-        * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
-        / (32 * 137e12),
-        "fit": True,
-    },
-    {
-        "name": "torchtitan Llama3 8B, 64xA100, FSDP",
-        "model": lambda: llama(32, 4096, 32, 14336, vocab=128256, seq=8192, batch=1, kv_heads=8),
-        "cluster": Cluster.preset("dgx-a100", nodes=8),
-        "config": Config(dp=64, zero=3, microbatches=1, micro_batch_size=1),
-        "recompute_fraction": 0.5,
-        "tokens_per_sample": 8192,
-        "published_step_s": 8192 / 2904,
-        "fit": True,
-    },
-    {
-        "name": "torchtitan Llama3.1 8B, 8xH100, FSDP",
-        "model": lambda: llama(32, 4096, 32, 14336, vocab=128256, seq=8192, batch=1, kv_heads=8),
-        "cluster": Cluster(nodes=1, gpus_per_node=8, device=H100_GRAND_TETON),
-        "config": Config(dp=8, zero=3, microbatches=1, micro_batch_size=2),
-        "recompute_fraction": 0.25,
-        "tokens_per_sample": 8192,
-        "published_step_s": 2 * 8192 / 5762,
-        "fit": False,
-    },
+
+@dataclass
+class Run:
+    """One published run: the model, the cluster, the configuration as the source states it, the figure."""
+
+    name: str
+    model: tuple  # ("gpt", layers, hidden, heads, vocab, seq) or ("llama", layers, hidden, heads, inter, vocab, seq, kv)
+    cluster: Any
+    batch: int  # global batch, sequences
+    fixed: dict
+    tokens_per_gpu_s: float  # published throughput
+    fit: bool = False
+    attention: str = "sdpa"  # HuggingFace's attention: "sdpa" (one fused kernel) or "eager" (its ops one by one)
+    # what the run's runtime overlaps beyond autopar's own (its source names it): Megatron-Core's TP overlap
+    runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
+    notes: str = ""
+
+    @property
+    def seq(self) -> int:
+        return self.model[-1] if self.model[0] == "gpt" else self.model[6]
+
+    def build(self):
+        if self.model[0] == "gpt":
+            _, layers, hidden, heads, vocab, seq = self.model
+            model, inputs = gpt(layers, hidden, heads, vocab=vocab, seq=seq, batch=1, activation="gelu_pytorch_tanh")
+            model.config._attn_implementation = self.attention
+            return model, inputs
+        _, layers, hidden, heads, inter, vocab, seq, kv = self.model
+        return llama(layers, hidden, heads, inter, vocab=vocab, seq=seq, batch=1, kv_heads=kv)
+
+
+def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops, fit=False) -> Run:
+    """Section A: TFLOP/s per GPU that count the recompute forward, converted to tokens/s/GPU."""
+    tp, pp = min(mp, 8), max(1, mp // 8)
+    seq, vocab = 2048, 51200
+    flops_per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    dp = gpus // mp
+    fixed = {"dp": dp, "tp": tp, "pp": pp, "zero": 0, "recompute": "full", "microbatches": batch // dp}
+    if pp > 1:
+        fixed["schedule"] = "1F1B"
+    return Run(
+        f"Megatron GPT {size} A100",
+        ("gpt", layers, hidden, heads, vocab, seq),
+        autopar.Cluster.preset("dgx-a100", nodes=gpus // 8),
+        batch,
+        fixed,
+        tflops * 1e12 / flops_per_token,
+        fit,
+        attention="eager",
+    )
+
+
+def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, fit=False) -> Run:
+    """Section B: model TFLOP/s per GPU converted to tokens/s/GPU."""
+    seq, vocab = 4096, 131072
+    flops_per_token = 72 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+    fixed = {"dp": dp, "tp": tp, "pp": pp, "zero": 1, "recompute": "none", "microbatches": batch // dp}
+    if pp > 1:
+        fixed["schedule"] = "1F1B"
+    assert dp * tp * pp == gpus
+    return Run(
+        f"Megatron-Core GPT {size} H100",
+        ("gpt", layers, hidden, heads, vocab, seq),
+        autopar.Cluster.preset("dgx-h100", nodes=gpus // 8),
+        batch,
+        fixed,
+        tflops * 1e12 / flops_per_token,
+        fit,
+        runtime=overlap.Runtime(tp_comm_overlap=True),
+    )
+
+
+LLAMA3_8B = ("llama", 32, 4096, 32, 14336, 128256, 8192, 8)
+LLAMA3_70B = ("llama", 80, 8192, 64, 28672, 128256, 8192, 8)
+
+RUNS: list[Run] = [
+    _megatron_2021("1.7B", 2304, 24, 24, 1, 32, 512, 137, fit=True),
+    _megatron_2021("3.6B", 3072, 30, 32, 2, 64, 512, 138),
+    _megatron_2021("7.5B", 4096, 36, 32, 4, 128, 512, 142, fit=True),
+    _megatron_2021("18B", 6144, 40, 48, 8, 256, 1024, 135),
+    _megatron_2021("39B", 8192, 48, 64, 16, 512, 1536, 138),
+    _megatron_2021("76B", 10240, 60, 80, 32, 1024, 1792, 140),
+    _megatron_2021("145B", 12288, 80, 96, 64, 1536, 2304, 148),
+    _megatron_2021("530B", 20480, 105, 128, 280, 2520, 2520, 163),
+    _megatron_core_h100("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, fit=True),
+    _megatron_core_h100("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, fit=True),
+    _megatron_core_h100("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
+    _megatron_core_h100("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
+    _megatron_core_h100("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
+    _megatron_core_h100("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+    _megatron_core_h100("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
+    Run(
+        "torchtitan Llama3.1 8B 8xH100 FSDP",
+        LLAMA3_8B,
+        autopar.Cluster(nodes=1, gpus_per_node=8, device=H100_GRAND_TETON),
+        16,
+        {"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective", "microbatches": 1},
+        5762,
+        fit=True,
+    ),
+    Run(
+        "torchtitan Llama3.1 8B 128xH100 FSDP",
+        LLAMA3_8B,
+        autopar.Cluster(nodes=16, gpus_per_node=8, device=H100_GRAND_TETON, inter_node_bandwidth=50e9),
+        256,
+        {"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective", "microbatches": 1},
+        5605,
+    ),
+    Run(
+        "torchtitan Llama3 70B 64xA100 FSDP",
+        LLAMA3_70B,
+        autopar.Cluster.preset("dgx-a100", nodes=8),
+        64,
+        {"dp": 64, "tp": 1, "pp": 1, "zero": 3, "recompute": "full", "microbatches": 1},
+        331,
+    ),
 ]
 
+REFERENCE = (0.8, 0.5, 0.8)  # (matmul, memory, link): where the fit's linearisation is taken
+PERTURB = 0.8  # each factor is multiplied by this in turn to read its term
 
-def predicted_step(run: dict, stats, eff: ComputeEfficiency) -> float:
-    prec = PRECISIONS["bf16-mixed"]
-    cfg: Config = run["config"]
-    est = estimate_config(stats, cfg, run["cluster"], prec, "adamw", 1e30, efficiency=eff)
-    scale = prec.activation_bytes / stats.traced_float_size
-    fwd = stats.phase_times(run["cluster"].device_spec, prec.compute_dtype, eff, scale)["forward"]
-    recompute = cfg.microbatches * run["recompute_fraction"] * fwd * cfg.micro_batch_size / stats.batch_size
-    return est.step_time_s + recompute
+
+def set_factors(matmul: float, memory: float, link: float) -> None:
+    """Point the library's factors (read at call time) at these values."""
+    compute.DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=matmul, memory=memory)
+    comm.LINK_EFFICIENCY = link
+
+
+def step_time(run: Run, model, inputs) -> float:
+    """The planner's step time for the run's pinned configuration at the factors currently set,
+    costed with the runtime the run used."""
+    overlap.RUNTIME = run.runtime
+    try:
+        plan = autopar.plan(
+            model, inputs, run.cluster, global_batch_size=run.batch, fixed=run.fixed, time_limit_s=30
+        )
+    finally:
+        overlap.RUNTIME = overlap.AUTOPAR_RUNTIME
+    if not plan.estimate.fits:
+        run.notes = f"over memory ({plan.estimate.memory.peak / 1e9:.0f} GB)"
+    return plan.estimate.step_time_s
+
+
+def tokens_per_gpu(run: Run, step: float) -> float:
+    return run.batch * run.seq / step / run.cluster.world_size
+
+
+def terms(run: Run) -> tuple[float, float, float, float]:
+    """(A, B, C, D) of step ≈ D + A/e_matmul + B/e_memory + C/e_link around REFERENCE, from four plans."""
+    model, inputs = run.build()
+    base = REFERENCE
+    set_factors(*base)
+    t0 = step_time(run, model, inputs)
+    coeffs = []
+    for k in range(3):
+        point = list(base)
+        point[k] *= PERTURB
+        set_factors(*point)
+        t = step_time(run, model, inputs)
+        # t - t0 = coeff * (1/(e·PERTURB) - 1/e)
+        coeffs.append((t - t0) / (1 / point[k] - 1 / base[k]))
+    d = t0 - sum(c / e for c, e in zip(coeffs, base, strict=True))
+    return (*coeffs, d)
+
+
+def fit(runs: list[Run]) -> tuple[float, float, float]:
+    """The three factors minimising Σ log(predicted / published)² over the fit runs (a grid search)."""
+    linear = {}
+    for run in runs:
+        start = time.perf_counter()
+        linear[run.name] = terms(run)
+        print(f"  terms of {run.name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+    def loss(e: tuple[float, float, float]) -> float:
+        total = 0.0
+        for run in runs:
+            a, b, c, d = linear[run.name]
+            step = d + a / e[0] + b / e[1] + c / e[2]
+            total += math.log(tokens_per_gpu(run, step) / run.tokens_per_gpu_s) ** 2
+        return total
+
+    grid = itertools.product(
+        [x / 100 for x in range(40, 101)], [x / 100 for x in range(20, 101, 2)], [x / 100 for x in range(30, 101, 2)]
+    )
+    return min(grid, key=loss)
+
+
+def report(rows: list[tuple[Run, float]]) -> None:
+    """The table of every run, the held-out errors, and the error against tp, pp and GPU count."""
+    print(
+        f"\n{'run':<38} {'GPUs':>5} {'tp':>3} {'pp':>3} {'recompute':>9} {'fit':>4} "
+        f"{'published tok/s/GPU':>20} {'predicted':>10} {'pred/pub':>8}"
+    )
+    held = []
+    for run, pred in rows:
+        ratio = pred / run.tokens_per_gpu_s
+        f = run.fixed
+        print(
+            f"{run.name:<38} {run.cluster.world_size:>5} {f['tp']:>3} {f['pp']:>3} {f['recompute']:>9} "
+            f"{'yes' if run.fit else 'no':>4} {run.tokens_per_gpu_s:>20,.0f} {pred:>10,.0f} {ratio:>8.3f}"
+            + (f"  {run.notes}" if run.notes else "")
+        )
+        if not run.fit:
+            held.append((run, ratio - 1))
+    if not held:
+        return
+    errs = [abs(e) for _, e in held]
+    print(
+        f"\nheld out ({len(held)} runs): median |error| {100 * statistics.median(errs):.1f}%, "
+        f"worst {100 * max(errs):.1f}%, mean signed {100 * statistics.mean(e for _, e in held):+.1f}%"
+    )
+    for label, key in (
+        ("tp", lambda r: r.fixed["tp"]),
+        ("pp", lambda r: r.fixed["pp"]),
+        ("GPUs", lambda r: 2 ** round(math.log2(r.cluster.world_size))),
+    ):
+        groups: dict[int, list[float]] = {}
+        for run, e in held:
+            groups.setdefault(key(run), []).append(e)
+        cells = ", ".join(
+            f"{k}: {100 * statistics.mean(v):+.1f}% (n={len(v)})" for k, v in sorted(groups.items())
+        )
+        print(f"held-out mean signed error by {label:<4} {cells}")
 
 
 def main() -> None:
-    stats = {}
-    for run in RUNS:
-        model, inputs = run["model"]()
-        stats[run["name"]] = captured_with_stats(model, inputs)[1]
-
-    def loss(eff: ComputeEfficiency) -> float:
-        return sum(
-            math.log(predicted_step(r, stats[r["name"]], eff) / r["published_step_s"]) ** 2
-            for r in RUNS
-            if r["fit"]
-        )
-
-    grid = [
-        ComputeEfficiency(matmul=m / 100, memory=b / 100) for m in range(30, 96) for b in range(30, 101, 5)
-    ]
-    best = min(grid, key=loss)
-    print(
-        f"fitted efficiency: matmul {best.matmul:.2f} of peak FLOP/s, memory {best.memory:.2f} of HBM bandwidth\n"
-    )
-    print(f"{'run':<40} {'fit?':>4} {'published tok/s/GPU':>20} {'predicted':>10} {'ratio':>6}")
-    for run in RUNS:
-        n = run["cluster"].world_size
-        tokens = run["config"].global_batch_size * run["tokens_per_sample"]
-        pub = tokens / run["published_step_s"] / n
-        pred = tokens / predicted_step(run, stats[run["name"]], best) / n
-        print(
-            f"{run['name']:<40} {'yes' if run['fit'] else 'no':>4} {pub:>20,.0f} {pred:>10,.0f} {pred / pub:>6.2f}"
-        )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--no-fit", action="store_true", help="predict with the library's current factors")
+    parser.add_argument("--only", default="", help="only the runs whose name contains this")
+    args = parser.parse_args()
+    runs = [r for r in RUNS if args.only in r.name]
+    fitted = [r for r in runs if r.fit]
+    assert len([r for r in RUNS if r.fit]) <= len(RUNS) / 3, "fit on a third of the runs at most"
+    if args.no_fit:
+        factors = (compute.DEFAULT_EFFICIENCY.matmul, compute.DEFAULT_EFFICIENCY.memory, comm.LINK_EFFICIENCY)
+        print("library factors:", end=" ")
+    else:
+        factors = fit(fitted)
+        print("fitted factors:", end=" ")
+    print(f"matmul {factors[0]:.2f} of peak FLOP/s, memory {factors[1]:.2f} of HBM bandwidth, "
+          f"link {factors[2]:.2f} of line rate", flush=True)
+    set_factors(*factors)
+    rows = []
+    for run in runs:
+        model, inputs = run.build()
+        rows.append((run, tokens_per_gpu(run, step_time(run, model, inputs))))
+        print(f"  {run.name}: {rows[-1][1]:,.0f} tok/s/GPU", flush=True)
+    report(rows)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,15 @@ def gpt(
     batch: int = 1,
     device: str = "meta",
     dropout: float | None = None,
+    activation: str = "gelu_new",
 ):
     """A GPT-2-style decoder (HuggingFace GPT2LMHeadModel) of the given shape.
 
     ``dropout`` None keeps HuggingFace's defaults (0.1 on embeddings, attention
     scores and residuals, as GPT-2 and Megatron-LM's GPT train); a number sets all three.
+    ``activation`` is HuggingFace's name for the MLP's: GPT-2's "gelu_new" is written
+    as eight element-wise ops, "gelu_pytorch_tanh" is the same function as one
+    ``aten.gelu`` (what Megatron-LM's fused bias-GeLU kernel computes in one pass).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -41,6 +45,7 @@ def gpt(
         n_positions=seq,
         bos_token_id=vocab - 1,
         eos_token_id=vocab - 1,
+        activation_function=activation,
         **drop,
     )
     with torch.device(device):

@@ -6,6 +6,7 @@ from torch import nn
 
 import autopar
 from autopar import CaptureError, Cluster, ClusterError, PlanError
+from autopar.solver import GAP_TARGET
 from examples.models import gpt, gpt2_tiny4
 
 GB = 1e9
@@ -43,7 +44,9 @@ def test_search_trades_speed_for_memory_as_the_limit_tightens():
     cluster = Cluster.preset("dgx-a100", nodes=1)
     flat = {"pp": 1}  # the dp x tp meshes; pipelines are tested in test_pipeline.py
     roomy = autopar.plan(model, inputs, cluster, global_batch_size=64, fixed=flat)
-    assert roomy.estimate.fits and roomy.solver.status == "optimal"
+    # the MILP's answer is optimal for its linear objective; the estimate (gradients overlapped in buckets)
+    # may prefer a seed layout's, which is then reported with its gap to the MILP's bound
+    assert roomy.estimate.fits and roomy.solver.gap is not None and roomy.solver.gap <= GAP_TARGET
     need = roomy.estimate.memory.peak
     tight = autopar.plan(model, inputs, cluster, global_batch_size=64, memory_limit=need * 0.5, fixed=flat)
     assert tight.estimate.fits and tight.estimate.memory.peak <= need * 0.5

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 
 import numpy as np
 import onnx
@@ -123,19 +124,28 @@ def test_partial_is_written_replicated_and_read_back_partial(exported: Exported)
     back = read_onnx_plan(exported.path)
     partial = [t for t, p in back.placements.items() if any(x.is_partial() for x in p)]
     if exported.name == "llama":  # the row-parallel linear's output is its view after the all-reduce
-        assert back.placements["linear_3"] == (R, R)
+        assert back.placements["linear_3"][1] == R  # whole over tp (dp: the batch's split, the solver's choice)
         return
     assert partial, "GPT-2's row-parallel addmm has a partial output"
+    name, placements = partial[0], back.placements[partial[0]]
+    mesh = (2, 2)
+    shards: dict[int, int] = {}  # tensor dim -> shards written: the Shard placements only, a partial axis none
+    for size, p in zip(mesh, placements, strict=True):
+        if p.is_shard():
+            shards[p.dim] = shards.get(p.dim, 1) * size
     proto = onnx.load(exported.path, load_external_data=False)
     for node in proto.graph.node:
         for dc in node.device_configurations:
             for sp in dc.sharding_spec:
-                if sp.tensor_name == partial[0]:
-                    assert not sp.sharded_dim  # dp: R, tp: P -> replicated on every device
+                if sp.tensor_name == name:
+                    written = {d.axis: math.prod(x.num_shards for x in d.simple_sharding) for d in sp.sharded_dim}
+                    assert written == shards
                     groups = {g.key: sorted(g.value) for g in sp.index_to_device_group_map}
-                    assert [groups[d] for d in sp.device] == [[0, 1, 2, 3]]
+                    pieces = [groups[d] for d in sp.device]
+                    assert len(pieces) == math.prod(shards.values())  # one device group per piece
+                    assert sorted(r for g in pieces for r in g) == [0, 1, 2, 3]  # the partial axis holds copies
                     note = json.loads(next(p.value for p in node.metadata_props if p.key == NODE_KEY))
-                    assert note[partial[0]]["placements"] == texts(back.placements[partial[0]])  # written in the plain form
+                    assert note[name]["placements"] == texts(placements)  # written in the plain form
                     return
     raise AssertionError(f"no spec for {partial[0]}")
 

@@ -39,6 +39,7 @@ from autopar.search.pipeline.cuts import best_cuts, brute_force_cuts
 from autopar.search.pipeline.mesh import solve_pipeline_mesh
 from autopar.search.pipeline.segments import rescale
 from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, untie_across_stages
+from autopar.search.sharding.microbatches import microbatch_divides
 from autopar.search.sharding.request import MeshRequest
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline
 from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
@@ -148,7 +149,17 @@ def test_searched_cuts_and_microbatches_equal_the_brute_force_optimum():
 
     best = None
     local = captured.batch_size // mesh.dp
-    for m in [k for k in range(2, local + 1) if local % k == 0]:
+    # only the counts the chosen placements run at: an answer that splits the batch dim over tp (the
+    # embedding's output as S(0) on tp) cannot run a micro-batch of one sample, and the search costs
+    # such an answer only at the counts it divides (a narrowed answer stands in at the others)
+    sp, choice = res.sharding.sp, res.sharding.solution.choice
+    runnable = [
+        k
+        for k in range(2, local + 1)
+        if local % k == 0 and microbatch_divides(captured, sp, choice, (mesh.dp, mesh.tp), k)
+    ]
+    assert res.microbatches in runnable
+    for m in runnable:
         segs = rescale(res.segments, res.microbatches, m)
         for cuts in itertools.combinations(range(1, len(segs)), mesh.pp - 1):
             t = pipeline_time(segs, list(cuts), m, "1F1B", p2p).step_s

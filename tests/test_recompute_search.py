@@ -179,7 +179,10 @@ def test_selective_on_an_unfused_attention_replays_its_core():
         assert ops.count(torch.ops.aten.bmm.default) == 2 and torch.ops.aten._softmax.default in ops
         assert not {torch.ops.aten.addmm.default, torch.ops.aten.mm.default} & set(ops)  # no projection
     cluster = autopar.Cluster.local(2)
-    plans = {h: autopar.plan(model, batch, cluster, fixed={"dp": 2, "recompute": h}) for h in ("none", "selective")}
+    # ZeRO-3 keeps the gradients small, so the peak falls in the backward, where the activations are
+    plans = {
+        h: autopar.plan(model, batch, cluster, fixed={"dp": 2, "zero": 3, "recompute": h}) for h in ("none", "selective")
+    }
     none, selective = plans["none"].estimate, plans["selective"].estimate
     # the scores matmul is replayed (no backward op reads the context matmul's output): 2·b·s²·h a layer
     assert selective.hardware_flops - selective.model_flops == pytest.approx(2 * 2 * B * S**2 * H, rel=1e-6)

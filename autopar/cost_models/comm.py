@@ -14,7 +14,11 @@ Conventions, shared by every function below:
   each rank holds; for broadcast and send_recv the buffer sent.
 - ``n`` is the number of ranks in the group; n == 1 costs nothing.
 - ``link.bandwidth`` is bytes/s per GPU per direction; ``efficiency``
-  divides it (1.0 = line rate).
+  (default ``LINK_EFFICIENCY``) multiplies it: the fraction of the line rate
+  NCCL's bus bandwidth reaches on large messages, calibrated by
+  ``benchmarks/calibrate.py``.
+- Gradients and ZeRO's gathers go in buckets (:func:`bucketed_time`): the
+  latency term is paid per bucket, not per tensor.
 
 Nothing here compares ``nbytes`` with a number unless it is one, so a sympy
 expression for the size passes through and the time stays symbolic.
@@ -23,6 +27,7 @@ expression for the size passes through and the time stays symbolic.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from typing import Any
 
@@ -108,6 +113,21 @@ def collective_time(
     # Multiply by 1/bw (0 for an infinite link) rather than divide, so a symbolic size stays finite.
     per_byte = 1.0 / (link.bandwidth * eff)
     return latency_hops(kind, n) * link.latency_s + bus_bytes(kind, nbytes, n) * per_byte
+
+
+def bucketed_time(kind: str, nbytes: float, n: int, link: Link, bucket_bytes: float) -> tuple[float, int]:
+    """(seconds, pieces) of ``nbytes`` of ``kind`` sent as ``ceil(nbytes / bucket_bytes)`` equal collectives.
+
+    Gradient reduction and ZeRO's gathers are issued in buckets (DDP's
+    ``bucket_cap_mb``, FSDP's flat parameters), not one collective per tensor nor
+    one for the whole model: the latency term is paid once per bucket. Every path
+    that costs them (the analytic data-parallel model, the sharding MILP's
+    estimate) calls this, so the same bytes cost the same seconds.
+    """
+    if n == 1 or _is_zero(nbytes):
+        return 0.0, 0
+    pieces = max(1, math.ceil(nbytes / bucket_bytes))
+    return pieces * collective_time(kind, nbytes / pieces, n, link), pieces
 
 
 def axis_collective_time(

@@ -78,9 +78,11 @@ class ComputeEfficiency:
                 )
 
 
-# Fitted by benchmarks/calibrate.py to published measured throughputs (Megatron-LM GPT 1.7B on
-# 32 A100s; torchtitan Llama 3 8B on 64 A100s), unfused eager ATen ops being charged one by one.
-# Rerun it after any change to the cost model and copy its figures here.
+# Fitted to two published data-parallel runs (Megatron-LM GPT 1.7B on 32 A100s; torchtitan Llama 3
+# 8B on 64 A100s), unfused eager ATen ops being charged one by one. benchmarks/calibrate.py now fits
+# three factors on eighteen runs; its fit (README, Calibration) is a compromise between run families
+# the model does not tell apart (fused kernels, overlapped tensor-parallel communication) that puts
+# memory-bound ops at the full HBM bandwidth, which no device reaches: it is not used here.
 DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.81, memory=0.40)
 
 _DTYPE_ALIASES = {
@@ -349,6 +351,16 @@ def node_bytes(node: fx.Node) -> int:
     return total + sum(_tensor_bytes(t) for t in outputs)
 
 
+def _fixed_bytes(node: fx.Node, batch_free: set[str]) -> int:
+    """The bytes of ``node_bytes(node)`` that belong to values named in ``batch_free``."""
+    inputs: dict[fx.Node, None] = {}
+    fx.node.map_arg((node.args, node.kwargs), lambda n: inputs.setdefault(n))
+    total = sum(_tensor_bytes(t) for n in inputs if n.name in batch_free for t in _tensors(n.meta.get("val")))
+    if node.name in batch_free:
+        total += sum(_tensor_bytes(t) for t in _tensors(node.meta.get("val")))
+    return total
+
+
 def node_time(
     node: fx.Node,
     device: DeviceLike,
@@ -375,6 +387,8 @@ class ComputeSummary:
 
     per_node: dict[str, tuple[int, int]] = field(default_factory=dict)
     phase: dict[str, str] = field(default_factory=dict)
+    # per node, the part of its bytes that does not grow with the batch: parameters, their gradients
+    fixed_bytes: dict[str, int] = field(default_factory=dict)
     total_flops: int = 0
     forward_flops: int = 0
     backward_flops: int = 0
@@ -394,18 +408,29 @@ class ComputeSummary:
         dtype_name: str = "bf16",
         efficiency: ComputeEfficiency | None = None,
         bytes_scale: float = 1.0,
+        batch_scale: float = 1.0,
     ) -> dict[str, float]:
         """Sum of per-node roofline times per phase; "forward" and "backward" are always present.
 
         Summed per node, not from the totals: a graph's compute-bound and
         memory-bound ops do not overlap, so max(ΣF/peak, ΣB/bw) would
-        underestimate.
+        underestimate. ``batch_scale`` costs the graph at that multiple of the
+        batch it was captured at: FLOPs and activation bytes grow with it, a
+        node's ``fixed_bytes`` (a parameter read, a gradient written) do not:
+
+            t_v = roofline(k·F_v, k·(B_v − P_v) + P_v)      k = batch_scale, P_v = fixed bytes
         """
         out = dict.fromkeys(PHASES, 0.0)
         for name, (flops, nbytes) in self.per_node.items():
             p = self.phase.get(name, "forward")
+            fixed = self.fixed_bytes.get(name, 0)
             out[p] = out.get(p, 0.0) + roofline_time(
-                flops, nbytes, device, dtype_name, efficiency, bytes_scale
+                flops * batch_scale,
+                (nbytes - fixed) * batch_scale + fixed,
+                device,
+                dtype_name,
+                efficiency,
+                bytes_scale,
             )
         return out
 
@@ -424,6 +449,7 @@ class ComputeSummary:
         return {
             "per_node": {k: [f, b] for k, (f, b) in self.per_node.items()},
             "phase": dict(self.phase),
+            "fixed_bytes": dict(self.fixed_bytes),
             "total_flops": self.total_flops,
             "forward_flops": self.forward_flops,
             "backward_flops": self.backward_flops,
@@ -436,6 +462,7 @@ class ComputeSummary:
         return cls(
             per_node={k: (int(v[0]), int(v[1])) for k, v in d["per_node"].items()},
             phase=dict(d.get("phase", {})),
+            fixed_bytes={k: int(v) for k, v in d.get("fixed_bytes", {}).items()},
             total_flops=int(d["total_flops"]),
             forward_flops=int(d["forward_flops"]),
             backward_flops=int(d["backward_flops"]),
@@ -443,12 +470,18 @@ class ComputeSummary:
         )
 
 
-def graph_compute(gm: fx.GraphModule, phase_of: Callable[[fx.Node], str] | None = None) -> ComputeSummary:
+def graph_compute(
+    gm: fx.GraphModule,
+    phase_of: Callable[[fx.Node], str] | None = None,
+    batch_free: set[str] | None = None,
+) -> ComputeSummary:
     """FLOPs and bytes of every call_function node of a graph, split by phase.
 
     ``phase_of`` labels each node "forward" or "backward" (the capture knows
     which is which); None counts everything as forward, for forward-only
-    graphs.
+    graphs. ``batch_free`` names the nodes whose values do not grow with the
+    batch (parameters, their views and gradients): the bytes a node reads or
+    writes of them are its ``fixed_bytes``.
     """
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     summary = ComputeSummary()
@@ -459,6 +492,10 @@ def graph_compute(gm: fx.GraphModule, phase_of: Callable[[fx.Node], str] | None 
         flops, nbytes = node_flops(node), node_bytes(node)
         phase = "forward" if phase_of is None else phase_of(node)
         summary.per_node[node.name] = (flops, nbytes)
+        if batch_free and nbytes:
+            fixed = _fixed_bytes(node, batch_free)
+            if fixed:
+                summary.fixed_bytes[node.name] = fixed
         summary.phase[node.name] = phase
         summary.total_flops += flops
         summary.total_bytes += nbytes

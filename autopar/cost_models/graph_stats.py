@@ -25,7 +25,7 @@ def model_fingerprint(names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> st
 
 def graph_stats(captured: CapturedGraph) -> GraphStats:
     gm = captured.gm
-    compute = graph_compute(gm, node_phase)
+    compute = graph_compute(gm, node_phase, batch_free_nodes(captured))
 
     def storage_view(node) -> bool:
         return node.target is not operator.getitem and is_view(node)
@@ -51,6 +51,36 @@ def graph_stats(captured: CapturedGraph) -> GraphStats:
         peak_transient_bytes=transient,
         param_names=[p.name for p in captured.params],
     )
+
+
+def batch_free_nodes(captured: CapturedGraph) -> set[str]:
+    """Nodes whose values are the same size at any batch: parameters and their views, gradients, and backward
+    nodes that only make gradients and are as large as what they make (a bias gradient's ``sum`` before its
+    ``view``, the two halves of a tied weight's gradient; not the activation a weight gradient's matmul reads).
+
+    The analytic model scales a graph captured at one batch to another; these
+    bytes it must not scale (an embedding's table is read once, whatever the batch).
+    """
+    gm = captured.gm
+    out = {p.placeholder for p in captured.params}
+    for node in gm.graph.nodes:  # views of parameters, in graph order
+        src = node.args[0] if node.args else None
+        if is_view(node) and getattr(src, "name", None) in out:
+            out.add(node.name)
+    out |= set(captured.grads.values())
+    for node in reversed(list(gm.graph.nodes)):  # what only feeds gradients
+        if node.op != "call_function" or node.name in out or node_phase(node) != "backward":
+            continue
+        users = [u for u in node.users if u.op != "output"]
+        size = _numel_of(node)
+        if users and size and all(u.name in out and _numel_of(u) == size for u in users):
+            out.add(node.name)
+    return out
+
+
+def _numel_of(node) -> int:
+    val = node.meta.get("val")
+    return _numel(val.shape) if hasattr(val, "shape") else 0
 
 
 def _numel(shape) -> int:

@@ -66,6 +66,10 @@ class Segment:
     grad_tail_s: float = 0.0  # the part of grad_sync_s no backward can hide (the last bucket)
     boundary_bytes: float = 0.0  # sent to the next stage per micro-batch when a cut follows it
     params: int = 0  # parameter elements (whole, not per device): for the summary
+    # the parts of forward_s / backward_s that a smaller micro-batch does not shrink: parameters moved to
+    # the ops that read them (ZeRO-3's gathers), once per micro-batch whatever its size
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Time per step on one device (m micro-batches, N data-parallel ranks, Ψ
 parameters, bucketed gradient communication overlapped with the backward,
 as DDP and DeepSpeed do):
 
-    compute    = m · (t_fwd + t_bwd) · micro_batch / captured_batch
+    compute    = m · (t_fwd + t_bwd), each op's roofline at the micro-batch: its FLOPs and activation
+                 bytes scaled from the captured batch, its parameter and gradient bytes not
     ZeRO 0     all-reduce(G·Ψ) once, hidden behind the last micro-batch's backward
     ZeRO 1     reduce-scatter(G·Ψ) hidden behind the backward, all-gather(P·Ψ) after the step (exposed)
     ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (exposed)
@@ -20,16 +21,16 @@ as DDP and DeepSpeed do):
 
 That is 2Ψ of traffic for ZeRO 0–2 and 3Ψ for ZeRO 3, as in the ZeRO paper.
 Activation and compute figures scale linearly with the micro-batch size
-(every op of a network is linear in the batch dimension); the graph is
-captured once at the example batch size.
+(every op of a network is linear in the batch dimension) except the bytes of
+parameters and gradients, read and written once whatever the batch; the graph
+is captured once at the example batch size.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from autopar.cost_models.comm import collective_time
+from autopar.cost_models.comm import bucketed_time, collective_time
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, ComputeSummary
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.memory import (
@@ -60,11 +61,16 @@ class GraphStats:
     param_names: list[str] = field(default_factory=list)
     _phase_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def phase_times(self, device, dtype_name: str, efficiency: ComputeEfficiency, bytes_scale: float) -> dict:
-        """Roofline time per phase at the captured batch; cached, since every configuration asks."""
-        key = (device.name, dtype_name, efficiency, bytes_scale)
+    def phase_times(
+        self, device, dtype_name: str, efficiency: ComputeEfficiency, bytes_scale: float, batch_scale: float = 1.0
+    ) -> dict:
+        """Roofline time per phase at ``batch_scale`` times the captured batch; cached, since every
+        configuration asks."""
+        key = (device.name, dtype_name, efficiency, bytes_scale, batch_scale)
         if key not in self._phase_cache:
-            self._phase_cache[key] = self.compute.time_by_phase(device, dtype_name, efficiency, bytes_scale)
+            self._phase_cache[key] = self.compute.time_by_phase(
+                device, dtype_name, efficiency, bytes_scale, batch_scale
+            )
         return self._phase_cache[key]
 
 
@@ -102,9 +108,9 @@ def estimate_config(
 
     # ---- compute ----
     act_scale = precision.activation_bytes / stats.traced_float_size
-    by_phase = stats.phase_times(device, precision.compute_dtype, efficiency, act_scale)
-    t_fwd = by_phase.get("forward", 0.0) * mb_scale
-    t_bwd = by_phase.get("backward", 0.0) * mb_scale
+    by_phase = stats.phase_times(device, precision.compute_dtype, efficiency, act_scale, mb_scale)
+    t_fwd = by_phase.get("forward", 0.0)
+    t_bwd = by_phase.get("backward", 0.0)
     compute = cfg.microbatches * (t_fwd + t_bwd)
 
     collectives: list[dict] = []
@@ -138,12 +144,18 @@ def estimate_config(
 
 
 def _dp_collective(
-    kind: str, nbytes: float, count: int, pieces: int, n: int, link, collectives: list[dict]
+    kind: str, nbytes: float, count: int, pieces: int | None, n: int, link, collectives: list[dict]
 ) -> float:
-    """``count`` rounds of ``kind`` over ``nbytes`` on n dp ranks, each sent as ``pieces`` collectives
-    (buckets, layers); recorded in ``collectives``."""
-    t = pieces * collective_time(kind, nbytes / pieces, n, link)
-    if n > 1 and count > 0:
+    """``count`` rounds of ``kind`` over ``nbytes`` on n dp ranks, recorded in ``collectives``.
+
+    Each round is sent as ``pieces`` equal collectives (ZeRO-3's one per module), or, with
+    ``pieces`` None, in buckets of ``BUCKET_BYTES`` (:func:`autopar.cost_models.comm.bucketed_time`).
+    """
+    if pieces is None:
+        t, pieces = bucketed_time(kind, nbytes, n, link, BUCKET_BYTES)
+    else:
+        t = pieces * collective_time(kind, nbytes / pieces, n, link)
+    if n > 1 and count > 0 and pieces:
         collectives.append(
             {
                 "kind": kind,
@@ -154,6 +166,15 @@ def _dp_collective(
             }
         )
     return t * count
+
+
+def exposed_part(comm: float, window: float, nbytes: float) -> float:
+    """What of ``comm`` seconds, overlapped with ``window`` seconds of compute, stays on the critical path.
+
+    The part that outlasts the window, and at least the last bucket's share (a bucket
+    is sent once it is full, so the last one starts when the compute ends).
+    """
+    return max(comm - window, _tail(comm, nbytes))
 
 
 def _tail(comm: float, nbytes: float) -> float:
@@ -179,31 +200,28 @@ def _data_parallel_comm(
     grad_bytes = precision.grad_bytes * psi
     param_bytes = precision.param_bytes * psi
 
-    def coll(kind: str, nbytes: float, count: int, pieces: int) -> float:
+    def coll(kind: str, nbytes: float, count: int, pieces: int | None = None) -> float:
         return _dp_collective(kind, nbytes, count, pieces, n, dp_link, collectives)
 
-    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
     groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
     if cfg.zero == 0:
-        c = coll("all_reduce", grad_bytes, 1, buckets)
-        comm, exposed = c, max(c - t_bwd, _tail(c, grad_bytes))
+        c = coll("all_reduce", grad_bytes, 1)
+        comm, exposed = c, exposed_part(c, t_bwd, grad_bytes)
     elif cfg.zero == 1:
-        rs = coll("reduce_scatter", grad_bytes, 1, buckets)
-        ag = coll("all_gather", param_bytes, 1, buckets)
-        comm, exposed = rs + ag, max(rs - t_bwd, _tail(rs, grad_bytes)) + ag
+        rs = coll("reduce_scatter", grad_bytes, 1)
+        ag = coll("all_gather", param_bytes, 1)
+        comm, exposed = rs + ag, exposed_part(rs, t_bwd, grad_bytes) + ag
     elif cfg.zero == 2:
-        rs = coll("reduce_scatter", grad_bytes, m, buckets)
-        ag = coll("all_gather", param_bytes, 1, buckets)
+        rs = coll("reduce_scatter", grad_bytes, m)
+        ag = coll("all_gather", param_bytes, 1)
         comm = rs + ag
-        exposed = m * max(rs / m - t_bwd, _tail(rs / m, grad_bytes)) + ag
+        exposed = m * exposed_part(rs / m, t_bwd, grad_bytes) + ag
     else:
         ag = coll("all_gather", param_bytes, 2 * m, groups)
         rs = coll("reduce_scatter", grad_bytes, m, groups)
         ag1, rs1 = ag / (2 * m), rs / m
         comm = ag + rs
-        exposed = m * (
-            max(ag1 - t_fwd, _tail(ag1, param_bytes)) + max(ag1 + rs1 - t_bwd, _tail(ag1 + rs1, param_bytes))
-        )
+        exposed = m * (exposed_part(ag1, t_fwd, param_bytes) + exposed_part(ag1 + rs1, t_bwd, param_bytes))
     if n == 1:
         comm = exposed = 0.0
     return comm, exposed

@@ -135,6 +135,9 @@ LARGE_MILP_SHARE = 0.6
 (and is not started when it would need more), and the neighbourhood search the rest; a
 MILP that HiGHS branches on gets all of it, being anytime itself."""
 
+PROVED_GAP = 1e-9
+"""A gap this small (relative, rounding in the costs) is a proof: the answer is reported optimal."""
+
 Best = tuple[list[int], float, "float | None"]
 """An answer on the original problem: a strategy per node, its objective, its peak memory."""
 
@@ -288,6 +291,9 @@ class _Run:
                 self.stats.lower_bound = best[1]
                 return self.answer(best, "optimal", 0.0, used, "optimal")
         gap = _gap(best[1], lower)
+        if gap is not None and gap <= PROVED_GAP:  # the bound meets the answer: proved, whoever found it
+            self.stats.lower_bound = best[1]
+            return self.answer(best, "optimal", 0.0, used, "optimal")
         stop = "gap target" if gap is not None and gap <= self.target_gap else "time limit"
         return self.answer(best, "feasible", gap, used, stop)
 

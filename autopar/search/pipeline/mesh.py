@@ -209,7 +209,7 @@ def solve_pipeline(
     for source, solution, counts in _stage_answers(pm, candidates, per, start, target_gap):
         sp_solve = with_microbatches(mp.sp, m_solve)
         base = segment_figures(
-            pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale
+            pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale, mp.links
         )
         for m in counts:
             segments = rescale(base, m_solve, m)

@@ -28,7 +28,7 @@ from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.pipeline.segments import microbatch_counts, rescale, segment_figures
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
-from autopar.search.sharding.request import activation_scale
+from autopar.search.sharding.request import activation_scale, mesh_links
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class Preview:
                 (r.mesh.dp, r.mesh.tp),
                 r.microbatches,
                 self.activation_scale,
+                mesh_links(self.cluster, r.mesh),
             )
             self.learn(r.mesh, segs, r.microbatches)
 

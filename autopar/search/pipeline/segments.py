@@ -15,10 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.capture.joint import CapturedGraph
+from autopar.cost_models import overlap
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
-from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.instance import (
+    TP_DIM,
+    ShardingProblem,
+    gradient_chain,
+    parameter_sourced,
+    tp_seconds,
+)
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
@@ -43,8 +50,13 @@ def segment_figures(
     mesh_shape: tuple[int, ...],
     microbatches: int,
     activation_scale: float,
+    links: list | None = None,
 ) -> list[Segment]:
     """Per segment, per device of its stage: the figures of the chosen strategies (see Segment).
+
+    ``links``: the mesh dims' links, to find the tensor-parallel part of the data
+    movement when the runtime overlaps it (:mod:`autopar.cost_models.overlap`);
+    without them it stays on the critical path.
 
     ``sp`` is the problem at ``microbatches`` micro-batches (activation memory per
     micro-batch); compute and data movement are per step there, so they are divided
@@ -55,14 +67,15 @@ def segment_figures(
     index_seg = [seg_of.get(name, k - 1) for name in sp.nodes]
     f = _SegmentFigures.zeros(k)
     _add_node_figures(f, captured, sp, choice, index_seg, microbatches)
-    _add_edge_figures(f, sp, choice, index_seg, microbatches)
+    _add_edge_figures(f, sp, choice, index_seg, microbatches, mesh_shape, links)
+    tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
     _add_activation_memory(f, sp, choice, index_seg)
     _add_boundary_bytes(f, captured, sp, choice, seg_of, mesh_shape, microbatches, activation_scale)
     return [
         Segment(
             name=graph_segments[j].name,
-            forward_s=f.fwd[j],
-            backward_s=f.bwd[j],
+            forward_s=f.fwd[j] - f.fwd_tp[j] + overlap.tp_exposed(f.fwd_tp[j], f.fwd_compute[j], tp),
+            backward_s=f.bwd[j] - f.bwd_tp[j] + overlap.tp_exposed(f.bwd_tp[j], f.bwd_compute[j], tp),
             saved_bytes=f.saved[j],
             transient_bytes=f.trans[j],
             state_bytes=f.states[j],
@@ -70,6 +83,8 @@ def segment_figures(
             grad_sync_s=f.sync[j],
             boundary_bytes=f.boundary[j],
             params=f.params[j],
+            forward_fixed_s=f.fwd_fixed[j],
+            backward_fixed_s=f.bwd_fixed[j],
         )
         for j in range(k)
     ]
@@ -88,10 +103,18 @@ class _SegmentFigures:
     sync: list[float]
     params: list[int]
     boundary: list[float]
+    fwd_fixed: list[float]  # per micro-batch, whatever its size: parameters moved to the ops that read them
+    bwd_fixed: list[float]
+    # per micro-batch: the ops' compute, and the tensor-parallel collectives the runtime overlaps with it
+    # (autopar.cost_models.overlap; none on autopar's own runtime)
+    fwd_compute: list[float]
+    bwd_compute: list[float]
+    fwd_tp: list[float]
+    bwd_tp: list[float]
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
-        return cls(*([0.0] * k for _ in range(7)), [0] * k, [0.0] * k)
+        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)))
 
 
 def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
@@ -124,26 +147,55 @@ def _add_node_figures(
             f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
             f.bwd[seg] += t / m
+            f.bwd_compute[seg] += t / m
         else:
             f.fwd[seg] += t / m
+            f.fwd_compute[seg] += t / m
 
 
 def _add_edge_figures(
-    f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
+    f: _SegmentFigures,
+    sp: ShardingProblem,
+    choice: list[int],
+    index_seg: list[int],
+    m: int,
+    mesh_shape: tuple[int, ...],
+    links: list | None,
 ) -> None:
-    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch."""
+    """Edge costs in the consumer's segment: gradient synchronisation per step, the rest per micro-batch.
+
+    A partial gradient reduced on its way to the gradient (a bias's ``sum``, a norm's
+    weight gradient) is gradient synchronisation too, wherever the solver put its
+    collective (:func:`autopar.search.sharding.instance.gradient_chain`): it overlaps
+    with the last backward, as the flat estimate has it, not with every micro-batch's.
+    """
     p = sp.problem
     backward = set(sp.backward_nodes)
     grad_edges = set(sp.grad_edges)
+    chain = gradient_chain(sp)
+    moved = parameter_sourced(sp)
     for e, (u, v) in enumerate(p.edges):
         cost = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
         seg = index_seg[v]
-        if e in grad_edges:
+        info = sp.edge_info[e]
+        fixed = info.kind == "data" and info.src in moved  # moved again for every micro-batch
+        if e in grad_edges or (info.kind == "data" and info.dst in chain):
             f.sync[seg] += cost
-        elif v in backward:
+            continue
+        tp = 0.0
+        if links is not None and overlap.RUNTIME.tp_comm_overlap and info.kind == "data" and cost > 0:
+            a, b = sp.strategies[u][choice[u]], sp.strategies[v][choice[v]]
+            tp = min(cost, tp_seconds(info, a, b, mesh_shape, links, sp.dp_dim))
+        if v in backward:
             f.bwd[seg] += cost / m
+            f.bwd_tp[seg] += tp / m
+            if fixed:
+                f.bwd_fixed[seg] += cost / m
         else:
             f.fwd[seg] += cost / m
+            f.fwd_tp[seg] += tp / m
+            if fixed:
+                f.fwd_fixed[seg] += cost / m
 
 
 def _add_activation_memory(f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int]) -> None:
@@ -231,7 +283,8 @@ def rescale(segments: list[Segment], measured: int, microbatches: int) -> list[S
 
     A micro-batch is ``1/m`` of the rank's batch: its compute, activations and the
     bytes it sends scale with that (every op of the graph is linear in the batch);
-    the per-step figures (states, optimizer, gradient sync) do not change.
+    the per-step figures (states, optimizer, gradient sync) do not change, nor do
+    the parameters a micro-batch moves to its ops (``forward_fixed_s``, ``backward_fixed_s``).
     """
     if measured == microbatches:
         return segments
@@ -239,8 +292,8 @@ def rescale(segments: list[Segment], measured: int, microbatches: int) -> list[S
     return [
         replace(
             s,
-            forward_s=s.forward_s * f,
-            backward_s=s.backward_s * f,
+            forward_s=(s.forward_s - s.forward_fixed_s) * f + s.forward_fixed_s,
+            backward_s=(s.backward_s - s.backward_fixed_s) * f + s.backward_fixed_s,
             saved_bytes=s.saved_bytes * f,
             transient_bytes=s.transient_bytes * f,
             boundary_bytes=s.boundary_bytes * f,

@@ -1,27 +1,56 @@
 """The costing of a chosen answer to a sharding problem: its estimate, placements and collectives.
 
 The Estimate reads the chosen strategies back through the same cost terms
-the MILP minimised, then adds what the linear objective cannot express:
-gradient synchronisation overlaps the backward pass (bucketed, as DDP
-does), so only the part of it that outlasts the backward compute, or the
-last bucket, is exposed.
+the MILP minimised, then adds what the linear objective cannot express, the
+overlap of communication with compute, as the analytic data-parallel model
+(:mod:`autopar.cost_models.step`) does, so that one layout costs the same on
+either path:
+
+    step      = compute + exposed + optimizer
+    exposed   = data + Y(P_fwd, T_fwd) + Y(P_bwd, T_bwd) + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd) + Z
+    X(c, w)   = max(c − w, the last bucket's share of c)
+
+where ``data`` is every activation moved between ops (on the critical path),
+P_fwd / P_bwd the tensor-parallel collectives among them when the runtime the
+estimate describes overlaps them with GEMMs, Y their exposed part
+(:func:`autopar.cost_models.overlap.tp_exposed`; autopar's own runtime does not
+overlap them: P = 0 and they stay in ``data``), G_fwd / G_bwd the parameters
+moved to forward / backward ops (ZeRO-3's all-gathers, once per micro-batch,
+prefetched under the pass that reads them, as FSDP does), R the gradient
+synchronisation in buckets (:func:`autopar.cost_models.comm.bucketed_time`;
+a partial gradient reduced on its way to the gradient, a bias's ``sum``,
+counts as gradient synchronisation), T_fwd / T_bwd the forward and backward
+compute, and Z ZeRO-1/2's gather of the stepped shards after the optimizer
+(in buckets, nothing left to hide it under).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
 from autopar.core.mesh import SHARDING_AXES
-from autopar.cost_models.comm import collective_time
+from autopar.cost_models import overlap
+from autopar.cost_models.comm import bucketed_time, collective_time
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import Estimate
-from autopar.cost_models.step import BUCKET_BYTES
+from autopar.cost_models.reshard import grad_sync_steps
+from autopar.cost_models.step import BUCKET_BYTES, exposed_part
 from autopar.hardware.cluster import Cluster
 from autopar.plans.op_records import ChargedCollective
-from autopar.search.sharding.instance import EdgeCollective, ShardingProblem, charged_collectives
+from autopar.search.sharding.instance import (
+    TP_DIM,
+    EdgeCollective,
+    ShardingProblem,
+    charged_collectives,
+    gradient_chain,
+    parameter_sourced,
+    per_microbatch_grad_sync,
+    tp_seconds,
+)
 from autopar.search.sharding.step_memory import step_memory
 from autopar.search.sharding.strategies import Strategy
 from autopar.solver import Solution
@@ -78,22 +107,24 @@ def evaluate(
     recomputed = [i for i, c in enumerate(choice) if sp.strategies[i][c].recompute]
     replayed = set(sp.replayed)
     recompute_s = sum(node_time[i] / 2 for i in recomputed) + sum(node_time[i] for i in replayed)
-    zero_gather = sum(sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm)
-    optimizer_s = sum(node_time[i] for i in param_idx) - zero_gather
-    backward = sum(node_time[i] for i in sp.backward_nodes)
-    grad = set(sp.grad_edges)
-    data_comm = grad_comm = 0.0
-    grad_bytes = 0.0
-    for e, (u, v) in enumerate(p.edges):
-        c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
-        if e in grad:
-            grad_comm += c
-            grad_bytes += sp.edge_info[e].nbytes
-        else:
-            data_comm += c
-    tail = grad_comm * min(1.0, BUCKET_BYTES / max(grad_bytes, 1.0))
-    # ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
-    exposed = data_comm + max(grad_comm - backward, tail) + zero_gather
+    optimizer_s = sum(node_time[i] for i in param_idx) - sum(
+        sp.param_comm[i][choice[i]] for i in param_idx if i in sp.param_comm
+    )
+    backward = sum(node_time[i] for i in sp.backward_nodes if i not in param_idx)
+    comm = _step_comm(sp, choice, mesh_shape, links)
+    # the parameters' gathers hide under the pass that reads them, the gradients' reduction under the
+    # backward; ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
+    tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
+    exposed = (
+        comm.data
+        + overlap.tp_exposed(comm.tp_forward, compute - backward, tp)
+        + overlap.tp_exposed(comm.tp_backward, backward, tp)
+        + exposed_part(comm.gather_forward, compute - backward, comm.gathered_forward_bytes)
+        + exposed_part(
+            comm.gather_backward + comm.grad, backward, comm.gathered_backward_bytes or comm.grad_bytes
+        )
+        + comm.zero_gather
+    )
     step = compute + exposed + optimizer_s
 
     memory = step_memory(sp, choice, mesh_shape)
@@ -114,7 +145,7 @@ def evaluate(
         memory_limit=memory_limit,
         fits=peak <= memory_limit,
         compute_s=compute,
-        comm_s=data_comm + grad_comm + zero_gather,
+        comm_s=comm.total,
         exposed_comm_s=exposed,
         optimizer_s=optimizer_s,
         recompute_s=recompute_s,
@@ -122,6 +153,94 @@ def evaluate(
         hardware_flops=hardware,
         collectives=collectives,
     )
+
+
+@dataclass
+class StepComm:
+    """A chosen answer's communication per step, by what it can hide under (seconds; bytes per micro-batch)."""
+
+    data: float = 0.0  # activations moved between ops: on the critical path
+    # of those, the tensor-parallel collectives a runtime may overlap with GEMMs (autopar.cost_models.overlap);
+    # counted apart only when the runtime the estimate describes does so
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
+    gather_forward: float = 0.0  # parameters moved to forward ops (ZeRO-3's all-gathers)
+    gather_backward: float = 0.0  # parameters moved to backward ops
+    gathered_forward_bytes: float = 0.0  # one micro-batch's, whole (before sharding)
+    gathered_backward_bytes: float = 0.0
+    grad: float = 0.0  # gradient synchronisation, in buckets
+    grad_bytes: float = 0.0
+    zero_gather: float = 0.0  # ZeRO-1/2: the stepped shards gathered after the optimizer, in buckets
+
+    @property
+    def total(self) -> float:
+        return self.data + self.tp_forward + self.tp_backward + self.gather_forward + self.gather_backward + self.grad + self.zero_gather
+
+
+def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...], links: list) -> StepComm:
+    """Each edge's cost sorted by what it can overlap with; gradients and ZeRO's gathers re-costed in buckets.
+
+    The MILP's objective charges a gradient's reduction per parameter (an edge
+    is linear in its own bytes); the runtime, like DDP and FSDP, sends them in
+    buckets, and the analytic data-parallel model costs them so
+    (:func:`autopar.cost_models.comm.bucketed_time`): the estimate does the same,
+    so that one layout costs the same on every path.
+    """
+    p = sp.problem
+    out = StepComm()
+    moved = parameter_sourced(sp)
+    chain = gradient_chain(sp)
+    backward = {sp.nodes[i] for i in sp.backward_nodes}
+    grad = set(sp.grad_edges)
+    k = sp.microbatches
+    buckets: dict[tuple[str, int, int], float] = {}  # (kind, mesh dim, rounds per step) -> bytes
+    for e, (u, v) in enumerate(p.edges):
+        info = sp.edge_info[e]
+        c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
+        if e in grad:
+            b = sp.strategies[v][choice[v]]
+            have, need = info.have(sp.strategies[u][choice[u]]), info.need(b)
+            rounds = k if per_microbatch_grad_sync(sp, b) else 1
+            for kind, d, size in grad_sync_steps(have, need, b.zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
+                buckets[(kind, d, rounds)] = buckets.get((kind, d, rounds), 0.0) + size
+            out.grad_bytes += info.nbytes
+        elif info.kind == "data" and info.dst in chain and c > 0:
+            have, need = info.have(sp.strategies[u][choice[u]]), info.need(sp.strategies[v][choice[v]])
+            for kind, d, size in grad_sync_steps(have, need, 0, info.nbytes, mesh_shape, sp.dp_dim) or []:
+                buckets[(kind, d, 1)] = buckets.get((kind, d, 1), 0.0) + size
+        elif info.kind == "data" and info.src in moved and c > 0:
+            if info.dst in backward:
+                out.gather_backward += c
+                out.gathered_backward_bytes += info.nbytes
+            else:
+                out.gather_forward += c
+                out.gathered_forward_bytes += info.nbytes
+        else:
+            _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward)
+    for (kind, d, rounds), nbytes in buckets.items():
+        out.grad += rounds * bucketed_time(kind, nbytes, mesh_shape[d], links[d], BUCKET_BYTES)[0]
+    stepped = sum(sp.state_parts[i][choice[i]][0] for i in sp.param_nodes if sp.strategies[i][choice[i]].zero)
+    if stepped and sp.dp_dim is not None:
+        d = sp.dp_dim
+        out.zero_gather = bucketed_time("all_gather", stepped, mesh_shape[d], links[d], BUCKET_BYTES)[0]
+    return out
+
+
+def _add_data(
+    out: StepComm, sp: ShardingProblem, e: int, choice: list[int], mesh_shape, links, cost: float, in_backward: bool
+) -> None:
+    """An activation's move: on the critical path, its tensor-parallel part apart when the runtime overlaps it."""
+    info = sp.edge_info[e]
+    tp = 0.0
+    if overlap.RUNTIME.tp_comm_overlap and info.kind == "data" and cost > 0:
+        u, v = sp.problem.edges[e]
+        a, b = sp.strategies[u][choice[u]], sp.strategies[v][choice[v]]
+        tp = min(cost, tp_seconds(info, a, b, mesh_shape, links, sp.dp_dim))
+    out.data += cost - tp
+    if in_backward:
+        out.tp_backward += tp
+    else:
+        out.tp_forward += tp
 
 
 def _aggregate(records: list[EdgeCollective], mesh_shape, links) -> list[dict]:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.instance import ShardingProblem, parameter_sourced, per_microbatch_grad_sync
 from autopar.search.sharding.step_memory import accumulated
 from autopar.search.sharding.strategies import Strategy
 from autopar.solver import StrategyProblem
@@ -32,11 +32,12 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
         row if i in params else [x / microbatches for x in row]
         for i, row in enumerate(sp.problem.node_memory)
     ]
-    # ZeRO-2 reduce-scatters each micro-batch's gradient (ZeRO-1 and plain data parallelism once a step)
+    # ZeRO-2 and ZeRO-3 reduce each micro-batch's gradient (ZeRO-1 and plain data parallelism once a
+    # step), and every micro-batch moves the parameters it reads again (ZeRO-3's all-gathers)
     edge_costs = list(sp.problem.edge_costs)
     for e in sp.grad_edges:
         v = sp.problem.edges[e][1]
-        cols = [j for j, s in enumerate(sp.strategies[v]) if s.zero == 2]
+        cols = [j for j, s in enumerate(sp.strategies[v]) if per_microbatch_grad_sync(sp, s)]
         if cols:
             n_v = len(sp.strategies[v])
             row = list(edge_costs[e])
@@ -44,6 +45,10 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
                 for j in cols:
                     row[a * n_v + j] *= microbatches
             edge_costs[e] = row
+    moved = parameter_sourced(sp)
+    for e, info in enumerate(sp.edge_info):
+        if info.kind == "data" and info.src in moved:
+            edge_costs[e] = [c * microbatches for c in edge_costs[e]]
     # gradients are sized by the parameters, not the batch, and accumulate over the micro-batches
     grads = set(sp.grad_items)
     items = [

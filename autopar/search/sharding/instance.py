@@ -8,10 +8,13 @@ import the builder.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements
+from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import grad_sync_steps
 from autopar.search.sharding.graph_facts import GraphFacts
 from autopar.search.sharding.strategies import Strategy
@@ -72,6 +75,86 @@ class ShardingProblem:
     # nodes that replay a forward op in the backward (made by autopar.search.sharding.recompute): hardware FLOPs,
     # not model FLOPs
     replayed: list[int] = field(default_factory=list)
+
+
+def parameter_sourced(sp: ShardingProblem) -> set[str]:
+    """Names of the problem's parameters and of the views of them (a transpose): what moving moves a parameter.
+
+    A parameter moved to an op (ZeRO-3's all-gather) is moved again for every
+    micro-batch, since each runs the graph once, and is overlapped with the pass
+    that reads it, as FSDP prefetches; an activation's move is neither.
+    """
+    out = {sp.nodes[i] for i in sp.param_nodes}
+    if sp.facts is None:
+        return out
+    for name in sp.nodes:  # graph order: a view comes after what it views
+        node = sp.facts.by_name[name]
+        src = node.args[0] if node.args else None
+        if sp.facts.view.get(name) and getattr(src, "name", None) in out:
+            out.add(name)
+    return out
+
+
+def gradient_chain(sp: ShardingProblem) -> set[str]:
+    """Names of the nodes that only make parameter gradients: the gradients, and backward nodes whose every
+    reader is one of them and as large (a bias's ``sum`` then its ``view``, a norm's ``getitem``; not the
+    activation a weight gradient's matmul reads, whose moves are on the backward's critical path).
+
+    Moving such a value is gradient synchronisation wherever on the chain the
+    solver puts it: it overlaps with the rest of the backward and is sent in
+    buckets, like the reduction on the gradient's own edge.
+    """
+    out = {sp.edge_info[e].src for e in sp.grad_edges}
+    if sp.facts is None:
+        return out
+    for name in sorted(sp.facts.backward, key=lambda n: sp.facts.order.get(n, -1), reverse=True):
+        node = sp.facts.by_name.get(name)
+        if node is None or name in out:
+            continue
+        users = [u for u in node.users if u.op != "output"]
+        size = _numel(node)
+        if users and size and all(u.name in out and _numel(u) == size for u in users):
+            out.add(name)
+    return out
+
+
+def _numel(node) -> int:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return math.prod(int(d) for d in shape) if shape is not None else 0
+
+
+def per_microbatch_grad_sync(sp: ShardingProblem, strategy: Strategy) -> bool:
+    """Whether a parameter under ``strategy`` has its gradient reduced once per micro-batch, not once per step.
+
+    ZeRO-2 reduce-scatters each micro-batch's gradient so as to keep only its
+    shard, and so does a parameter sharded over the data-parallel axis (ZeRO-3);
+    plain data parallelism and ZeRO-1 accumulate the whole gradient and reduce
+    it once.
+    """
+    out = strategy.outputs[0]
+    dp_sharded = sp.dp_dim is not None and out is not None and not out[sp.dp_dim].is_replicate()
+    return strategy.zero == 2 or dp_sharded
+
+
+TP_DIM = SHARDING_AXES.index("tp")
+"""The mesh dim of the tensor-parallel axis in a per-op placement list."""
+
+
+def tp_seconds(
+    info: EdgeInfo, a: Strategy, b: Strategy, mesh_shape: tuple[int, ...], links: list, dp_dim: int | None
+) -> float:
+    """Seconds of a data edge's move (source under ``a``, reader under ``b``) that run on the tensor-parallel axis.
+
+    The collectives of one edge can span both mesh dims (a batch split over dp
+    gathered while a hidden dim is reduced over tp); only the tp axis's are
+    tensor-parallel collectives a runtime may overlap with GEMMs
+    (:mod:`autopar.cost_models.overlap`).
+    """
+    have, need = info.have(a), info.need(b)
+    if have is None or need is None or len(mesh_shape) <= TP_DIM or mesh_shape[TP_DIM] == 1:
+        return 0.0
+    steps = grad_sync_steps(have, need, 0, info.nbytes, mesh_shape, dp_dim) or []
+    return sum(collective_time(k, size, mesh_shape[d], links[d]) for k, d, size in steps if d == TP_DIM)
 
 
 @dataclass(frozen=True)

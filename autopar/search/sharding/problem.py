@@ -20,6 +20,9 @@ Strategies S_v (:func:`candidate_strategies`)
     S_v    = v's placements (:mod:`autopar.search.sharding.strategies`); a user input
              keeps those sharded on dim 0 (the batch) over d: that is what makes d
              the data-parallel dim
+    S_loss = those of the loss's strategies that return it whole (replicated): the runtime
+             returns the loss whole, and a partial loss's reduction would then be a move
+             no edge charges
     S_p   ∪= {(s, z) : s ∈ S_p replicated over d, z ∈ {1, 2}}     ZeRO-1/2, when D > 1 (:func:`zero_variants`)
     S_v   ∪= {(s, r) : s ∈ S_v}                                    recomputed in the backward, for v
              recomputable and only under a memory limit (:func:`recompute_variants`)
@@ -61,7 +64,9 @@ every matrix built by its :func:`resharding_matrix`
         gathered where an op computes with it, not into a view the backward would keep alive
     gradient synchronisation (:func:`grad_sync_edges`), grad of p → p:
         E[a, (b, z)] = bring the gradient to p's placement b; a partial sum over d is
-        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d
+        all-reduced, or reduce-scattered over d for z > 0 or p sharded over d; each collective
+        costs its bytes' share of a full bucket's, t(BUCKET) · bytes / BUCKET, since gradients
+        are sent in buckets (the estimate costs the buckets themselves: autopar.search.sharding.answer)
     buffer update (:func:`buffer_update_edges`), new value of an in-place updated buffer → the buffer:
         E[a, b] = redistribute(new value under a → the buffer's placement under b)
 
@@ -165,6 +170,9 @@ def node_terms(ctx: BuildContext, t: Terms) -> None:
 def candidate_strategies(ctx: BuildContext, name: str, ns: NodeStrategies, recomputable: bool) -> list[Strategy]:
     """S_v: a node's strategies, a user input's batch-sharded over dp, with the ZeRO and recompute variants."""
     options = list(ns.strategies)
+    if name == ctx.captured.loss:  # returned whole on every rank: its reduction is an edge the objective sees
+        whole = [s for s in options if s.outputs[0] is not None and all(p.is_replicate() for p in s.outputs[0])]
+        options = whole or options
     if name in ctx.inputs and ctx.dp_dim is not None:
         batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim].is_shard(0)]
         options = batch or options

@@ -17,6 +17,7 @@ import operator
 from autopar.capture.joint import graph_results
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import INF, grad_sync_steps
+from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.build_context import BuildContext, Terms
 from autopar.search.sharding.instance import EdgeInfo
@@ -87,26 +88,42 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
     # such views, and the gathered parameter would stay alive from the forward to the backward
     pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
-    key = (have_id, need_id, info.nbytes, pinned)
+    bucketed = info.kind == "grad-sync"
+    key = (have_id, need_id, info.nbytes, pinned, bucketed)
     row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
         row = ctx.memo.matrices[key] = [
-            _move_time(ctx, have, b, info.nbytes, zero, pinned) for have in haves for b, zero in need
+            _move_time(ctx, have, b, info.nbytes, zero, pinned, bucketed) for have in haves for b, zero in need
         ]
     return row
 
 
-def _move_time(ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool) -> float:
-    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be)."""
+def _move_time(
+    ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool, bucketed: bool = False
+) -> float:
+    """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be).
+
+    ``bucketed``: a gradient's synchronisation, sent in buckets with the other gradients, costs its share
+    of a full bucket's collective, ``t(BUCKET_BYTES) · bytes / BUCKET_BYTES``: linear in its bytes, as the
+    objective needs, and summing to the estimate's bucketed time (:func:`autopar.cost_models.comm.bucketed_time`)
+    to within one bucket's latency.
+    """
     if have is None or need is None:
         return 0.0
-    t = ctx.memo.moves.get((have, need, nbytes, zero))
+    key = (have, need, nbytes, zero, bucketed)
+    t = ctx.memo.moves.get(key)
     if t is None:
         steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
-        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links)
-        t = ctx.memo.moves[(have, need, nbytes, zero)] = FORBIDDEN_S if t == INF else t
+        t = INF if steps is None else _steps_time(steps, ctx.mesh_shape, ctx.links, bucketed)
+        t = ctx.memo.moves[key] = FORBIDDEN_S if t == INF else t
     return FORBIDDEN_S if pinned and t > 0 else t
 
 
-def _steps_time(steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link]) -> float:
+def _steps_time(
+    steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link], bucketed: bool = False
+) -> float:
+    if bucketed:
+        return sum(
+            collective_time(kind, BUCKET_BYTES, mesh_shape[d], links[d]) * b / BUCKET_BYTES for kind, d, b in steps
+        )
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
