@@ -71,24 +71,34 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
             tested[key] = ok
         return tested[key]
 
-    def node_shapes(node: fx.Node) -> tuple[list, list]:
+    def node_shapes(node: fx.Node) -> tuple[tuple, tuple]:
         """The shapes of ``node``'s outputs (None: not a tensor) and of its tensor arguments, in order."""
         if node.name not in shapes:
             vals = node.meta.get("val")
             outs = vals if isinstance(vals, (list, tuple)) else [vals]
-            out_shapes = [tuple(v.shape) if hasattr(v, "shape") else None for v in outs]
+            out_shapes = tuple(tuple(v.shape) if hasattr(v, "shape") else None for v in outs)
             leaves = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
             args = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            shapes[node.name] = (out_shapes, [tuple(a.meta["val"].shape) for a in args])
+            shapes[node.name] = (out_shapes, tuple(tuple(a.meta["val"].shape) for a in args))
         return shapes[node.name]
+
+    # (node shapes, strategy) -> verdict: the copies of a repeated layer ask the same questions; the
+    # strategy is kept beside its verdict so that its id cannot be reused while the filter lives
+    verdicts: dict[tuple, tuple[bool, object]] = {}
 
     def allowed(name: str, s) -> bool:
         node = by_name.get(name)
         if node is None or microbatches == 1:
             return True
-        outs, args = node_shapes(node)
-        if not all(fits(v, p) for v, p in zip(outs, s.outputs, strict=False)):
-            return False
-        return all(fits(a, p) for a, p in zip(args, s.inputs, strict=False))
+        sig = node_shapes(node)
+        key = (sig, id(s))
+        hit = verdicts.get(key)
+        if hit is None:
+            outs, args = sig
+            ok = all(fits(v, p) for v, p in zip(outs, s.outputs, strict=False)) and all(
+                fits(a, p) for a, p in zip(args, s.inputs, strict=False)
+            )
+            hit = verdicts[key] = (ok, s)
+        return hit[0]
 
     return allowed
