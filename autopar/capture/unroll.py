@@ -239,104 +239,15 @@ def unroll(
     """
     if c.updated:
         raise NotUnrollable("the forward updates buffers")
-    tpl = _template(c, stack)
-    new = fx.Graph()
-    copied: dict[fx.Node, fx.Node] = {}  # shared nodes
-    layered: dict[tuple[int, str, int], fx.Node] = {}  # (layer, part, position) -> node
-
-    def template_layer(j: int) -> int:
-        return 0 if j == 0 else TEMPLATE_LAYERS - 1 if j == layers - 1 else 1
-
-    def arg(m: fx.Node, t_from: int | None, j: int) -> fx.Node:
-        w = tpl.where[m]
-        if w is None:
-            return copied[m]
-        t_to, kind, pos = w
-        return layered[(_target_layer(t_from, j, t_to, layers), kind, pos)]
-
-    def seq_nr(s: int, t: int | None, j: int) -> int:
-        if s < tpl.seq_lo[0]:
-            return s
-        if s >= tpl.seq_end:
-            return s + (layers - TEMPLATE_LAYERS) * tpl.seq_step
-        t_s = max(k for k in range(TEMPLATE_LAYERS) if tpl.seq_lo[k] <= s)
-        return s + (_target_layer(t, j, t_s, layers) - t_s) * tpl.seq_step
-
-    def copy(n: fx.Node, t: int | None, j: int) -> fx.Node:
-        out = new.node_copy(n, lambda m: arg(m, t, j))
-        out.meta = dict(n.meta)
-        if "seq_nr" in n.meta:
-            out.meta["seq_nr"] = seq_nr(n.meta["seq_nr"], t, j)
-        if t is not None and "autopar_module" in n.meta:
-            mod = n.meta["autopar_module"]
-            if _layer_of_name(mod, stack) is not None:
-                out.meta["autopar_module"] = _renamed(mod, stack, j)
-        return out
-
-    # placeholders, in the full model's order
-    by_name = {i.name: i for i in [*c.params, *c.buffers]}
-    ph_nodes = {n.name: n for n in c.gm.graph.nodes if n.op == "placeholder"}
-    n_params = len(params)
-    infos: list[TensorInfo] = []
-    for k, info in enumerate([*params, *fixed]):
-        prefix = "p_" if k < n_params else "b_"
-        j = _layer_of_name(info.name, stack)
-        src_name = info.name if j is None else _renamed(info.name, stack, template_layer(j))
-        src = by_name[src_name]
-        node = new.placeholder(_placeholder_name(prefix, info.name))
-        node.meta = dict(ph_nodes[src.placeholder].meta)
-        if j is not None and "autopar_module" in node.meta:
-            node.meta["autopar_module"] = _renamed(node.meta["autopar_module"], stack, j)
-        if "seq_nr" in node.meta:
-            node.meta["seq_nr"] = seq_nr(node.meta["seq_nr"], None if j is None else template_layer(j), j)
-        if j is None:
-            copied[ph_nodes[src.placeholder]] = node
-        else:
-            t, kind, pos = tpl.where[ph_nodes[src.placeholder]]
-            layered[(j, kind, pos)] = node
-        infos.append(TensorInfo(info.name, node.name, info.shape, info.dtype))
-    for i in c.inputs:
-        node = ph_nodes[i.placeholder]
-        copied[node] = new.node_copy(node)
-        copied[node].meta = dict(node.meta)
-        if "seq_nr" in node.meta:
-            copied[node].meta["seq_nr"] = seq_nr(node.meta["seq_nr"], None, -1)
-        infos.append(i)
-
-    def run(nodes: list[fx.Node]) -> None:
-        for n in nodes:
-            copied[n] = copy(n, None, -1)
-
-    def run_layer(t: int, kind: str, j: int) -> None:
-        for pos, n in enumerate(tpl.parts[(t, kind)]):
-            layered[(j, kind, pos)] = copy(n, t, j)
-
-    run(tpl.shared_before)
-    for j in range(layers):
-        run_layer(template_layer(j), "fwd", j)
-    run(tpl.shared_between)
-    for j in reversed(range(layers)):
-        run_layer(template_layer(j), "bwd", j)
-    run(tpl.shared_after)
-
-    loss_t, grads_t, _ = graph_results(c.gm, len(c.params))
-    grad_of = dict(zip([p.name for p in c.params], grads_t, strict=True))
-    new_params = infos[:n_params]
-    grads = []
-    for p in new_params:
-        j = _layer_of_name(p.name, stack)
-        g = grad_of[p.name if j is None else _renamed(p.name, stack, template_layer(j))]
-        grads.append(
-            None if g is None else arg(g, None if j is None else template_layer(j), -1 if j is None else j)
-        )
-    out = new.output((arg(loss_t, None, -1), *grads))
-    out.meta = dict(next(n for n in reversed(c.gm.graph.nodes) if n.op == "output").meta)
-    if "seq_nr" in out.meta:
-        out.meta["seq_nr"] = seq_nr(out.meta["seq_nr"], None, -1)
-    gm = canonical_names(c.gm, new)
+    w = _Writer(c, _template(c, stack), stack, layers)
+    infos = w.placeholders([*params, *fixed], len(params))
+    infos += w.inputs()
+    w.body()
+    w.results(infos[: len(params)])
+    gm = canonical_names(c.gm, w.new)
+    n_params, n_fixed = len(params), len(fixed)
     loss, grad_nodes, _ = graph_results(gm, n_params)
-    grad_names = {p.name: g.name for p, g in zip(new_params, grad_nodes, strict=True) if g is not None}
-    n_fixed = len(fixed)
+    grad_names = {p.name: g.name for p, g in zip(infos[:n_params], grad_nodes, strict=True) if g is not None}
     return CapturedGraph(
         gm,
         infos[:n_params],
@@ -348,6 +259,123 @@ def unroll(
         c.model_name,
         [],
     )
+
+
+class _Writer:
+    """Writes the L-layer graph from the template, node by node: shared nodes once, layer nodes per layer.
+
+    ``copied`` maps a traced node outside the layers to its copy; ``layered`` maps
+    (layer, part, position) to the copy of the template node at that position of that
+    part, for the layer it was written for.
+    """
+
+    def __init__(self, c: CapturedGraph, tpl: _Template, stack: str, layers: int):
+        self.c, self.tpl, self.stack, self.layers = c, tpl, stack, layers
+        self.new = fx.Graph()
+        self.copied: dict[fx.Node, fx.Node] = {}
+        self.layered: dict[tuple[int, str, int], fx.Node] = {}
+        self.ph_nodes = {n.name: n for n in c.gm.graph.nodes if n.op == "placeholder"}
+
+    def template_layer(self, j: int) -> int:
+        """The traced layer that layer ``j`` is written from: the first, the first middle one or the last."""
+        return 0 if j == 0 else TEMPLATE_LAYERS - 1 if j == self.layers - 1 else 1
+
+    def arg(self, m: fx.Node, t_from: int | None, j: int) -> fx.Node:
+        """The copy that a node of traced layer ``t_from``, written as layer ``j``, reads where it read ``m``."""
+        w = self.tpl.where[m]
+        if w is None:
+            return self.copied[m]
+        t_to, kind, pos = w
+        return self.layered[(_target_layer(t_from, j, t_to, self.layers), kind, pos)]
+
+    def seq_nr(self, s: int, t: int | None, j: int) -> int:
+        """Sequence number ``s`` of traced layer ``t`` shifted to layer ``j`` (whole layers past the template)."""
+        tpl = self.tpl
+        if s < tpl.seq_lo[0]:
+            return s
+        if s >= tpl.seq_end:
+            return s + (self.layers - TEMPLATE_LAYERS) * tpl.seq_step
+        t_s = max(k for k in range(TEMPLATE_LAYERS) if tpl.seq_lo[k] <= s)
+        return s + (_target_layer(t, j, t_s, self.layers) - t_s) * tpl.seq_step
+
+    def copy(self, n: fx.Node, t: int | None, j: int) -> fx.Node:
+        out = self.new.node_copy(n, lambda m: self.arg(m, t, j))
+        out.meta = dict(n.meta)
+        if "seq_nr" in n.meta:
+            out.meta["seq_nr"] = self.seq_nr(n.meta["seq_nr"], t, j)
+        if t is not None and "autopar_module" in n.meta:
+            mod = n.meta["autopar_module"]
+            if _layer_of_name(mod, self.stack) is not None:
+                out.meta["autopar_module"] = _renamed(mod, self.stack, j)
+        return out
+
+    def placeholders(self, state: list[TensorInfo], n_params: int) -> list[TensorInfo]:
+        """A placeholder for each parameter and buffer of the full model, in its order."""
+        stack = self.stack
+        by_name = {i.name: i for i in [*self.c.params, *self.c.buffers]}
+        infos: list[TensorInfo] = []
+        for k, info in enumerate(state):
+            j = _layer_of_name(info.name, stack)
+            src = by_name[info.name if j is None else _renamed(info.name, stack, self.template_layer(j))]
+            traced = self.ph_nodes[src.placeholder]
+            node = self.new.placeholder(_placeholder_name("p_" if k < n_params else "b_", info.name))
+            node.meta = dict(traced.meta)
+            if j is not None and "autopar_module" in node.meta:
+                node.meta["autopar_module"] = _renamed(node.meta["autopar_module"], stack, j)
+            if "seq_nr" in node.meta:
+                node.meta["seq_nr"] = self.seq_nr(node.meta["seq_nr"], None if j is None else self.template_layer(j), j)
+            if j is None:
+                self.copied[traced] = node
+            else:
+                _, kind, pos = self.tpl.where[traced]
+                self.layered[(j, kind, pos)] = node
+            infos.append(TensorInfo(info.name, node.name, info.shape, info.dtype))
+        return infos
+
+    def inputs(self) -> list[TensorInfo]:
+        """The model's inputs, as traced."""
+        for i in self.c.inputs:
+            node = self.ph_nodes[i.placeholder]
+            self.copied[node] = out = self.new.node_copy(node)
+            out.meta = dict(node.meta)
+            if "seq_nr" in node.meta:
+                out.meta["seq_nr"] = self.seq_nr(node.meta["seq_nr"], None, -1)
+        return list(self.c.inputs)
+
+    def body(self) -> None:
+        """Shared nodes before the layers, every layer's forward, shared nodes between, backwards reversed, the rest."""
+        tpl = self.tpl
+        self.shared(tpl.shared_before)
+        for j in range(self.layers):
+            self.layer(self.template_layer(j), "fwd", j)
+        self.shared(tpl.shared_between)
+        for j in reversed(range(self.layers)):
+            self.layer(self.template_layer(j), "bwd", j)
+        self.shared(tpl.shared_after)
+
+    def shared(self, nodes: list[fx.Node]) -> None:
+        for n in nodes:
+            self.copied[n] = self.copy(n, None, -1)
+
+    def layer(self, t: int, kind: str, j: int) -> None:
+        for pos, n in enumerate(self.tpl.parts[(t, kind)]):
+            self.layered[(j, kind, pos)] = self.copy(n, t, j)
+
+    def results(self, params: list[TensorInfo]) -> None:
+        """The output: the loss, then each parameter's gradient (its layer's copy)."""
+        c, stack = self.c, self.stack
+        loss_t, grads_t, _ = graph_results(c.gm, len(c.params))
+        grad_of = dict(zip([p.name for p in c.params], grads_t, strict=True))
+        grads = []
+        for p in params:
+            j = _layer_of_name(p.name, stack)
+            t = None if j is None else self.template_layer(j)
+            g = grad_of[p.name if t is None else _renamed(p.name, stack, t)]
+            grads.append(None if g is None else self.arg(g, t, -1 if j is None else j))
+        out = self.new.output((self.arg(loss_t, None, -1), *grads))
+        out.meta = dict(next(n for n in reversed(c.gm.graph.nodes) if n.op == "output").meta)
+        if "seq_nr" in out.meta:
+            out.meta["seq_nr"] = self.seq_nr(out.meta["seq_nr"], None, -1)
 
 
 def canonical_names(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
