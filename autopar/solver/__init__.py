@@ -7,12 +7,13 @@ node, its objective, status and proven gap, and :class:`SolverStats`) and :func:
 written out in :mod:`autopar.solver.solve`. Nothing here imports torch.
 """
 
-from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
+from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, PROVED_GAP, Solution, SolverStats, StrategyProblem
 from autopar.solver.solve import lower_bound, solve_strategies
 
 __all__ = [
     "GAP_TARGET",
     "MEMORY_RTOL",
+    "PROVED_GAP",
     "Solution",
     "SolverStats",
     "StrategyProblem",

@@ -53,6 +53,9 @@ time with a larger gap (or none proved); proven that nothing fits; out of time w
 GAP_TARGET = 0.01
 """A solve with time left keeps improving its answer until the proven gap is at most this."""
 
+PROVED_GAP = 1e-9
+"""A gap this small (relative, rounding in the costs) is a proof: the answer is reported optimal."""
+
 
 @dataclass
 class SolverStats:

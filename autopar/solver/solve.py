@@ -116,7 +116,7 @@ from autopar.solver.lns import improve
 from autopar.solver.memory_rows import memory_rows
 from autopar.solver.milp import Milp, build_milp, hint_values, milp_nonzeros_at_least
 from autopar.solver.min_peak import min_peak_memory
-from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, Solution, SolverStats, StrategyProblem
+from autopar.solver.problem import GAP_TARGET, MEMORY_RTOL, PROVED_GAP, Solution, SolverStats, StrategyProblem
 from autopar.solver.prune_rows import prune_rows
 from autopar.solver.reduce import ELIMINATION_LIMIT, PROBE_ELIMINATION_LIMIT, Reducer
 from autopar.solver.validate import node_label, validate
@@ -134,9 +134,6 @@ LARGE_MILP_SHARE = 0.6
 """When only the whole MILP's relaxation can be solved, it gets this share of the time left
 (and is not started when it would need more), and the neighbourhood search the rest; a
 MILP that HiGHS branches on gets all of it, being anytime itself."""
-
-PROVED_GAP = 1e-9
-"""A gap this small (relative, rounding in the costs) is a proof: the answer is reported optimal."""
 
 Best = tuple[list[int], float, "float | None"]
 """An answer on the original problem: a strategy per node, its objective, its peak memory."""

@@ -35,6 +35,7 @@ from autopar.search.sharding.seeds import seed_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
+    PROVED_GAP,
     lower_bound,
 )
 
@@ -259,5 +260,5 @@ def _against_bound(res: ShardingResult, lower: float | None, comparable: bool) -
     if lower is not None and comparable and math.isfinite(sol.objective):
         stats.lower_bound = lower
         gap = max(0.0, (sol.objective - lower) / (abs(sol.objective) or 1.0))
-    status = "optimal" if gap is not None and gap <= 1e-9 else "feasible"
+    status = "optimal" if gap is not None and gap <= PROVED_GAP else "feasible"
     res.solution = replace(sol, status=status, gap=gap, stats=stats)
