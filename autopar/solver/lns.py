@@ -249,7 +249,7 @@ def improve(
         if milp.shape[2] > SUB_MAX_NNZ:
             size = max(8, int(size * 0.7))
             continue
-        result = run_solver(milp, backend, min(left - 0.5 * MIN_ROUND_S, SUB_TIME_S), None)
+        result = run_solver(milp, backend, min(left - 0.5 * MIN_ROUND_S, SUB_TIME_S), None, presolve=False)
         solved = result.status == "OPTIMAL"
         logger.debug(
             "lns round %d: %d variables, %s in %.2f s, %.3f s left", rounds, len(free), result.status,
