@@ -4,9 +4,11 @@ at a small batch, plain data parallel for a narrow layer at a large batch."""
 import math
 
 import pytest
+import torch
 
 import autopar
 from autopar import Cluster
+from autopar.capture.graph import node_module, node_phase
 from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
@@ -16,6 +18,7 @@ from autopar.hardware.cluster import MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
 from autopar.search.pipeline.preview import HOPELESS, Preview
+from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from examples.models import llama, llama_tiny
 
@@ -130,3 +133,19 @@ def test_the_first_pipeline_of_a_neighbouring_tp_is_costed_however_it_previews()
     assert not preview.hopeless(tp8)  # 12 > 1.1 x 8.97, but tp = 8 has no costed pipeline yet
     preview.costed(tp8, 8.65)
     assert 12.0 > 8.65 * (1 + HOPELESS) and preview.hopeless(tp8_deeper)
+
+
+def test_every_copy_of_a_middle_layer_shares_its_variables_weights_and_gradient_sums_included() -> None:
+    """A layer's weights (placeholders, named by their layer) and the backward's gradient sums on
+    the residual stream (no autograd node of their own) are matched across copies like every
+    other node: left out, each copy's choice would be free, and the memory rows of the stack
+    would not repeat from one layer to the next."""
+    model, inputs = llama(6, 64, 4, 128, seq=16)
+    c = capture(model, inputs)
+    names = {n.name for n in c.gm.graph.nodes if n.op != "output"}
+    grouped = {name for g in repeated_groups(c.gm, names) for name in g}
+    middle = [n for n in c.gm.graph.nodes if ".layers.2." in node_module(n) or "_layers_2_" in n.name]
+    weights = [n for n in middle if n.op == "placeholder"]
+    sums = [n for n in middle if n.target == torch.ops.aten.add.Tensor and node_phase(n) == "backward"]
+    assert len(weights) == 9 and sums
+    assert not [n.name for n in middle if n.name not in grouped]

@@ -174,8 +174,17 @@ def _annotate(gm: fx.GraphModule, owner_of_placeholder: dict[str, str], params: 
         if n in forward and n.op == "call_function" and "seq_nr" in n.meta:
             fwd_by_seq.setdefault(n.meta["seq_nr"], n)
 
+    position = {n: i for i, n in enumerate(g.nodes)}
+
     def inherited(n: fx.Node) -> str:
         return next((node_module(a) for a in n.all_input_nodes if a.op != "placeholder"), "")
+
+    def inherited_backward(n: fx.Node) -> str:
+        # the input made last: a gradient sum on the residual stream is the layer's whose
+        # gradient it adds, not the layer's above (whose sum is its first input, and so on
+        # up to the top of the stack)
+        made = [a for a in n.all_input_nodes if a.op != "placeholder"]
+        return node_module(max(made, key=position.__getitem__)) if made else ""
 
     for n in g.nodes:
         if n.op == "placeholder":
@@ -189,7 +198,7 @@ def _annotate(gm: fx.GraphModule, owner_of_placeholder: dict[str, str], params: 
         else:
             n.meta["autopar_phase"] = "backward"
             src = fwd_by_seq.get(n.meta.get("seq_nr")) if n.meta.get("autograd_backward") else None
-            mod = src.meta["autopar_module"] if src is not None else inherited(n)
+            mod = src.meta["autopar_module"] if src is not None else inherited_backward(n)
         n.meta["autopar_module"] = mod
     return loss
 

@@ -6,9 +6,11 @@ MILP's size by 32 for no gain, since the copies see the same costs (the
 only difference is their neighbours, and those are copies too). Nodes are
 matched across copies by their module path with the layer index taken out
 ("model.layers.7.mlp.up_proj" → "model.layers.*.mlp.up_proj"), their op,
-their output shapes and their rank among such nodes in graph order. A group
-is kept only when every copy matched and all copies have the same
-strategies, so tying them can never make an answer invalid.
+their output shapes and their rank among such nodes in graph order. A copy
+joins the groups only when its nodes match a middle copy's one for one (a
+first or last layer that differs keeps its own variables), and a group only
+when all its copies have the same strategies, so tying them can never make an
+answer invalid.
 
 Followers (views, element-wise ops) and dominated strategies are folded by
 the solver's own reduction (``autopar.solver.reduce``), which works on the
@@ -30,7 +32,8 @@ def _signature(node: fx.Node) -> tuple:
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
     shapes = tuple(tuple(v.shape) if hasattr(v, "shape") else None for v in vals)
-    return (node.op, str(node.target), shapes)
+    # a placeholder's target is its own name, which holds the layer's index: its module path matches it
+    return (node.op, "" if node.op == "placeholder" else str(node.target), shapes)
 
 
 def repeated_groups(gm: fx.GraphModule, candidates: set[str], same_strategies=None) -> list[list[str]]:
@@ -86,14 +89,12 @@ def _matched_copies(gm: fx.GraphModule, candidates: set[str]) -> list[list[str]]
                 table[(sig, count[sig])] = n
                 count[sig] += 1
             ranked.append(table)
-        for key, first in ranked[0].items():
-            members = [first]
-            for table in ranked[1:]:
-                other = table.get(key)
-                if other is None:
-                    members = []
-                    break
-                members.append(other)
-            if len(members) > 1:
-                groups.append([m.name for m in members])
+        # a copy whose nodes differ from a middle one's (a first or last layer that reads
+        # or feeds something the others do not) keeps its own variables
+        reference = set(ranked[len(ranked) // 2])
+        aligned = [table for table in ranked if set(table) == reference]
+        if len(aligned) < 2:
+            continue
+        for key in ranked[len(ranked) // 2]:
+            groups.append([table[key].name for table in aligned])
     return groups
