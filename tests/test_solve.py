@@ -387,6 +387,63 @@ def test_ladder(grouped: bool) -> None:
     assert evaluate(p, reduced.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
 
 
+
+def stack_problem(layers: int, seed: int, fraction: float = 0.3) -> StrategyProblem:
+    """A stack of like layers whose copies share variables: per layer a weight (live throughout),
+    three activations saved from their forward step to their backward step, and the weight's
+    gradient, made in the layer's backward and kept to the step's end. The memory limit lies
+    ``fraction`` of the way from the least peak to the peak of the unlimited optimum."""
+    rng = np.random.default_rng(seed)
+    per, k = 3, 3
+    layer_costs = [rng.random(k).tolist() for _ in range(per)]
+    layer_mem = [(rng.integers(1, 6, k) * 1.0).tolist() for _ in range(per)]
+    weight_costs, weight_mem = rng.random(k).tolist(), (rng.integers(1, 6, k) * 1.0).tolist()
+    grad_costs, grad_mem = rng.random(k).tolist(), (rng.integers(1, 6, k) * 1.0).tolist()
+    mats = [(rng.random((k, k)) * 0.5).ravel().tolist() for _ in range(per)]
+    costs, memory, intervals, edges, edge_costs = [], [], [], [], []
+    groups: dict[object, list[int]] = {}
+    end, prev = 2 * layers * per + 2, None
+
+    def node(c: list[float], m: list[float], interval: tuple[int, int], group: object) -> int:
+        costs.append(c), memory.append(m), intervals.append(interval)
+        groups.setdefault(group, []).append(len(costs) - 1)
+        return len(costs) - 1
+
+    for i in range(layers):
+        w = node(weight_costs, weight_mem, (0, end), "weight")
+        for j in range(per):
+            t = i * per + j
+            v = node(layer_costs[j], layer_mem[j], (t + 1, end - 1 - t), j)
+            if prev is not None:
+                edges.append((prev, v)), edge_costs.append(mats[j])
+            prev = v
+        g = node(grad_costs, grad_mem, (end - 2 - i * per, end), "grad")
+        edges += [(w, w + 1), (w, g)]
+        edge_costs += [mats[0], mats[1]]
+    p = StrategyProblem(costs, memory, intervals, edges, edge_costs, groups=list(groups.values()))
+    free = solve_strategies(p)
+    lo = evaluate(p, [int(np.argmin(m)) for m in p.node_memory])[1]
+    p.memory_limit = lo + fraction * (evaluate(p, free.choice)[1] - lo)
+    return p
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_stack_of_like_layers_keeps_the_rows_of_one(seed: int) -> None:
+    """The memory rows of a grouped stack are affine in the layer's index (saved activations of
+    the layers below, gradients of those above), so its interior layers' rows are implied by
+    the outer ones': the rows left do not grow with depth, and the optimum is unchanged."""
+    rows = {}
+    for layers in (8, 32):
+        p = stack_problem(layers, seed)
+        reduced, full = solve_strategies(p), solve_strategies(p, reduce=False)
+        assert reduced.status == full.status == "optimal"
+        assert not reduced.stats.memory_free_fits  # the limit binds
+        assert reduced.objective == pytest.approx(full.objective, rel=1e-9)
+        assert evaluate(p, reduced.choice)[1] <= p.memory_limit * (1 + MEMORY_RTOL)
+        rows[layers] = (reduced.stats.binding_memory_rows, reduced.stats.memory_rows_after_reduction)
+    assert rows[32][0] > rows[8][0]  # more layers, more rows that can bind
+    assert rows[32][1] == rows[8][1] < rows[8][0]
+
 def test_chain_without_memory_reduces_to_nothing() -> None:
     p = chain_problem(2000, seed=1)
     sol = solve_strategies(p)

@@ -14,6 +14,7 @@ import heapq
 import numpy as np
 
 from autopar.solver.core_problem import CoreProblem
+from autopar.solver.memory_rows import range_sums
 
 # Rows are compared a block of this many at a time: small temporaries stay in cache.
 _BLOCK = 256
@@ -80,6 +81,7 @@ def prune_rows(core: CoreProblem, dense_budget: float = 2e8) -> CoreProblem:
         return core
     keep = _not_implied_by_ranges(core)
     x0 = np.concatenate([[0], np.cumsum(core.sizes)]).astype(np.int64)
+    keep = _not_implied_by_chains(core, keep, x0)
     kept = np.nonzero(keep)[0]
     if len(kept) > 1 and float(len(kept)) * x0[-1] <= 2e7:
         keep = _not_implied_by_totals(core, keep, x0, dense_budget)
@@ -125,6 +127,74 @@ def _not_implied_by_ranges(core: CoreProblem) -> np.ndarray:
     before = _range_min(core.cap, lo, np.maximum(rows, lo))
     after = _range_min(core.cap, np.minimum(rows + 1, hi), hi)
     return ~empty & ~(before <= core.cap) & ~(after < core.cap)
+
+
+# Two rows match when they agree to this fraction of the largest coefficient sum.
+_MATCH_RTOL = 1e-9
+
+
+# Directions a midpoint found on two projections is checked on. A row that is not the
+# midpoint agrees on all of them only if its difference from the midpoint is orthogonal to
+# each, which for Gaussian directions has probability zero; and whatever answer the rows
+# admit is checked against the exact peak (``solve_strategies``) anyway.
+_CHECK_DIRECTIONS = 8
+
+
+def _projections(core: CoreProblem, x0: np.ndarray, count: int = 2, seed: int = 0) -> np.ndarray:
+    """Each row's coefficient vector projected on ``count`` fixed pseudo-random directions: (rows, count)."""
+    width = int(x0[-1])
+    directions = np.random.default_rng(seed).standard_normal((width, count))
+    weights = np.array(
+        [core.item_coef[i] @ directions[x0[v] : x0[v + 1]] for i, v in enumerate(core.item_var.tolist())]
+    ).reshape(-1, count)
+    n_rows = len(core.cap)
+    return np.stack([range_sums(core.item_r0, core.item_r1, weights[:, c], n_rows) for c in range(count)], axis=1)
+
+
+def _not_implied_by_chains(core: CoreProblem, keep: np.ndarray, x0: np.ndarray) -> np.ndarray:
+    """``keep`` without the kept rows that are the midpoint of two other kept rows.
+
+    In a stack of L repeated layers whose copies share variables, the row at one position
+    of layer i holds i copies of the layer's saved activations and L - 1 - i copies of
+    its gradients: an affine function of i, so the rows of the first and last layers imply
+    all the others. Row j with coefficients a_j and capacity c_j is implied by rows i, k
+    when a_j = (a_i + a_k) / 2 and c_j >= (c_i + c_k) / 2 (average their inequalities).
+    Dropping every such row at once is safe when a_i != a_k: the midpoint of two distinct
+    vectors is strictly nearer a fixed centre than the farther of them, so each dropped
+    row is implied by rows farther out, and the farthest rows are never dropped. The
+    partners are looked for at equal distances d before and after j in row order (rows of
+    consecutive layers lie one layer's rows apart), matched on two random projections,
+    then checked on ``_CHECK_DIRECTIONS`` more.
+    """
+    kept = np.nonzero(keep)[0]
+    n = len(kept)
+    if n < 3:
+        return keep
+    proj = _projections(core, x0)[kept]
+    cap = core.cap[kept]
+    scale = max(float(np.abs(proj).max()), 1.0)
+    cap_tol = _MATCH_RTOL * max(float(np.abs(cap).max()), 1.0)
+    partner = np.zeros(n, dtype=np.int64)  # the smallest distance d that makes j a midpoint; 0: none
+    for d in range(1, (n - 1) // 2 + 1):
+        mid = np.arange(d, n - d)
+        open_ = partner[mid] == 0
+        if not open_.any():
+            continue
+        close = np.abs(proj[mid - d] + proj[mid + d] - 2 * proj[mid]).max(axis=1) <= _MATCH_RTOL * scale
+        apart = np.abs(proj[mid - d] - proj[mid + d]).max(axis=1) > _MATCH_RTOL * scale
+        roomy = cap[mid] >= (cap[mid - d] + cap[mid + d]) / 2 - cap_tol
+        partner[mid[open_ & close & apart & roomy]] = d
+    found = np.nonzero(partner)[0]
+    if not len(found):
+        return keep
+    check = _projections(core, x0, _CHECK_DIRECTIONS, seed=1)[kept]
+    d = partner[found]
+    a, b, c = check[found - d], check[found], check[found + d]
+    tol = _MATCH_RTOL * max(float(np.abs(check).max()), 1.0)
+    midpoint = (np.abs(a + c - 2 * b).max(axis=1) <= tol) & (np.abs(a - c).max(axis=1) > tol)
+    out = keep.copy()
+    out[kept[found[midpoint]]] = False
+    return out
 
 
 def _dense_rows(core: CoreProblem, keep: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
