@@ -122,8 +122,10 @@ def search_meshes(
     if not milp:  # the baselines keep tensor parallelism inside a node
         sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
     results: list[ShardingResult] = []
-    per_mesh = max(time_limit_s / max(len(sizes), 1), 1.0)  # every mesh gets its share of the solver time
+    began = time.perf_counter()
     for k, t in enumerate(sizes):
+        # every mesh gets its share of the solver time, and what the earlier ones left unspent
+        per_mesh = max((time_limit_s - (time.perf_counter() - began)) / (len(sizes) - k), 1.0)
         late = deadline is not None and time.perf_counter() > deadline
         if late and (not require_one or any(r.estimate.fits for r in results)):
             log.info("meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
@@ -185,9 +187,11 @@ def _best_on_mesh(
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
-    for kind in kinds:
+    seeds_budget = time_limit_s / 2 if milp else time_limit_s
+    for k, kind in enumerate(kinds):
         seed = seed_filter(kind, params, conv1d)
-        share = time_limit_s / (2 * len(kinds)) if milp else time_limit_s / len(kinds)
+        # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
+        share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
         allowed = seed if fixed is None else both(mp.sp, seed, fixed)
         seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
         seeded.source = kind
