@@ -311,6 +311,7 @@ def test_llama_7b_shape_on_meta_is_fast_and_small() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 6.5e9 < result["params"] < 7.0e9
     assert result["grads"] == result["n_params"] == 291 and result["batch"] == 1
-    # CPU time is the budget (~10 s measured); wall time gets slack for a box shared with other test runs.
-    assert result["cpu_seconds"] < 15 and result["seconds"] < 30, result
+    # CPU time is the budget (~10 s measured); wall time is not held: on a box shared with other
+    # runs it measured 40 s for 7 s of CPU
+    assert result["cpu_seconds"] < 15, result
     assert result["rss_mb"] < 2048, result
