@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from autopar.capture.joint import graph_results
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import INF, grad_sync_steps
@@ -69,12 +71,17 @@ def _add_edge(ctx: BuildContext, t: Terms, info: EdgeInfo) -> None:
 
 
 def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float]:
-    """E_uv, row-major over (strategy of u, strategy of v): seconds to bring the value where v needs it."""
+    """E_uv, row-major over (strategy of u, strategy of v): seconds to bring the value where v needs it.
+
+    A strategy list holds few distinct placements of one value (many strategies differ only
+    in their other inputs and outputs), so the moves are priced once per distinct pair and the
+    matrix is spread from that table.
+    """
     iu, iv = t.index[info.src], t.index[info.dst]
     pos, out_idx = info.input_pos, info.output
     need_id, need = ctx.memo.needs.get((t.list_ids[iv], pos), (-1, ()))
     if need_id < 0:
-        need = tuple(
+        need = _distinct(
             (s.outputs[0], s.zero) if pos < 0 else (s.inputs[pos] if pos < len(s.inputs) else None, 0)
             for s in t.strats[iv]
         )
@@ -82,7 +89,7 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
         ctx.memo.needs[(t.list_ids[iv], pos)] = (need_id, need)
     have_id, haves = ctx.memo.haves.get((t.list_ids[iu], out_idx), (-1, ()))
     if have_id < 0:
-        haves = tuple(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in t.strats[iu])
+        haves = _distinct(a.outputs[out_idx] if out_idx < len(a.outputs) else None for a in t.strats[iu])
         have_id = len(ctx.memo.haves)
         ctx.memo.haves[(t.list_ids[iu], out_idx)] = (have_id, haves)
     # a parameter is gathered where an op computes with it, not into a view of it: the backward reads
@@ -92,10 +99,19 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     key = (have_id, need_id, info.nbytes, pinned, bucketed)
     row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
-        row = ctx.memo.matrices[key] = [
-            _move_time(ctx, have, b, info.nbytes, zero, pinned, bucketed) for have in haves for b, zero in need
-        ]
+        (have_values, have_of), (need_values, need_of) = haves, need
+        table = np.array(
+            [[_move_time(ctx, h, b, info.nbytes, z, pinned, bucketed) for b, z in need_values] for h in have_values]
+        ).reshape(len(have_values), len(need_values))
+        row = ctx.memo.matrices[key] = table[have_of][:, need_of].ravel().tolist()
     return row
+
+
+def _distinct(values) -> tuple[list, np.ndarray]:
+    """The distinct values, in first-seen order, and the index of each value among them."""
+    first: dict = {}
+    index = [first.setdefault(v, len(first)) for v in values]
+    return list(first), np.array(index, dtype=np.int64)
 
 
 def _move_time(
