@@ -59,16 +59,54 @@ def _objective_scale(values: np.ndarray) -> float:
     return 1.0 / float(np.median(mags)) if len(mags) else 1.0
 
 
-def _factor_rows(core: CoreProblem, x0: np.ndarray, first_row: int, first_col: int) -> tuple[list, ...]:
+@dataclass
+class _Factor:
+    """A factor with its strategies gathered into classes that see the same costs.
+
+    ``classes[a][s]`` is the class of strategy ``s`` of the scope's ``a``-th variable, and
+    ``table`` is indexed by classes: strategies whose slices of the factor's table are equal
+    (a node's strategies that place this input alike and differ elsewhere) share a class,
+    and the factor's ``y`` is one per combination of classes rather than of strategies.
+    """
+
+    scope: tuple[int, ...]
+    table: np.ndarray
+    classes: list[np.ndarray]
+    sizes: tuple[int, ...]  # strategies per variable of the scope
+
+
+def compressed_factors(core: CoreProblem) -> list[_Factor]:
+    """Every factor of ``core`` with the strategies of each scope variable gathered into classes.
+
+    The marginal rows then tie each class's ``y`` sum to the sum of its strategies' ``x``.
+    Exact, and as tight: a ``y`` over classes spreads over strategies in proportion to their
+    ``x`` with the same cost and marginals.
+    """
+    out = []
+    for scope, table in core.factors:
+        t, classes = table, []
+        for axis in range(table.ndim):
+            slices = np.moveaxis(t, axis, 0).reshape(t.shape[axis], -1)
+            _, first, inverse = np.unique(slices, axis=0, return_index=True, return_inverse=True)
+            rank = np.empty(len(first), dtype=np.int64)
+            rank[np.argsort(first)] = np.arange(len(first))  # classes numbered by first strategy
+            classes.append(rank[np.asarray(inverse).ravel()])
+            t = np.take(t, np.sort(first), axis=axis)
+        out.append(_Factor(tuple(scope), t, classes, table.shape))
+    return out
+
+
+def _factor_rows(
+    factors: list[_Factor], x0: np.ndarray, first_row: int, first_col: int
+) -> tuple[list, ...]:
     """Marginal rows tying each factor's continuous ``y`` to the ``x`` of its scope.
 
-    For every variable of the scope and each of its strategies ``s``: the ``y`` entries whose
-    assignment gives that variable ``s`` sum to ``x_{v,s}``. For all but the first variable
-    the last strategy's row is implied and left out. Factors of the same shape are built
-    together with array arithmetic.
+    For every variable of the scope and each class ``c`` of its strategies: the ``y``
+    entries whose assignment gives that variable class ``c`` sum to the ``x`` of the class's
+    strategies. For all but the first variable the last class's row is implied and left out.
+    Factors of the same shapes are built together with array arithmetic.
     """
-    sizes = core.sizes
-    shapes = [tuple(sizes[list(scope)].tolist()) for scope, _ in core.factors]
+    shapes = [f.table.shape for f in factors]
     n_entries = np.array([int(np.prod(s)) for s in shapes], dtype=np.int64)
     n_rows = np.array([s[0] + sum(d - 1 for d in s[1:]) for s in shapes], dtype=np.int64)
     y0 = first_col + np.concatenate([[0], np.cumsum(n_entries)]).astype(np.int64)
@@ -76,12 +114,12 @@ def _factor_rows(core: CoreProblem, x0: np.ndarray, first_row: int, first_col: i
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for f, shape in enumerate(shapes):
-        by_shape.setdefault(shape, []).append(f)
-    for shape, fs in by_shape.items():
+    by_shape: dict[tuple, list[int]] = {}
+    for k, f in enumerate(factors):
+        by_shape.setdefault((f.table.shape, f.sizes), []).append(k)
+    for (shape, _), fs in by_shape.items():
         sel = np.array(fs, dtype=np.int64)
-        scopes = np.array([core.factors[f][0] for f in fs], dtype=np.int64)
+        scopes = np.array([factors[k].scope for k in fs], dtype=np.int64)
         coords = np.unravel_index(np.arange(int(np.prod(shape))), shape)
         offset = 0
         for axis, d in enumerate(shape):
@@ -91,10 +129,11 @@ def _factor_rows(core: CoreProblem, x0: np.ndarray, first_row: int, first_col: i
             rows.append((base[sel][:, None] + offset + coords[axis][mask][None, :]).ravel())
             cols.append((y0[sel][:, None] + entries[None, :]).ravel())
             vals.append(np.ones(len(sel) * len(entries)))
-            s = np.arange(kept)
-            rows.append((base[sel][:, None] + offset + s[None, :]).ravel())
-            cols.append((x0[scopes[:, axis]][:, None] + s[None, :]).ravel())
-            vals.append(-np.ones(len(sel) * kept))
+            cls = np.stack([factors[k].classes[axis] for k in fs])  # (factors, strategies)
+            f_idx, s = np.nonzero(cls < kept)
+            rows.append(base[sel][f_idx] + offset + cls[f_idx, s])
+            cols.append(x0[scopes[f_idx, axis]] + s)
+            vals.append(-np.ones(len(s)))
             offset += kept
     return rows, cols, vals, int(base[-1]), int(y0[-1])
 
@@ -102,14 +141,12 @@ def _factor_rows(core: CoreProblem, x0: np.ndarray, first_row: int, first_col: i
 def milp_nonzeros_at_least(core: CoreProblem) -> int:
     """The nonzeros :func:`build_milp` writes before any memory row: one per ``x`` in the
     one-strategy rows, and the factors' marginal rows as :func:`_factor_rows` writes them."""
-    sizes = core.sizes
-    total = int(sizes.sum())
-    for scope, table in core.factors:
-        dims = sizes[list(scope)].tolist()
-        entries = int(table.size)
-        total += entries + dims[0]  # the first variable: every entry once, one x per strategy
-        for d in dims[1:]:  # the others: all but the last strategy's row
-            total += entries // d * (d - 1) + d - 1
+    total = int(core.sizes.sum())
+    for f in compressed_factors(core):
+        entries = int(f.table.size)
+        total += entries + f.sizes[0]  # the first variable: every entry once, one x per strategy
+        for axis, d in enumerate(f.table.shape[1:], start=1):  # the others: all but the last class's row
+            total += entries // d * (d - 1) + int((f.classes[axis] < d - 1).sum())
     return total
 
 
@@ -147,9 +184,10 @@ class _MemoryEntries:
 def build_milp(core: CoreProblem, memory_scale: float, memory_form: str) -> Milp:
     """The marginal-form MILP of the core problem (see the module docstring)."""
     x0 = np.concatenate([[0], np.cumsum(core.sizes)]).astype(np.int64)
-    cost = np.concatenate(core.costs + [t.ravel() for _, t in core.factors])
+    factors = compressed_factors(core)
+    cost = np.concatenate(core.costs + [f.table.ravel() for f in factors])
     scale = _objective_scale(cost)
-    parts = _choice_and_factor_parts(core, x0, cost, scale)
+    parts = _choice_and_factor_parts(core, factors, x0, cost, scale)
     form = "none"
     if len(core.cap) and len(core.item_coef):
         entries = _memory_entries(core, x0, memory_scale)
@@ -161,11 +199,13 @@ def build_milp(core: CoreProblem, memory_scale: float, memory_form: str) -> Milp
     return _assemble(parts, core.constant, scale, memory_scale, int(x0[-1]), form)
 
 
-def _choice_and_factor_parts(core: CoreProblem, x0: np.ndarray, cost: np.ndarray, scale: float) -> _Parts:
+def _choice_and_factor_parts(
+    core: CoreProblem, factors: list[_Factor], x0: np.ndarray, cost: np.ndarray, scale: float
+) -> _Parts:
     """One strategy per variable, then the factors' marginals; the columns are every x, then every y."""
     n, sizes, n_x = core.n, core.sizes, int(x0[-1])
     finite = np.isfinite(cost)
-    f_rows, f_cols, f_vals, n_rows, n_cols = _factor_rows(core, x0, n, n_x)
+    f_rows, f_cols, f_vals, n_rows, n_cols = _factor_rows(factors, x0, n, n_x)
     return _Parts(
         rows=[np.repeat(np.arange(n), sizes), *f_rows],
         cols=[np.arange(n_x), *f_cols],
@@ -278,9 +318,10 @@ def hint_values(milp: Milp, core: CoreProblem, local: np.ndarray) -> np.ndarray:
     x0 = np.concatenate([[0], np.cumsum(core.sizes)]).astype(np.int64)
     values[x0[:-1] + local] = 1.0
     col = milp.n_x
-    for scope, table in core.factors:
-        values[col + np.ravel_multi_index(tuple(local[list(scope)]), table.shape)] = 1.0
-        col += table.size
+    for f in compressed_factors(core):
+        at = tuple(int(f.classes[a][local[v]]) for a, v in enumerate(f.scope))
+        values[col + np.ravel_multi_index(at, f.table.shape)] = 1.0
+        col += f.table.size
     if milp.memory_form == "cumulative" and len(core.cap):
         picked = np.array([core.item_coef[t][local[i]] for t, i in enumerate(core.item_var.tolist())])
         usage = range_sums(core.item_r0, core.item_r1, picked, len(core.cap))
