@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from autopar.capture.graph import CapturedGraph, TensorInfo, graph_results
 
@@ -397,8 +397,8 @@ def canonical_names(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.Gra
         m = new.create_node(n.op, n.target, args, kwargs, name=name, type_expr=n.type)
         m.meta = dict(n.meta)
         env[n] = m
-    with _use_lazy_graph_module(True):
-        return fx.GraphModule(gm, new)
+    with _use_lazy_graph_module(True):  # fx.GraphModule itself would generate the code now
+        return _make_graph_module(gm, new)
 
 
 def _base(n: fx.Node) -> str:
