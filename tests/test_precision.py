@@ -4,8 +4,8 @@ Slow: one launch of 4 gloo processes trains for 3 AdamW steps under bf16-mixed
 plans of every kind (GPT-2 under Megatron dp 2 x tp 2 and ZeRO-3; six residual
 MLP blocks under ZeRO-1 with 2 micro-batches and bf16 gradient reductions,
 ZeRO-2 with full recompute and a pipeline pp 2 x dp 2) and GPT-2 under an
-fp16-mixed pipeline pp 2 x tp 2, each against one device running the same
-precision policy (:mod:`autopar.verify.reference`).  One launch of 2 processes checks that
+fp16-mixed Megatron pipeline pp 2 x tp 2, each against one device running the
+same precision policy (:mod:`autopar.verify.reference`).  One launch of 2 processes checks that
 checkpoints hold the fp32 masters and that an fp16 overflow on one rank skips
 the step on every rank.
 
@@ -27,8 +27,9 @@ optimizer state and gradients: a run that ignored the plan's precision would
 pass the numbers above and fail this.
 
 One process: the policy of each precision, capture in the compute dtype,
-the single-device reference, the loss scaler's rule, and the cost model's
-reduce dtype.
+gradient reductions in fp32 wherever random layouts put them (on torch's fake
+process group), the single-device reference, the loss scaler's rule, and the
+cost model's reduce dtype.
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.codegen.shard import shard_graph
 from autopar.core.errors import PlanError
 from autopar.cost_models.memory import precision_spec
 from autopar.runtime.checkpoint import load_single
 from autopar.runtime.precision import LossScaler, PrecisionPolicy, scale_steps
-from autopar.verify.oracle import check_plans, plan_with_layout, plan_with_pipeline
+from autopar.verify.oracle import check_plans, plan_with_layout, plan_with_pipeline, random_placements
 from autopar.verify.reference import single_device_run
-from examples.models import gpt, gpt2_tiny, mlp_deep, mlp_tiny
+from examples.models import gpt, gpt2_tiny, llama_tiny, mlp_deep, mlp_tiny
 
 LR, STEPS = 1e-3, 3
 LOSS_TOL, GRAD_TOL = 1e-2, 2e-2
@@ -76,7 +80,7 @@ def _plan(factory, fixed: dict, precision: str = "bf16-mixed", layout: str | Non
     torch.manual_seed(0)
     model, batch = factory()
     plan = autopar.plan(model, batch, FOUR, fixed=fixed, precision=precision, **options)
-    return plan_with_layout(plan, model, batch, FOUR, layout, seed=3) if layout else plan
+    return plan_with_layout(plan, model, batch, FOUR, layout) if layout else plan
 
 
 def _pipeline(factory, tp: int, precision: str) -> autopar.Plan:
@@ -86,8 +90,9 @@ def _pipeline(factory, tp: int, precision: str) -> autopar.Plan:
     return plan_with_pipeline(base, model, batch, FOUR, 2, microbatches=2, layout="megatron" if tp > 1 else "dp")
 
 
-# GPT-2 where the ops matter (attention, norms, embedding, a loss computed in fp32); six residual MLP
-# blocks, a few seconds cheaper to capture and trace on 4 processes, for the rest (a loss in bf16)
+# GPT-2 where the ops matter (attention, norms, embedding, a loss over fp32 logits); six residual MLP
+# blocks, a few seconds cheaper to capture and trace on 4 processes, for the rest (a loss in bf16).
+# Random layouts, which reduce gradients where no solver would, are checked in one process below
 CASES = [
     ("GPT-2 megatron dp2 x tp2", gpt2_tiny, lambda: _plan(gpt2_tiny, {"dp": 2, "tp": 2}, layout="megatron")),
     ("GPT-2 ZeRO-3", gpt2_tiny, lambda: _plan(gpt2_tiny, {"dp": 4, "zero": 3})),
@@ -119,9 +124,9 @@ def test_mixed_precision_plans_train_like_one_device_in_the_same_precision():
         assert c.loss_error <= LOSS_TOL and c.grad_error <= GRAD_TOL, f"{name}\n{report}"
         assert c.param_max_abs <= bound, f"{name}: {c.param_max_abs:.2e} > {bound:.2e}\n{report}"
         assert c.losses[0] != c.losses[-1]  # the steps were taken
-    # the plans did what they say: tensor parallelism communicates, ZeRO-3 gathers parameters
+    # the plans did what they say: tensor parallelism reduces partial sums, ZeRO-3 gathers parameters
     assert checks[0].collectives.get("all_reduce", 0) + checks[0].collectives.get("reduce_scatter_tensor", 0) > 0
-    assert checks[3].collectives.get("all_gather_into_tensor", 0) > 0
+    assert checks[1].collectives.get("all_gather_into_tensor", 0) > 0
 
 
 def _masters_and_overflow(cluster: autopar.Cluster, path: str) -> dict:
@@ -211,6 +216,49 @@ def test_capture_in_the_compute_dtype_casts_parameters_and_float_inputs_not_buff
     model, (x, y) = mlp_tiny()
     captured = capture(model, (x, y), compute_dtype=torch.bfloat16)
     assert {i.dtype for i in captured.inputs} == {torch.bfloat16}
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+REDUCTIONS = {"all_reduce", "reduce_scatter_tensor"}
+
+
+def _cast_back(gm) -> int:
+    """Reductions of an fp32 value whose sum is cast back to bf16 (one cast up mid-chain, for a bf16 reader)."""
+    found = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "_opname", "") in REDUCTIONS:
+            if n.args[0].meta["val"].dtype == torch.float32:
+                waits = [u for u in n.users if u.target is torch.ops._c10d_functional.wait_tensor.default]
+                readers = [r for w in waits for r in w.users]
+                found += any(getattr(r.meta.get("val"), "dtype", None) == torch.bfloat16 for r in readers)
+    return found
+
+
+def test_gradient_reductions_run_in_fp32_wherever_a_random_layout_puts_them(fake_world):
+    """LLaMA (tiny: some of its activation gradients are as large as a weight's gradient, 128 x 64, and so on
+    the chain) in bf16 under a random dp 2 x tp 2 layout: the gradients are reduced in fp32, a sum cast up
+    mid-chain is cast back for the bf16 op that reads it (kept in fp32, it met a bf16 operand in a matmul),
+    and the local graph runs on real tensors (the fake group's collectives hand back their input) with
+    every gradient in fp32."""
+    torch.manual_seed(0)
+    model, batch = llama_tiny()
+    captured = capture(model, batch, compute_dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    local = shard_graph(captured, random_placements(captured, (2, 2), 0), mesh, reduce_dtype=torch.float32)
+    assert _cast_back(local.gm)  # the layout reduces mid-chain, before a bf16 reader
+    vals = [ph.meta["val"] for ph in local.gm.graph.find_nodes(op="placeholder")]
+    args = [
+        torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.randint(0, 128, v.shape)
+        for v in vals
+    ]  # parameters, buffers, then token ids and labels (vocabulary 128)
+    _, *grads = local.gm(*args)
+    assert {g.dtype for g in grads if g is not None} == {torch.float32}
 
 
 def test_the_reference_steps_fp32_masters_from_bf16_gradients():

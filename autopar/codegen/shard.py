@@ -131,13 +131,15 @@ class GradientCasts:
 
     ``reduce_dtype``: every reduction of a value on the gradient chain
     (:func:`autopar.capture.joint.gradient_chain`) runs in it, wherever the plan
-    puts it, and the graph returns the gradients in it.  ``seed``: the node
-    that starts the backward (``ones_like`` of the loss), multiplied by
+    puts it, and the graph returns the gradients (``grads``, the nodes that make
+    them) in it; a value before them is cast back once reduced.  ``seed``: the
+    node that starts the backward (``ones_like`` of the loss), multiplied by
     ``scale`` when the graph takes a loss scale (fp16).
     """
 
     reduce_dtype: torch.dtype | None = None
     chain: set[str] = field(default_factory=set)
+    grads: set[str] = field(default_factory=set)
     seed: str | None = None
     scale: DTensor | None = None  # set while tracing
 
@@ -183,7 +185,7 @@ class _ShardInterpreter(fx.Interpreter):
         """``x`` (the value of ``node``) to ``target``; a gradient's reduction in the reduce dtype."""
         dtype = self.casts.reduce_dtype
         if dtype is not None and node.name in self.casts.chain:
-            return to_planned_in(x, target, dtype)
+            return to_planned_in(x, target, dtype, keep=node.name in self.casts.grads)
         return to_planned(x, target)
 
     def _run_planned(self, n: fx.Node) -> Any:
@@ -480,6 +482,7 @@ def shard_graph(
     casts = GradientCasts(
         reduce_dtype,
         gradient_chain(gm, len(param_ph)) if reduce_dtype is not None else set(),
+        set(captured.grads.values()),
         backward_seed(captured) if loss_scale else None,
     )
     interp = _ShardInterpreter(gm, plan_placements, mesh, on_value, casts)

@@ -282,7 +282,8 @@ class PipelineParallelModule(RankModule):
         return self._gather_stages(mine)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards, by the model's names."""
+        """This rank's shards, by the model's names (no collective: under mixed precision a ZeRO-1/2
+        parameter's is the compute dtype's copy, its fp32 master being chunked over dp; full_state_dict has it)."""
         out = {self._infos[i].name: self.shards[k].detach() for k, i in enumerate(self._params)}
         out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
         return out
