@@ -228,7 +228,8 @@ def _pipeline_module(
     captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)
     phase_of = {n.name: node_phase(n) for n in captured.gm.graph.nodes}
     stages = zero_stages(captured.params, chosen, plan)
-    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True, **_trace_options(policy, device))
+    options = _trace_options(policy, device)
+    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True, **options)
     me = mesh.get_coordinate()[0]
     mine = [s for s in range(len(firsts)) if s % pp == me]
     programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine, len(captured.params), captured.updated)

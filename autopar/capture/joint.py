@@ -318,7 +318,7 @@ class _Fakes:
         # Non-fake inputs allowed: the model's tensor constants (masks, scalars) stay real graph constants.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.of_state = {
-            id(t): nn.Parameter(self.fake(t, True), t.requires_grad) if isinstance(t, nn.Parameter) else self.fake(t)
+            id(t): (nn.Parameter(self.fake(t, True), t.requires_grad) if isinstance(t, nn.Parameter) else self.fake(t))
             for _, t in state.all
         }
         self.fake_leaves = [self.fake(x, True) for _, x in self.leaves]

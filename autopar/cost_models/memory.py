@@ -76,9 +76,8 @@ def precision_spec(name: str, reduce_dtype: str | None = None) -> Precision:
         return spec
     if reduce_dtype != spec.compute_dtype:
         allowed = sorted({spec.reduce_dtype, spec.compute_dtype})
-        raise PlanError(
-            f"{name} cannot reduce gradients in {reduce_dtype!r}; pass reduce_dtype={' or '.join(map(repr, allowed))}"
-        )
+        choices = " or ".join(map(repr, allowed))
+        raise PlanError(f"{name} cannot reduce gradients in {reduce_dtype!r}; pass reduce_dtype={choices}")
     return replace(spec, reduce_dtype=reduce_dtype)
 
 

@@ -31,7 +31,8 @@ def rank_device(cluster: Cluster) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeMismatchError(
             f"the cluster runs {cluster.backend}, which needs CUDA, but this machine has no CUDA device "
-            "(torch.cuda.is_available() is False); run on the GPUs, or use Cluster.local(n) for CPU processes over gloo"
+            "(torch.cuda.is_available() is False); run on the GPUs, "
+            "or use Cluster.local(n) for CPU processes over gloo"
         )
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -418,7 +418,7 @@ class ParallelModule(RankModule):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names (no collective: under mixed precision a ZeRO-1/2
-        parameter's is the compute dtype's copy, its fp32 master being chunked over dp; full_state_dict has it)."""
+        parameter's is the compute dtype's copy, its fp32 master chunked over dp; full_state_dict has it)."""
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         return {info.name: t.detach() for info, t in zip(self._infos, [*self.shards, *state], strict=True)}
 

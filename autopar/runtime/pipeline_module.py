@@ -121,7 +121,10 @@ class PipelineParallelModule(RankModule):
         self.zero_stages = [stages[i] for i in self._params]
         self._dp_partial = [local.grad_placements[i][0].is_partial(SUM) for i in self._params]
         self.shards, self._zero = shards_and_chunks(
-            [_local_part(whole[self._infos[i].name], sub, self._specs[i], device=self.device) for i in self._params],
+            [
+                _local_part(whole[self._infos[i].name], sub, self._specs[i], device=self.device)
+                for i in self._params
+            ],
             [self._infos[i].dtype for i in self._params],
             self.zero_stages,
             sub.get_group(0),
@@ -283,7 +286,7 @@ class PipelineParallelModule(RankModule):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards, by the model's names (no collective: under mixed precision a ZeRO-1/2
-        parameter's is the compute dtype's copy, its fp32 master being chunked over dp; full_state_dict has it)."""
+        parameter's is the compute dtype's copy, its fp32 master chunked over dp; full_state_dict has it)."""
         out = {self._infos[i].name: self.shards[k].detach() for k, i in enumerate(self._params)}
         out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
         return out

@@ -112,7 +112,8 @@ class LossScaler:
         found = torch.zeros(1, device=self.device)
         for device, group in _by_device(grads).items():
             flag = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.full((1,), 1.0 / self.scale, device=device))
+            inv = torch.full((1,), 1.0 / self.scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
             found += flag.to(found.device)
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)

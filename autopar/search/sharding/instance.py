@@ -52,9 +52,8 @@ class EdgeInfo:
         """
         if self.reduce_scale == 1.0 or have is None or need is None:
             return self.nbytes
-        if self.kind == "grad-sync" or any(h.is_partial() and not n.is_partial() for h, n in zip(have, need, strict=True)):
-            return self.nbytes * self.reduce_scale
-        return self.nbytes
+        reduces = any(h.is_partial() and not n.is_partial() for h, n in zip(have, need, strict=True))
+        return self.nbytes * self.reduce_scale if reduces or self.kind == "grad-sync" else self.nbytes
 
     def have(self, a: Strategy) -> Placements | None:
         """The placement ``src`` makes the value in under its strategy ``a`` (None: not a tensor)."""
