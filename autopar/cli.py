@@ -148,6 +148,7 @@ def _cmd_plan(args) -> int:
             example_targets=made.get("example_targets"),
             optimizer=args.optimizer,
             precision=args.precision,
+            reduce_dtype=args.reduce_dtype,
             global_batch_size=args.batch,
             memory_limit=args.memory_limit * 1e9 if args.memory_limit else None,
             fixed=fixed or None,
@@ -279,7 +280,11 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
 def _add_training_options(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     train.add_argument("--batch", type=int, help="global batch size (default: the example batch)")
-    train.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default) or fp32")
+    train.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default), fp16-mixed or fp32")
+    train.add_argument(
+        "--reduce-dtype",
+        help="dtype of the gradient reductions under mixed precision: fp32 (default) or the compute dtype",
+    )
     train.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
     train.add_argument("--memory-limit", type=float, metavar="GB", help="per device (default: device memory)")
     train.add_argument(

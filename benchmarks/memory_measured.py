@@ -1,10 +1,12 @@
 """Estimated against measured peak memory of a training step, per ZeRO stage and recompute setting.
 
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py          (2 gloo processes, about a minute)
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --precision bf16-mixed
 
 GPT-2 with 2 layers of hidden 128 on sequences of 64 (``examples.models.gpt2_tiny_long``),
-fp32 AdamW, data parallel over 2 CPU processes.  For each ZeRO stage (0-3) and
-recompute setting:
+AdamW (fp32, or bf16 copies of fp32 masters under ``--precision bf16-mixed``),
+data parallel over 2 CPU processes.  For each ZeRO stage (0-3) and recompute
+setting:
 
 * ``none`` — the search's plan with ``fixed={"zero": z, "recompute": "none"}``; its own estimate;
 * ``op-level`` — the search's plan with 85% of that memory: the MILP recomputes
@@ -38,17 +40,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2, help="gradient accumulation steps per step")
+    parser.add_argument("--precision", default="fp32", help="fp32 (default), bf16-mixed or fp16-mixed")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
     t = time.perf_counter()
-    cases = setting_plans(gpt2_tiny_long, args.processes, microbatches=args.microbatches)
+    cases = setting_plans(gpt2_tiny_long, args.processes, microbatches=args.microbatches, precision=args.precision)
     planned = time.perf_counter() - t
     t = time.perf_counter()
     measured = measure_plans(gpt2_tiny_long, args.processes, [c.plan for c in cases])
     ran = time.perf_counter() - t
     print(
-        f"GPT-2 2 x 128, sequence 64, global batch 8 in {args.microbatches} micro-batches, fp32 AdamW, "
+        f"GPT-2 2 x 128, sequence 64, global batch 8 in {args.microbatches} micro-batches, {args.precision} AdamW, "
         f"dp={args.processes} on CPU "
         f"(planning {planned:.0f} s, one launch {ran:.0f} s)"
     )

@@ -3,10 +3,11 @@
 Slow: one launch of 2 gloo processes runs a data-parallel GPT-2
 (``gpt2_tiny_long``: 2 layers of hidden 128, sequence 64, global batch 8 in 2
 micro-batches, fp32 AdamW) under ZeRO 0, 1, 2 and 3, each with recompute none,
-op-level (the MILP's own marks under a memory limit) and full (every layer);
-every rank's measured peak of a step (``pm.measure_step_memory``) must be
-within 15% of the plan's estimate, and must fall as the stage rises and when
-recompute is on.
+op-level (the MILP's own marks under a memory limit) and full (every layer),
+and under bf16-mixed (bf16 copies of fp32 masters, fp32 gradients and AdamW
+state) for ZeRO 0-3 without recompute; every rank's measured peak of a step
+(``pm.measure_step_memory``) must be within 15% of the plan's estimate, and in
+fp32 must fall as the stage rises and when recompute is on.
 
 One process: a plan re-costed as it stands gets back the estimate the search
 gave it, and the parts of the estimate add up to its peak.
@@ -32,13 +33,18 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def measured():
     cases = setting_plans(gpt2_tiny_long, 2, microbatches=2)
+    cases += setting_plans(gpt2_tiny_long, 2, microbatches=2, precision="bf16-mixed", settings=("none",))
     return cases, measure_plans(gpt2_tiny_long, 2, [c.plan for c in cases])
+
+
+def _key(c) -> tuple:
+    return (c.plan.precision, c.zero, c.recompute)
 
 
 def _table(cases, per_rank) -> str:
     return "\n".join(
-        f"ZeRO-{c.zero} {c.recompute:>9}: estimated {c.estimate.memory.peak / MIB:.2f} MiB, measured "
-        + ", ".join(f"{r[k].peak_bytes / MIB:.2f}" for r in per_rank)
+        f"{c.plan.precision:>10} ZeRO-{c.zero} {c.recompute:>9}: estimated {c.estimate.memory.peak / MIB:.2f} MiB, "
+        "measured " + ", ".join(f"{r[k].peak_bytes / MIB:.2f}" for r in per_rank)
         for k, c in enumerate(cases)
     )
 
@@ -46,11 +52,14 @@ def _table(cases, per_rank) -> str:
 @pytest.mark.slow
 def test_measured_peak_is_within_15_percent_of_the_estimate(measured):
     cases, per_rank = measured
-    assert [(c.zero, c.recompute) for c in cases] == [(z, how) for z in range(4) for how in SETTINGS]
+    assert [_key(c) for c in cases] == [("fp32", z, how) for z in range(4) for how in SETTINGS] + [
+        ("bf16-mixed", z, "none") for z in range(4)
+    ]
     assert all(c.plan.microbatches == 2 for c in cases)
-    assert all(sum("recompute" in e for e in c.plan.placements.values()) > 0 for c in cases[1::3])
+    assert all(sum("recompute" in e for e in c.plan.placements.values()) > 0 for c in cases[1:12:3])
     off = [
-        f"ZeRO-{c.zero} {c.recompute} rank {rank}: {steps[k]} against {c.estimate.memory.peak / MIB:.2f} MiB"
+        f"{c.plan.precision} ZeRO-{c.zero} {c.recompute} rank {rank}: {steps[k]} against "
+        f"{c.estimate.memory.peak / MIB:.2f} MiB"
         for k, c in enumerate(cases)
         for rank, steps in enumerate(per_rank)
         if abs(steps[k].peak_bytes / c.estimate.memory.peak - 1) > BOUND
@@ -61,17 +70,19 @@ def test_measured_peak_is_within_15_percent_of_the_estimate(measured):
 @pytest.mark.slow
 def test_measured_peak_falls_as_the_stage_rises_and_with_recompute(measured):
     cases, per_rank = measured
-    peak = {(c.zero, c.recompute): c.estimate.memory.peak for c in cases}
+    peak = {_key(c): c.estimate.memory.peak for c in cases}
     for rank, steps in enumerate(per_rank):
-        got = {(c.zero, c.recompute): m.peak_bytes for c, m in zip(cases, steps, strict=True)}
+        got = {_key(c): m.peak_bytes for c, m in zip(cases, steps, strict=True)}
         report = f"rank {rank}:\n" + _table(cases, per_rank)
         for values in (got, peak):  # the measurement, and the estimate's own ordering
+            # fp32 only: under bf16-mixed ZeRO-3 saves 0.3 MiB on ZeRO-2 here, less than the measurement of
+            # its step varies by (now and then 0.5 MiB more on one rank: 1 step in 12 measured)
             for how in SETTINGS:
-                stages = [values[(z, how)] for z in range(4)]
+                stages = [values[("fp32", z, how)] for z in range(4)]
                 assert all(a > b for a, b in zip(stages, stages[1:], strict=False)), (how, report)
             for z in range(4):
-                assert values[(z, "op-level")] < values[(z, "none")], (z, report)
-                assert values[(z, "full")] < values[(z, "none")], (z, report)
+                assert values[("fp32", z, "op-level")] < values[("fp32", z, "none")], (z, report)
+                assert values[("fp32", z, "full")] < values[("fp32", z, "none")], (z, report)
 
 
 # ---------------------------------------------------------------- one process

@@ -26,6 +26,7 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.plans.data import param_zero_stage
 from autopar.runtime.grad_accumulation import GradAccumulator
+from autopar.runtime.precision import PrecisionPolicy
 from autopar.search.sharding.layouts import layout_placements
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
@@ -142,17 +143,23 @@ def _as_run_on_gloo(charged: list, mesh_shape: tuple[int, int]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("factory", [gpt2_tiny, llama_tiny])
+@pytest.mark.parametrize(
+    "factory, precision", [(gpt2_tiny, "fp32"), (llama_tiny, "fp32"), (llama_tiny, "bf16-mixed")]
+)
 @pytest.mark.parametrize("layout", [None, "megatron", "zero3"])
-def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout):
+def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout, precision):
+    """Every collective of the local graph, kind, axis and bytes, is one the search charged; under
+    bf16-mixed (LLaMA: its norms and loss cast to fp32 in the graph), activations move in bf16 and
+    gradients are reduced in fp32 on both sides."""
     torch.manual_seed(0)
     model, inputs = factory()
     cluster = autopar.Cluster.local(4)
-    captured = capture(model, inputs)
+    policy = PrecisionPolicy.of(precision)
+    captured = capture(model, inputs, compute_dtype=policy.param_dtype)
     mesh = MeshShape(dp=4, tp=1, pp=1) if layout == "zero3" else MeshShape(dp=2, tp=2, pp=1)
     params = {p.placeholder: p.name for p in captured.params}
     res = solve_mesh(
-        MeshRequest(captured, cluster, mesh, precision_spec("fp32"), "adamw", float("inf")),
+        MeshRequest(captured, cluster, mesh, precision_spec(precision), "adamw", float("inf")),
         30.0,
         allowed=seed_filter(layout, params, factory is gpt2_tiny) if layout else None,
     )
@@ -160,7 +167,7 @@ def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout)
     # ZeRO-1/2 parameters (a tie with ZeRO-0 when memory is unlimited): their gradients leave the graph,
     # and the runtime's sharded optimizer reduce-scatters them and gathers the parameters after the step
     zero = {ph: z for ph in params if (z := param_zero_stage(res.placements[ph])) in (1, 2)}
-    local = shard_graph(captured, res.placements, device_mesh, zero)
+    local = shard_graph(captured, res.placements, device_mesh, zero, reduce_dtype=policy.reduce_dtype)
     graph_count, graph_bytes = _totals(local.collective_records(device_mesh))
     in_runtime = [
         c

@@ -36,8 +36,10 @@ from autopar.cost_models.pipeline import schedule_name
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.ops.rng import check_mode
 from autopar.plans.plan import Plan
+from autopar.runtime.device import on_device, rank_device
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline_module import PipelineParallelModule
+from autopar.runtime.precision import PrecisionPolicy
 from autopar.runtime.zero import zero_stages
 from autopar.search.pipeline.stages import stage_of_nodes, untie_across_stages
 from autopar.search.sharding.recompute import apply_recompute
@@ -45,7 +47,9 @@ from autopar.search.sharding.recompute import apply_recompute
 log = logging.getLogger(__name__)
 
 
-def _process_group(cluster: Cluster) -> None:
+def _process_group(cluster: Cluster, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives, and object broadcasts, run on this rank's GPU
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -84,11 +88,14 @@ def _check(plan: Plan, model: nn.Module, cluster: Cluster) -> None:
         raise RuntimeMismatchError("the plan has pp > 1 but no pipeline stages; plan again")
 
 
-def _broadcast_weights(model: nn.Module) -> None:
-    """Every rank starts from rank 0's weights, as DDP does."""
+def _broadcast_weights(model: nn.Module, device: torch.device) -> None:
+    """Every rank starts from rank 0's weights, as DDP does (sent from the rank's device: NCCL sends GPU memory)."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
+            sent = on_device(t.data, device)
+            dist.broadcast(sent, src=0)
+            if sent is not t.data:
+                t.data.copy_(sent)
 
 
 def _with_data_parallel_placements(plan: Plan, captured, cluster: Cluster) -> Plan:
@@ -102,7 +109,7 @@ def _with_data_parallel_placements(plan: Plan, captured, cluster: Cluster) -> Pl
     )
     mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
     placements = data_parallel_placements(
-        captured, cluster, mesh, plan.zero, precision_spec(plan.precision), plan.optimizer
+        captured, cluster, mesh, plan.zero, precision_spec(plan.precision, plan.reduce_dtype), plan.optimizer
     )
     return dataclasses.replace(plan, placements=placements)
 
@@ -134,7 +141,8 @@ def parallelize(
     """
 
     check_mode(rng)
-    _process_group(cluster)
+    device = rank_device(cluster)  # before any process group: NCCL without CUDA fails here, in one line
+    _process_group(cluster, device)
     if dist.get_world_size() != cluster.world_size:
         raise RuntimeMismatchError(
             f"the cluster has {cluster.world_size} devices but this job has {dist.get_world_size()} ranks; "
@@ -152,7 +160,8 @@ def parallelize(
             )
         )
     _check(plan, model, cluster)  # before any collective: a mismatched job must not hang
-    _broadcast_weights(model)
+    policy = PrecisionPolicy.of(plan.precision, plan.reduce_dtype)
+    _broadcast_weights(model, device)
     seed = _agree_on_seed(seed)
     micro = plan.global_batch_size // max(plan.microbatches, 1)
     captured = capture(
@@ -160,6 +169,8 @@ def parallelize(
         resize_batch(example_inputs, micro),
         loss_fn=loss_fn,
         example_targets=resize_batch(example_targets, micro),
+        compute_dtype=policy.param_dtype,
+        device=device,
     )
     if not plan.placements:
         plan = _agree_on_plan(lambda old=plan: _with_data_parallel_placements(old, captured, cluster))
@@ -175,11 +186,18 @@ def parallelize(
         )
     captured, chosen = apply_recompute(captured, chosen)  # the plan's "recompute" marks; none: unchanged
     if plan.mesh.get("pp", 1) > 1:
-        return _pipeline_module(model, captured, chosen, plan, cluster, firsts, rng, seed)
-    mesh = init_device_mesh(cluster_device_type(cluster), shape, mesh_dim_names=SHARDING_AXES)
-    local = shard_graph(captured, chosen, mesh, zero_stages(captured.params, chosen, plan))
+        return _pipeline_module(model, captured, chosen, plan, cluster, firsts, rng, seed, policy, device)
+    mesh = init_device_mesh(cluster.device_type, shape, mesh_dim_names=SHARDING_AXES)
+    stages = zero_stages(captured.params, chosen, plan)
+    local = shard_graph(captured, chosen, mesh, stages, **_trace_options(policy, device))
     log.info("rank %d: local graph with %s", dist.get_rank(), dict(local.collectives()))
-    return ParallelModule(model, captured, local, mesh, plan, rng, seed)
+    return ParallelModule(model, captured, local, mesh, plan, rng, seed, policy, device)
+
+
+def _trace_options(policy: PrecisionPolicy, device: torch.device) -> dict[str, Any]:
+    """What the shard pass adds for the plan's precision (gradients reduced in its dtype, fp16's loss scale)
+    and the rank's device."""
+    return {"reduce_dtype": policy.reduce_dtype, "loss_scale": policy.loss_scaling, "device": device}
 
 
 def _agree_on_seed(seed: int | None) -> int:
@@ -198,25 +216,24 @@ def _pipeline_module(
     firsts: list[str],
     rng: str,
     seed: int,
+    policy: PrecisionPolicy,
+    device: torch.device,
 ):
     """This rank's stages of a pipeline plan: the whole local graph on its stage's sub-mesh, cut to its stages."""
 
     pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh.get("tp", 1)
-    mesh = init_device_mesh(cluster_device_type(cluster), (pp, dp, tp), mesh_dim_names=("pp", *SHARDING_AXES))
+    mesh = init_device_mesh(cluster.device_type, (pp, dp, tp), mesh_dim_names=("pp", *SHARDING_AXES))
     schedule_name(plan.schedule or "1F1B")
     stage_of = stage_of_nodes(captured, firsts)
     captured, chosen, stage_of, ties = untie_across_stages(captured, chosen, stage_of)
     phase_of = {n.name: node_phase(n) for n in captured.gm.graph.nodes}
     stages = zero_stages(captured.params, chosen, plan)
-    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True)
+    options = _trace_options(policy, device)
+    local = shard_graph(captured, chosen, mesh["dp", "tp"], stages, keep_sources=True, **options)
     me = mesh.get_coordinate()[0]
     mine = [s for s in range(len(firsts)) if s % pp == me]
     programs = split_stages(local.gm, stage_of, phase_of, len(firsts), mine, len(captured.params), captured.updated)
     index = {p.placeholder: i for i, p in enumerate(captured.params)}
     tied = [[(index[ph], s) for ph, s in tie] for tie in ties]
     log.info("rank %d: pipeline stages %s of %d", dist.get_rank(), mine, len(firsts))
-    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied, rng, seed)
-
-
-def cluster_device_type(cluster: Cluster) -> str:
-    return "cpu" if (cluster.backend or "gloo") == "gloo" else "cuda"
+    return PipelineParallelModule(model, captured, local, mesh, plan, programs, tied, rng, seed, policy, device)

@@ -58,6 +58,7 @@ def plan(
     memory_limit: float | None = None,
     fixed: dict[str, Any] | None = None,
     time_limit_s: float = 60.0,
+    reduce_dtype: str | None = None,
 ) -> Plan:
     """Plan parallel training of ``model`` on ``cluster``.
 
@@ -69,10 +70,13 @@ def plan(
     ``recompute``: "none", "selective" (Megatron-LM's: the attention core of every
     layer), "full" (every layer replayed from its input), or absent: the MILP
     chooses op by op (:mod:`autopar.search.sharding.recompute_settings`).
+    ``precision``: "bf16-mixed", "fp16-mixed" or "fp32"; under mixed precision
+    gradients are reduced in ``reduce_dtype``, "fp32" by default or the compute
+    dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
     """
     t0 = time.perf_counter()
     prec, fixed, limit, gbs = _checked_request(
-        cluster, example_inputs, optimizer, precision, global_batch_size, memory_limit, fixed
+        cluster, example_inputs, optimizer, (precision, reduce_dtype), global_batch_size, memory_limit, fixed
     )
     # the sharding search needs the graph at the global batch (a sharded dim must divide); shapes only
     sharding = searches_sharding(cluster, fixed)
@@ -91,7 +95,7 @@ def plan(
             stats,
             cluster,
             *sharded.args,
-            precision,
+            prec,
             optimizer,
             sharded.solver,
             sharded.warnings,
@@ -108,7 +112,7 @@ def plan(
     placements = data_parallel_placements(micro, cluster, mesh, cfg.zero, prec, optimizer)
     solver.capture_s = round(t_capture, 3)
     solver.time_s = round(time.perf_counter() - t0, 3)
-    return _make_plan(stats, cluster, cfg, est, precision, optimizer, solver, warnings, placements=placements)
+    return _make_plan(stats, cluster, cfg, est, prec, optimizer, solver, warnings, placements=placements)
 
 
 def _checked_request(cluster, example_inputs, optimizer, precision, global_batch_size, memory_limit, fixed):
@@ -117,7 +121,7 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
         raise PlanError(
             f"cluster must be an autopar.Cluster, not {type(cluster).__name__}; see Cluster.preset()"
         )
-    prec = precision_spec(precision)
+    prec = precision_spec(*precision)
     optimizer_states(optimizer)
     fixed = check_fixed(fixed)
     cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
@@ -523,7 +527,7 @@ def _make_plan(
     cluster: Cluster,
     cfg: Config,
     est: Estimate,
-    precision: str,
+    precision: Precision,
     optimizer: str,
     solver: SearchRecord,
     warnings: list[str],
@@ -543,7 +547,8 @@ def _make_plan(
         microbatches=cfg.microbatches,
         global_batch_size=cfg.global_batch_size,
         micro_batch_size=cfg.micro_batch_size,
-        precision=precision,
+        precision=precision.name,
+        reduce_dtype=precision.reduce_dtype,
         optimizer=optimizer,
         estimate=est,
         solver=solver,

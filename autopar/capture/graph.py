@@ -8,6 +8,7 @@ pass that only reads a captured graph need not know how it was traced.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,3 +84,37 @@ def tensor_nodes(graph: fx.Graph | fx.GraphModule) -> list[fx.Node]:
     """Nodes whose value is a single tensor (placeholders, ops, constants), in graph order."""
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
     return [n for n in g.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _numel(node: fx.Node) -> int:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return math.prod(int(d) for d in shape) if shape is not None else 0
+
+
+def gradient_chain(gm: fx.GraphModule | fx.Graph, params: int) -> set[str]:
+    """Names of the nodes that only make parameter gradients: the gradients, and backward nodes whose every
+    reader is one of them and as large (a weight gradient's matmul and the transpose or view after it, a
+    bias's ``sum`` then its ``view``, a norm's ``getitem``; not the activation gradient a weight gradient's
+    matmul reads, whose moves are on the backward's critical path).
+
+    A value on the chain that is still a partial sum is a gradient waiting for its
+    reduction, wherever on the chain the plan puts it: the search costs it as
+    gradient synchronisation and in the plan's ``reduce_dtype``, and the shard pass
+    casts it to that dtype before reducing it.
+    """
+    g = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    _, grads, _ = graph_results(g, params)
+    return extend_gradient_chain(list(g.nodes), {n.name for n in grads if isinstance(n, fx.Node)})
+
+
+def extend_gradient_chain(nodes: list[fx.Node], grads: set[str]) -> set[str]:
+    """:func:`gradient_chain` from the gradients' names, over ``nodes`` (the graph's, in graph order)."""
+    out = set(grads)
+    for node in reversed(nodes):
+        if node.op != "call_function" or node.meta.get("autopar_phase") != "backward" or node.name in out:
+            continue
+        users = [u for u in node.users if u.op != "output"]
+        size = _numel(node)
+        if users and size and all(u.name in out and _numel(u) == size for u in users):
+            out.add(node.name)
+    return out

@@ -47,6 +47,8 @@ from autopar.capture.graph import (
     CapturedGraph,
     TensorInfo,
     ancestors,
+    extend_gradient_chain,
+    gradient_chain,
     graph_results,
     node_module,
     node_phase,
@@ -81,6 +83,8 @@ __all__ = [
     "ancestors",
     "bind_args",
     "capture",
+    "extend_gradient_chain",
+    "gradient_chain",
     "graph_results",
     "input_tensors",
     "model_loss",
@@ -208,6 +212,8 @@ def capture(
     example_inputs: Any,
     loss_fn: Callable[..., Any] | None = None,
     example_targets: Any = None,
+    compute_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> CapturedGraph:
     """Trace ``model`` on ``example_inputs`` into a joint forward+backward ATen graph on fake tensors.
 
@@ -217,13 +223,21 @@ def capture(
     scalar, an object with ``.loss``, a dict with "loss" or a tuple whose first
     element is a scalar; with it, ``loss = loss_fn(output, *example_targets)``.
     Raises CaptureError with a one-line cause and fix when capture fails.
+
+    ``compute_dtype`` (mixed precision): the model is traced as it runs with
+    its floating-point parameters and inputs in that dtype (buffers keep
+    theirs), as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` and
+    Megatron-LM's ``Float16Module`` run it; the model's own casts (an RMSNorm
+    or a loss computed in fp32) are then ops of the graph.  ``device``: the
+    device the graph's tensors live on (its factory ops name it); by default
+    the first real device among the inputs and weights, the CPU for meta ones.
     """
     t0 = time.perf_counter()
     cls = type(model).__name__
     args, kwargs, targets = normalize(example_inputs, example_targets)
     hf_no_cache(model, kwargs)
     state = _ModelState.of(model)
-    fakes = _Fakes(state, args, kwargs, targets)
+    fakes = _Fakes(state, args, kwargs, targets, compute_dtype, device)
     ep = _export(model, loss_fn, fakes)
     t1 = time.perf_counter()
     sources = _exported_sources(ep, state, fakes, cls)
@@ -290,32 +304,47 @@ class _ModelState:
 
 
 class _Fakes:
-    """Fake twins, on one device, of the model's state (for export) and of the example inputs."""
+    """Fake twins, on one device, of the model's state (for export) and of the example inputs.
 
-    def __init__(self, state: _ModelState, args: tuple, kwargs: dict, targets: tuple) -> None:
+    With a ``compute_dtype``, the twins of floating-point parameters and inputs
+    have that dtype (see :func:`capture`).
+    """
+
+    def __init__(
+        self,
+        state: _ModelState,
+        args: tuple,
+        kwargs: dict,
+        targets: tuple,
+        compute_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         # Flattened in the order of CapturedGraph.inputs: positional, keyword, then targets.
         self.leaves, self.in_spec = pytree.tree_flatten_with_path((args, {**kwargs, TARGETS: targets}))
         self.user_tensors = [x for _, x in self.leaves if isinstance(x, torch.Tensor)]
-        self.device = _pick_device(self.user_tensors + [t for _, t in state.all])
+        self.device = device or _pick_device(self.user_tensors + [t for _, t in state.all])
+        self.compute_dtype = compute_dtype
         # Non-fake inputs allowed: the model's tensor constants (masks, scalars) stay real graph constants.
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.of_state = {
-            id(t): nn.Parameter(self.fake(t), t.requires_grad) if isinstance(t, nn.Parameter) else self.fake(t)
+            id(t): (nn.Parameter(self.fake(t, True), t.requires_grad) if isinstance(t, nn.Parameter) else self.fake(t))
             for _, t in state.all
         }
-        self.fake_leaves = [self.fake(x) for _, x in self.leaves]
+        self.fake_leaves = [self.fake(x, True) for _, x in self.leaves]
 
-    def fake(self, t: Any) -> Any:
+    def fake(self, t: Any, cast: bool = False) -> Any:
+        """``t``'s fake twin; ``cast``: in the compute dtype if ``t`` is floating point (parameters, inputs)."""
         if not isinstance(t, torch.Tensor):
             return t
+        dtype = self.compute_dtype if cast and self.compute_dtype and t.is_floating_point() else t.dtype
         with self.mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=self.device)
 
     def joint_args(self, state: _ModelState) -> list[torch.Tensor]:
         """The joint graph's arguments: trainable parameters (needing grad), fixed state, user tensors."""
         return (
-            [self.fake(p).requires_grad_(True) for _, p in state.trainable]
-            + [self.fake(t) for _, t in state.fixed]
+            [self.fake(p, True).requires_grad_(True) for _, p in state.trainable]
+            + [self.fake(t, isinstance(t, nn.Parameter)) for _, t in state.fixed]
             + [x for x in self.fake_leaves if isinstance(x, torch.Tensor)]
         )
 

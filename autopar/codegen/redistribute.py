@@ -39,6 +39,27 @@ def to_planned(x: Any, target: Placements | None) -> Any:
     return redistribute(x, want)
 
 
+def reduces(x: Any, target: Placements | None) -> bool:
+    """Whether bringing ``x`` to ``target`` reduces a partial sum (a collective that adds values up)."""
+    if target is None or not isinstance(x, DTensor):
+        return False
+    return any(isinstance(h, Partial) and not w.is_partial() for h, w in zip(x.placements, target, strict=True))
+
+
+def to_planned_in(x: Any, target: Placements | None, dtype: torch.dtype, keep: bool) -> Any:
+    """:func:`to_planned`, a reduction of a value narrower than ``dtype`` run in ``dtype``.
+
+    Mixed precision reduces gradients in fp32 (:mod:`autopar.runtime.precision`):
+    the partial sums computed in bf16 are cast up, then added up.  ``keep``: the
+    sum stays in ``dtype`` (a gradient the graph returns); otherwise it is cast
+    back, since the op that reads it may need its operands in one dtype.
+    """
+    if not (reduces(x, target) and x.dtype.is_floating_point and x.dtype.itemsize < dtype.itemsize):
+        return to_planned(x, target)
+    out = to_planned(x.to(dtype), target)
+    return out if keep else out.to(x.dtype)
+
+
 def redistribute(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
     """``x.redistribute(want)``, extended where DTensor's public redistribute stops.
 

@@ -38,9 +38,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.capture.joint import CapturedGraph
+from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
-from autopar.codegen.redistribute import from_whole, local_box, match_layout, redistribute, to_planned
+from autopar.codegen.redistribute import (
+    from_whole,
+    local_box,
+    match_layout,
+    redistribute,
+    to_planned,
+    to_planned_in,
+)
 from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements, replicated, to_dtensor_all
@@ -79,6 +86,7 @@ class LocalGraph:
     grad_placements: list[Placements | None]
     zero_stages: list[int] = field(default_factory=list)
     updated: list[int] = field(default_factory=list)  # CapturedGraph.updated: the buffer of each update
+    loss_scale: bool = False  # ``gm`` takes one more argument after the inputs: the loss scale (fp16)
 
     def collective_records(self, mesh: DeviceMesh, names: tuple[str, ...] = SHARDING_AXES) -> list[dict]:
         """Each collective of the graph as ``{"kind", "axis", "bytes"}``, in the estimate's terms.
@@ -117,6 +125,33 @@ class LocalGraph:
         )
 
 
+@dataclass
+class GradientCasts:
+    """What mixed precision adds to the trace (:mod:`autopar.runtime.precision`).
+
+    ``reduce_dtype``: every reduction of a value on the gradient chain
+    (:func:`autopar.capture.joint.gradient_chain`) runs in it, wherever the plan
+    puts it, and the graph returns the gradients (``grads``, the nodes that make
+    them) in it; a value before them is cast back once reduced.  ``seed``: the
+    node that starts the backward (``ones_like`` of the loss), multiplied by
+    ``scale`` when the graph takes a loss scale (fp16).
+    """
+
+    reduce_dtype: torch.dtype | None = None
+    chain: set[str] = field(default_factory=set)
+    grads: set[str] = field(default_factory=set)
+    seed: str | None = None
+    scale: DTensor | None = None  # set while tracing
+
+
+def backward_seed(captured: CapturedGraph) -> str:
+    """The node the backward starts from: ``ones_like`` of the loss (``autograd.grad``'s default seed)."""
+    for n in captured.gm.graph.nodes:
+        if n.target is aten.ones_like.default and getattr(n.args[0], "name", None) == captured.loss:
+            return n.name
+    raise ValueError(f"the joint graph of {captured.model_name} has no backward seed ones_like({captured.loss})")
+
+
 class _ShardInterpreter(fx.Interpreter):
     """Runs the joint graph on DTensors, honouring the plan's placement of every node."""
 
@@ -126,6 +161,7 @@ class _ShardInterpreter(fx.Interpreter):
         plan_placements: dict[str, dict],
         mesh: DeviceMesh,
         on_value: dict[fx.Node, Callable[[Any], None]] | None = None,
+        casts: GradientCasts | None = None,
     ) -> None:
         super().__init__(gm)
         self.plan = plan_placements
@@ -133,14 +169,24 @@ class _ShardInterpreter(fx.Interpreter):
         self.local_only: Counter = Counter()
         self.on_value = on_value or {}  # called with a node's value as soon as it is computed
         self.random_ids = random_ops.op_numbers(gm.graph)
+        self.casts = casts or GradientCasts()
 
     def run_node(self, n: fx.Node) -> Any:
         # traced nodes record ``n`` as their source ("from_node") when node meta is preserved
         with fx_traceback.set_current_meta(n, "autopar_shard"):
             out = self._run_planned(n)
+            if n.name == self.casts.seed and self.casts.scale is not None:
+                out = out * self.casts.scale.to(out.dtype)  # the backward starts from the scaled loss
             if n in self.on_value:
                 self.on_value[n](out)
         return out
+
+    def _move(self, x: Any, target: Placements | None, node: fx.Node) -> Any:
+        """``x`` (the value of ``node``) to ``target``; a gradient's reduction in the reduce dtype."""
+        dtype = self.casts.reduce_dtype
+        if dtype is not None and node.name in self.casts.chain:
+            return to_planned_in(x, target, dtype, keep=node.name in self.casts.grads)
+        return to_planned(x, target)
 
     def _run_planned(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "get_attr"):
@@ -154,7 +200,7 @@ class _ShardInterpreter(fx.Interpreter):
         if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
             out = n.target(*args, **kwargs)
             if entry["inputs"]:
-                out = to_planned(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None)
+                out = self._move(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None, n)
             return self._declare(out, entry, n)
         if n.target in random_ops.RANDOM_OPS:
             args, kwargs = self._bring(n, args, kwargs, entry)
@@ -187,7 +233,7 @@ class _ShardInterpreter(fx.Interpreter):
 
         def bring(x: Any, node: Any) -> Any:
             if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-                return to_planned(x, next(wanted, None))
+                return self._move(x, next(wanted, None), node)
             return x
 
         node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
@@ -314,7 +360,7 @@ class _ShardInterpreter(fx.Interpreter):
         res = []
         for k, o in enumerate(flat):
             p = next(outs, None) if isinstance(o, torch.Tensor) else None
-            o = to_planned(o, p)
+            o = self._move(o, p, node)
             if isinstance(o, DTensor) and k < len(vals) and isinstance(vals[k], torch.Tensor):
                 o = match_layout(o, vals[k])
             res.append(o)
@@ -337,10 +383,17 @@ def _local_joint(
     stages: list[int],
     early: dict[int, torch.Tensor],
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The function ``make_fx`` traces: local shards in, the captured graph run on DTensors, local results out."""
+    """The function ``make_fx`` traces: local shards in, the captured graph run on DTensors, local results out.
+
+    With a loss scale (``interp.casts.seed``), it is one more argument after the inputs: a 0-dim fp32 tensor.
+    """
     n_params = len(captured.params)
+    casts = interp.casts
 
     def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if casts.seed is not None:
+            *local, scale = local
+            casts.scale = DTensor.from_local(scale, mesh, (Replicate(),) * mesh.ndim, run_check=False)
         dt = [
             DTensor.from_local(
                 t,
@@ -358,7 +411,10 @@ def _local_joint(
         for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
             if g is None:
                 out.append(None)
-            elif stages[i]:
+                continue
+            if casts.reduce_dtype is not None and g.dtype.is_floating_point:
+                g = g.to(casts.reduce_dtype)  # reduced, and returned, in the reduce dtype
+            if stages[i]:
                 if i not in early:  # a gradient node shared with another parameter
                     early[i], grad_pl[i] = zero_gradient(g, pl, stages[i], mesh)
                 out.append(early[i])
@@ -394,6 +450,9 @@ def shard_graph(
     mesh: DeviceMesh,
     zero_stages: dict[str, int] | None = None,
     keep_sources: bool = False,
+    reduce_dtype: torch.dtype | None = None,
+    loss_scale: bool = False,
+    device: torch.device | None = None,
 ) -> LocalGraph:
     """The local joint graph of this rank of ``mesh`` for ``plan_placements`` (``Plan.placements``).
 
@@ -405,6 +464,11 @@ def shard_graph(
     ``zero_stages`` maps parameter placeholders of dp-replicated parameters to
     their ZeRO stage (1 or 2); their gradients leave the graph as
     :class:`LocalGraph` describes, for the runtime's sharded optimizer.
+
+    Mixed precision (:class:`GradientCasts`): ``reduce_dtype`` reduces and
+    returns the gradients in that dtype; ``loss_scale`` makes the graph take
+    one more argument, the scale the backward starts from.  ``device``: where the
+    rank's tensors live (the CPU by default), as the local shards are traced on it.
     """
     zero_stages = zero_stages or {}
     gm = captured.gm
@@ -414,8 +478,14 @@ def shard_graph(
     grad_pl = [tuple(plan_placements[ph]["outputs"][0]) for ph in param_ph]
     stages = [zero_stages.get(ph, 0) for ph in param_ph]
     early: dict[int, torch.Tensor] = {}
-    on_value = early_zero_gradients(gm, stages, grad_pl, early, mesh)
-    interp = _ShardInterpreter(gm, plan_placements, mesh, on_value)
+    on_value = early_zero_gradients(gm, stages, grad_pl, early, mesh, reduce_dtype)
+    casts = GradientCasts(
+        reduce_dtype,
+        gradient_chain(gm, len(param_ph)) if reduce_dtype is not None else set(),
+        set(captured.grads.values()),
+        backward_seed(captured) if loss_scale else None,
+    )
+    interp = _ShardInterpreter(gm, plan_placements, mesh, on_value, casts)
     local_joint = _local_joint(interp, captured, mesh, phs, arg_pl, grad_pl, stages, early)
 
     fake_local = []
@@ -425,7 +495,9 @@ def shard_graph(
         for i, s in enumerate(pl):
             if s.is_shard():
                 shape[s.dim] //= mesh.size(i)
-        fake_local.append(torch.empty(shape, dtype=v.dtype))
+        fake_local.append(torch.empty(shape, dtype=v.dtype, device=device))
+    if loss_scale:
+        fake_local.append(torch.ones((), dtype=torch.float32, device=device))
     local_gm = _trace_local(local_joint, fake_local, keep_sources)
     # DTensor's decomposition-based rules run their decompositions on meta tensors during dispatch, and
     # make_fx records those ops too; nothing reads them
@@ -436,4 +508,4 @@ def shard_graph(
     local_gm.recompile()
     if interp.local_only:
         log.debug("ran on local shards: %s", dict(interp.local_only))
-    return LocalGraph(local_gm, arg_pl, grad_pl, stages, list(captured.updated))
+    return LocalGraph(local_gm, arg_pl, grad_pl, stages, list(captured.updated), loss_scale)

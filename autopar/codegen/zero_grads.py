@@ -67,12 +67,14 @@ def early_zero_gradients(
     grad_pl: list[tuple],
     early: dict[int, torch.Tensor],
     mesh: DeviceMesh,
+    reduce_dtype: torch.dtype | None = None,
 ) -> dict[fx.Node, Callable[[Any], None]]:
     """Per gradient node of a ZeRO parameter, what the interpreter calls with its value.
 
     A ZeRO gradient is brought to its returned form as soon as the backward produces it, so that its
     reduction is traced there and the whole gradient dies there; under ZeRO-2 that is the memory saved.
-    The converted gradient goes into ``early`` and its placement into ``grad_pl``.
+    The converted gradient goes into ``early`` and its placement into ``grad_pl``; with a
+    ``reduce_dtype`` (mixed precision) it is cast to it first, so that it is reduced and kept in it.
     """
     _, grad_nodes, _ = graph_results(gm, len(stages))
     on_value = {}
@@ -80,6 +82,8 @@ def early_zero_gradients(
         if stages[i] and isinstance(node, fx.Node) and node not in on_value:
 
             def convert(g: Any, i: int = i) -> None:
+                if reduce_dtype is not None and g.dtype.is_floating_point:
+                    g = g.to(reduce_dtype)
                 early[i], grad_pl[i] = zero_gradient(g, grad_pl[i], stages[i], mesh)
 
             on_value[node] = convert

@@ -8,8 +8,14 @@ per parameter; Rajbhandari et al. 2020, "ZeRO"):
     ZeRO-2    P·Ψ             G·Ψ / N        K·Ψ / N
     ZeRO-3    P·Ψ / N         G·Ψ / N        K·Ψ / N
 
-With bf16-mixed precision and Adam, P = G = 2 and K = 12 (fp32 master copy,
-momentum, variance), 16Ψ in all; in fp32, P = G = 4 and K = 8.
+With bf16-mixed precision and Adam, P = 2 (the bf16 copy the graph reads),
+G = 4 (fp32 gradients of the fp32 masters, which the optimizer reads) and
+K = 12 (fp32 master copy, momentum, variance): 18Ψ in all, Megatron-LM's
+figure for bf16 with fp32 gradient accumulation (the ZeRO paper's 16Ψ keeps
+fp16 gradients).  In fp32, P = G = 4 and K = 8.  Gradients are reduced in the
+plan's ``reduce_dtype``: fp32 by default (Megatron-LM, FSDP2 in torchtitan),
+or the compute dtype, which halves the bytes the gradient reductions move but
+not the gradients held.
 
 Saved activations are what the backward reads from the forward. They are
 read off the captured joint graph, not a per-model formula: every tensor a
@@ -19,7 +25,7 @@ forward to the backward, so its bytes count towards the activation memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.core.errors import PlanError
 
@@ -30,16 +36,23 @@ class Precision:
 
     name: str
     param_bytes: int  # the copy the forward uses
-    grad_bytes: int
+    grad_bytes: int  # gradients as the optimizer reads them (of the masters under mixed precision)
     master_bytes: int  # fp32 master copy kept by the optimizer (0 when params are already fp32)
     activation_bytes: int  # floating-point activations
     compute_dtype: str  # key into DeviceSpec.peak_flops
+    reduce_dtype: str = "fp32"  # gradients are reduced in this dtype ("fp32", or the compute dtype)
 
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype]
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", 4, 4, 0, 4, "fp32"),
-    "bf16-mixed": Precision("bf16-mixed", 2, 2, 4, 2, "bf16"),
-    "fp16-mixed": Precision("fp16-mixed", 2, 2, 4, 2, "fp16"),
+    "bf16-mixed": Precision("bf16-mixed", 2, 4, 4, 2, "bf16"),
+    "fp16-mixed": Precision("fp16-mixed", 2, 4, 4, 2, "fp16"),
 }
 
 # fp32 state tensors the optimizer keeps per parameter.
@@ -53,11 +66,19 @@ OPTIMIZER_STATES: dict[str, int] = {
 }
 
 
-def precision_spec(name: str) -> Precision:
+def precision_spec(name: str, reduce_dtype: str | None = None) -> Precision:
+    """The precision ``name``, its gradients reduced in ``reduce_dtype`` (None: fp32, the default)."""
     try:
-        return PRECISIONS[name]
+        spec = PRECISIONS[name]
     except KeyError:
         raise PlanError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}") from None
+    if reduce_dtype is None or reduce_dtype == spec.reduce_dtype:
+        return spec
+    if reduce_dtype != spec.compute_dtype:
+        allowed = sorted({spec.reduce_dtype, spec.compute_dtype})
+        choices = " or ".join(map(repr, allowed))
+        raise PlanError(f"{name} cannot reduce gradients in {reduce_dtype!r}; pass reduce_dtype={choices}")
+    return replace(spec, reduce_dtype=reduce_dtype)
 
 
 def optimizer_states(name: str) -> int:

@@ -197,7 +197,7 @@ def _data_parallel_comm(
     ZeRO-3 gathers one module's parameters at a time, forward and backward.
     """
     psi, n, m = stats.num_params, cfg.dp, cfg.microbatches
-    grad_bytes = precision.grad_bytes * psi
+    grad_bytes = precision.reduce_bytes * psi  # gradients are reduced in the plan's reduce dtype
     param_bytes = precision.param_bytes * psi
 
     def coll(kind: str, nbytes: float, count: int, pieces: int | None = None) -> float:
@@ -241,7 +241,7 @@ def _memory(
 ) -> MemoryEstimate:
     """Per device: model states, one micro-batch's activations and transients, and collective buffers."""
     psi, n = stats.num_params, cfg.dp
-    grad_bytes = precision.grad_bytes * psi
+    grad_bytes = precision.reduce_bytes * psi  # the buckets hold gradients in the reduce dtype
     states = model_state_bytes(psi, precision, optimizer, cfg.zero, n)
     activations = (stats.saved_float_bytes * act_scale + stats.saved_other_bytes) * mb_scale
     buffers = stats.peak_transient_bytes * act_scale * mb_scale

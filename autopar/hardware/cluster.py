@@ -183,6 +183,14 @@ class Cluster:
                 "device 'cpu' cannot use backend 'nccl'; pass backend='gloo' (or leave it None)"
             )
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type a rank's tensors live on: "cuda" under NCCL, "cpu" under gloo.
+
+        The one place the runtime's device comes from (:func:`autopar.runtime.device.rank_device`).
+        """
+        return "cuda" if self.backend == "nccl" else "cpu"
+
     # ---- construction
 
     @classmethod

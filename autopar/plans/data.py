@@ -53,6 +53,7 @@ class PlanData:
     global_batch_size: int = 1
     micro_batch_size: int = 1
     precision: str = "bf16-mixed"
+    reduce_dtype: str = "fp32"  # dtype of the gradient reductions under mixed precision
     optimizer: str = "adamw"
     # node -> {"op", "module", "outputs", "inputs", ...}: "outputs" and "inputs" list Placements (or None) per tensor
     placements: dict[str, Any] = field(default_factory=dict)

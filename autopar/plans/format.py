@@ -17,6 +17,11 @@ def count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def precision(name: str, reduce_dtype: str) -> str:
+    """A plan's precision as the summary says it: "bf16-mixed (gradients reduced in fp32)", "fp32"."""
+    return name if name == "fp32" else f"{name} (gradients reduced in {reduce_dtype})"
+
+
 def secs(s: float) -> str:
     """Seconds as people read them: 1.234 s, 12.34 ms, 56.7 us."""
     if s >= 1:

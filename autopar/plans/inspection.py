@@ -25,7 +25,7 @@ from autopar.core.errors import AutoparError
 from autopar.core.module_paths import layer_key
 from autopar.core.placements import text, texts
 from autopar.plans.data import PlanData
-from autopar.plans.format import GB, secs, size
+from autopar.plans.format import GB, precision, secs, size
 from autopar.plans.op_records import ChargedCollective, OpRecord, OpRecords
 
 MAX_LAYER_ROWS = 40  # ops listed when explaining a layer; the rest are counted
@@ -384,7 +384,7 @@ def diff(a: PlanData, b: PlanData, a_name: str = "a", b_name: str = "b") -> Plan
     row(cfg, "micro-batches", a.microbatches, b.microbatches)
     row(cfg, "micro-batch size", a.micro_batch_size, b.micro_batch_size)
     row(cfg, "global batch", a.global_batch_size, b.global_batch_size)
-    row(cfg, "precision", a.precision, b.precision)
+    row(cfg, "precision", precision(a.precision, a.reduce_dtype), precision(b.precision, b.reduce_dtype))
     row(cfg, "optimizer", a.optimizer, b.optimizer)
     row(cfg, "pipeline stages", len(a.stages), len(b.stages))
 

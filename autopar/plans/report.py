@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.plans.data import PlanData
-from autopar.plans.format import count, secs, size
+from autopar.plans.format import count, precision, secs, size
 from autopar.plans.op_records import OpAlternative
 from autopar.plans.pictures import all_pngs
 from autopar.plans.records import mesh_text, solver_line
@@ -116,7 +116,7 @@ def _configuration(plan: PlanData) -> str:
             f"global {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
             f"{plan.microbatches} micro-batches x dp {plan.mesh['dp']}",
         ),
-        ("precision / optimizer", f"{plan.precision} / {plan.optimizer}"),
+        ("precision / optimizer", f"{precision(plan.precision, plan.reduce_dtype)} / {plan.optimizer}"),
         ("cluster", plan.cluster_description),
     ]
     if plan.solver:

@@ -20,7 +20,7 @@ from rich.table import Table
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import replicated, texts
 from autopar.plans.data import PlanData, param_zero_stage
-from autopar.plans.format import GB, secs, size
+from autopar.plans.format import GB, precision, secs, size
 from autopar.plans.records import ShardingFacts, mesh_text, solver_line
 
 _STATES = {
@@ -190,7 +190,7 @@ def _config_table(plan: PlanData) -> Table:
         f"global {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
         f"{plan.microbatches} micro-batches x dp {plan.mesh['dp']}",
     )
-    cfg.add_row("precision / optimizer", f"{plan.precision} / {plan.optimizer}")
+    cfg.add_row("precision / optimizer", f"{precision(plan.precision, plan.reduce_dtype)} / {plan.optimizer}")
     if plan.solver:
         cfg.add_row("search", solver_line(plan.solver, plan.mesh))
     return cfg

@@ -75,6 +75,7 @@ class _Weight:
     placements: tuple[Placement, ...] | None = None  # over the layout's mesh; None: a plain tensor
     offset: tuple[int, ...] = ()  # where ``local`` sits in the whole tensor
     chunk: tuple[int, int, int] | None = None  # ZeRO-1/2: (start, stop, numel) of this rank's flat chunk
+    master: torch.Tensor | None = None  # mixed precision under ZeRO-1/2: the fp32 chunk ``local`` is a copy of
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Layout:
     owners: dict[int, tuple[_Weight, bool]]  # id(optimizer param) -> (weight, it is the weight's ZeRO chunk)
     mesh: DeviceMesh | None
     model: dict[str, tuple[int, ...]]  # every weight of the model (not only this rank's): name -> shape
-    copies: list[tuple[_Weight, torch.Tensor]] = field(default_factory=list)  # further local copies of a weight
+    # further local copies of a weight (and of its master chunk)
+    copies: list[tuple[_Weight, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     @property
     def distributed(self) -> bool:
@@ -103,6 +105,10 @@ class Layout:
     def flat(self, w: _Weight, chunk: torch.Tensor) -> FlatChunk:
         start, stop, _ = w.chunk
         return FlatChunk(chunk, tuple(w.local.shape), w.offset, w.shape, start, stop)
+
+    def weight(self, w: _Weight) -> Any:
+        """The weight as DCP should see it: its fp32 master chunk where it has one, else its local tensor."""
+        return self.flat(w, w.master.detach()) if w.master is not None else self.wrap(w, w.local.detach())
 
     def optimizer_params(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, _Weight, bool]]:
         """Each parameter the optimizer steps, with the weight it belongs to."""
@@ -130,18 +136,21 @@ def sharded_layout(
     none.  A name held twice (a weight untied across two stages of this rank)
     is one weight: DCP sees the first copy, the others follow it on load.
     ``model`` is every weight of the model, for the check that a checkpoint
-    is of this model.
+    is of this model.  Under mixed precision a ZeRO-1/2 parameter's weight is
+    written from its fp32 master chunk, not from the compute dtype's copy.
     """
     weights, owners, by_name, copies = [], {}, {}, []
     for info, local, spec, slot in held:
+        master = zero.chunk(slot) if zero is not None and zero.masters and slot in zero else None
         w = by_name.get(info.name)
         if w is None:
             places = to_dtensor_all(spec)
             _, offset = compute_local_shape_and_global_offset(tuple(info.shape), mesh, places)
             w = by_name[info.name] = _Weight(info.name, local, tuple(info.shape), places, tuple(offset))
+            w.master = master
             weights.append(w)
         else:
-            copies.append((w, local))
+            copies.append((w, local, master))
         if slot is None:
             continue
         if zero is not None and slot in zero:
@@ -189,9 +198,11 @@ def _saved_state(layout: Layout, p: torch.Tensor, w: _Weight, chunked: bool, key
     return v.detach()
 
 
-def _state_dict(layout: Layout, optimizer: torch.optim.Optimizer | None, writer: str) -> dict[str, Any]:
-    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.wrap(w, w.local.detach()) for w in layout.weights}
-    info: dict[str, Any] = {"format": FORMAT, "writer": writer, "optimizer": None}
+def _state_dict(
+    layout: Layout, optimizer: torch.optim.Optimizer | None, writer: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.weight(w) for w in layout.weights}
+    info: dict[str, Any] = {"format": FORMAT, "writer": writer, "optimizer": None, **(extra or {})}
     if optimizer is not None:
         params = layout.optimizer_params(optimizer)
         name_of = {id(p): w.name for p, w, _ in params}
@@ -232,13 +243,18 @@ def _merge_over_ranks(ours: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_layout(
-    layout: Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, writer: str
+    layout: Layout,
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None,
+    writer: str,
+    extra: dict[str, Any] | None = None,
 ) -> None:
+    """Write ``layout`` (and ``optimizer``'s state) to ``path``; ``extra``: plain values kept beside them."""
     t0 = time.perf_counter()
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"cannot save a checkpoint to {path}: it is a file; pass a directory")
-    sd = _state_dict(layout, optimizer, writer)
+    sd = _state_dict(layout, optimizer, writer, extra)
     os.makedirs(path, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -410,12 +426,17 @@ def _restore_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def load_layout(layout: Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None) -> None:
+def load_layout(
+    layout: Layout, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Read ``path`` into ``layout`` (and ``optimizer``); the checkpoint's own entry (what ``extra`` saved)."""
     t0 = time.perf_counter()
     path = os.fspath(path)
+    read: dict[str, Any] = {}
 
     def check() -> tuple[Metadata, dict[str, Any] | None]:
         metadata, info = _read_info(path)
+        read.update(info)
         _check_model(path, metadata, layout)
         saved = _check_optimizer(path, info, optimizer) if optimizer is not None else None
         if optimizer is not None:
@@ -423,8 +444,8 @@ def load_layout(layout: Layout, path: str | os.PathLike, optimizer: torch.optim.
         return metadata, saved
 
     metadata, saved = _agree(layout, check)
-    # weights are read in place: the DTensors wrap the parameters' own storage
-    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.wrap(w, w.local.detach()) for w in layout.weights}
+    # weights are read in place: the DTensors (and master chunks) wrap the parameters' own storage
+    sd: dict[str, Any] = {f"{MODEL}{w.name}": layout.weight(w) for w in layout.weights}
     per_param: list = []
     if optimizer is not None:
         targets, per_param = _optimizer_targets(layout, metadata, optimizer, set(saved["like_param"]))
@@ -433,12 +454,15 @@ def load_layout(layout: Layout, path: str | os.PathLike, optimizer: torch.optim.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(sd, checkpoint_id=path, planner=LoadPlanner(), no_dist=not layout.distributed)
     with torch.no_grad():
-        for w, copy in layout.copies:
+        for w, copy, master in layout.copies:
             copy.copy_(w.local)
+            if master is not None and w.master is not None:
+                master.copy_(w.master)
     if optimizer is not None:
         _restore_optimizer(optimizer, sd, per_param, saved)
     what = "weights and optimizer state" if optimizer is not None else "weights"
     log.info("loaded %s from %s in %.2f s", what, path, time.perf_counter() - t0)
+    return read
 
 
 # ---------------------------------------------------------------- public

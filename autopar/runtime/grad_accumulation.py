@@ -5,7 +5,8 @@ micro-batch; each run returns this rank's gradients for that micro-batch,
 already weighted by its share of the loss.  They are summed over the
 step as ``loss.backward()`` would sum them, into what the optimizer reads:
 
-* no ZeRO (or ZeRO-3, whose graph returns the reduced shard): the shard's ``.grad``;
+* no ZeRO (or ZeRO-3, whose graph returns the reduced shard): the shard's ``.grad``
+  (under mixed precision the shard is the fp32 master, and the gradient is cast to it);
 * ZeRO-2: the graph already reduce-scattered the gradient to this dp rank's
   chunk, which is summed into the chunk's ``.grad``;
 * ZeRO-1: the whole local gradient is summed over the micro-batches and
@@ -81,6 +82,8 @@ class GradAccumulator:
             p = self.shards[k]
             if p.grad is not None:
                 p.grad.add_(g)
+            elif g.dtype != p.dtype:  # mixed precision: into the fp32 gradient of the master
+                p.grad = g.to(p.dtype)
             else:
                 p.grad = g.clone() if self.copy else _owned(g, given)
 

@@ -30,23 +30,37 @@ from autopar.core.placements import REPLICATE, SUM, Placements, to_dtensor_all
 from autopar.ops import rng as rng_state
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import Layout, load_layout, save_layout, sharded_layout
+from autopar.runtime.device import on_device
 from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
-from autopar.runtime.zero import ZeroChunks
+from autopar.runtime.precision import LossScaler, PrecisionPolicy, cast, scale_steps
+from autopar.runtime.zero import ZeroChunks, shards_and_chunks
 
 log = logging.getLogger(__name__)
 
 
-def _local_part(t: torch.Tensor, mesh: DeviceMesh, spec: Placements) -> torch.Tensor:
-    """This rank's shard of ``t`` (held whole) for placements ``spec``; whole values are copied."""
+def _local_part(
+    t: torch.Tensor,
+    mesh: DeviceMesh,
+    spec: Placements,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """This rank's shard of ``t`` (held whole) for placements ``spec``: a copy on ``device``, in ``dtype``.
+
+    Every weight, buffer and input a rank holds is made here, so it lives on the
+    rank's device (:func:`autopar.runtime.device.on_device`).
+    """
     coord = mesh.get_coordinate()
     for i, p in enumerate(spec):
         if p.is_shard():
             t = t.chunk(mesh.size(i), p.dim)[coord[i]]
         elif not p.is_replicate():
             raise RuntimeMismatchError(f"a placement of {p} cannot hold a model's weights or inputs")
-    return t.detach().clone().contiguous()
+    t = t.detach()
+    out = on_device(t, device if device is not None else t.device, dtype)
+    return (out if out is not t else t.clone()).contiguous()
 
 
 def check_input_count(tensors: list[torch.Tensor], specs: list) -> None:
@@ -124,6 +138,21 @@ class RankModule(nn.Module):
     _zero: ZeroChunks | None
     microbatches: int
     dp_size: int
+    precision: PrecisionPolicy
+    _scaler: LossScaler | None
+
+    def _init_precision(self, policy: PrecisionPolicy | None, device: torch.device | None) -> None:
+        """Train in ``policy``'s dtypes (:mod:`autopar.runtime.precision`; None: the model's own, fp32)
+        on ``device`` (:mod:`autopar.runtime.device`; None: the CPU)."""
+        self.device = device if device is not None else torch.device("cpu")
+        self.precision = policy or PrecisionPolicy.of("fp32")
+        self._scaler = LossScaler(device=self.device) if self.precision.loss_scaling else None
+
+    def _scale_args(self) -> list[torch.Tensor]:
+        """What the graph takes after its inputs: the loss scale under fp16, nothing otherwise."""
+        if self._scaler is None:
+            return []
+        return [torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.device)]
 
     def _init_rng(self, mode: str, seed: int, rows: int) -> None:
         """Random ops draw under ``mode`` ("fast" or "exact", :mod:`autopar.ops.rng`) from ``seed``.
@@ -171,10 +200,13 @@ class RankModule(nn.Module):
         way: one over ``pm.parameters()`` would see no gradients for those.
         """
         if self._zero is None:
-            return cls(self.shards.parameters(), *args, **kwargs)
-        params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
-        opt = cls(params, *args, **kwargs)
-        self._zero.attach(opt)
+            opt = cls(self.shards.parameters(), *args, **kwargs)
+        else:
+            params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
+            opt = cls(params, *args, **kwargs)
+            self._zero.attach(opt)
+        if self._scaler is not None:
+            scale_steps(opt, self._scaler)
         return opt
 
     def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -183,9 +215,12 @@ class RankModule(nn.Module):
         Each rank writes only its shards (and its optimizer state, ZeRO chunks
         included) under the model's own names with ``torch.distributed.checkpoint``;
         see :mod:`autopar.runtime.checkpoint`.  ``optimizer``: the one ``make_optimizer`` built.
+        Under mixed precision the weights written are the fp32 masters, and under
+        fp16 the loss scaler's state is kept beside them.
         """
         mesh = dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False))
-        save_layout(self._checkpoint_layout(), path, optimizer, f"{type(self).__name__} {mesh}")
+        extra = {"loss_scale": self._scaler.state_dict()} if self._scaler is not None else None
+        save_layout(self._checkpoint_layout(), path, optimizer, f"{type(self).__name__} {mesh}", extra)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read a checkpoint written under any plan (or by ``save_single``) into this rank's shards (a collective).
@@ -194,9 +229,11 @@ class RankModule(nn.Module):
         hyperparameters are restored too.  A checkpoint of another model is
         refused on every rank before anything is read.
         """
-        load_layout(self._checkpoint_layout(), path, optimizer)
+        info = load_layout(self._checkpoint_layout(), path, optimizer)
+        if self._scaler is not None and info.get("loss_scale"):
+            self._scaler.load_state_dict(info["loss_scale"])  # fp16: the loss scale the saved run had reached
         if self._zero is not None:
-            self._zero.load_from_params()  # the chunks follow the loaded parameters
+            self._zero.after_load()  # the chunks follow the loaded parameters, or the copies the loaded masters
 
     def _checkpoint_layout(self) -> Layout:
         """What this rank holds, as :mod:`autopar.runtime.checkpoint` hands it to DCP."""
@@ -219,11 +256,14 @@ class ParallelModule(RankModule):
         plan: Plan,
         rng: str = "fast",
         seed: int = 0,
+        precision: PrecisionPolicy | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.mesh = mesh
         self.graph = local.gm
+        self._init_precision(precision, device)
         self._collectives = local.collectives()
         self._inputs_of = functools.partial(input_tensors, model)
         n_params, n_state = len(captured.params), len(captured.buffers)
@@ -232,16 +272,13 @@ class ParallelModule(RankModule):
         self._input_specs = local.arg_placements[n_params + n_state :]
         self._infos = captured.params + captured.buffers
         self._input_shapes = [tuple(i.shape) for i in captured.inputs]
+        self._input_infos = list(captured.inputs)
         whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self._aliases = model_aliases(model)
         self.param_names = [p.name for p in captured.params]
         self.state_names = [b.name for b in captured.buffers]
-        self.shards = nn.ParameterList(
-            nn.Parameter(_local_part(whole[p.name], mesh, spec))
-            for p, spec in zip(captured.params, self._param_specs, strict=True)
-        )
         for i, (b, spec) in enumerate(zip(captured.buffers, self._state_specs, strict=True)):
-            self.register_buffer(f"state_{i}", _local_part(whole[b.name], mesh, spec))
+            self.register_buffer(f"state_{i}", _local_part(whole[b.name], mesh, spec, device=self.device))
         self.dp_size = mesh.size(0)
         self.dp_rank = mesh.get_coordinate()[0]
         self.microbatches = max(int(plan.microbatches), 1)
@@ -249,18 +286,24 @@ class ParallelModule(RankModule):
         self._labels = label_chain(captured) if self.microbatches > 1 else None
         self._dp_partial = [spec[0].is_partial(SUM) for spec in local.grad_placements]
         self._updated = list(local.updated)  # buffers the forward updates in place (BatchNorm's statistics)
-        self.zero_stages = list(local.zero_stages) or [0] * len(self.shards)
-        self._zero = (
-            ZeroChunks(self.shards, self.zero_stages, mesh.get_group(0), self.dp_rank, self.dp_size)
-            if any(self.zero_stages)
-            else None
+        self.zero_stages = list(local.zero_stages) or [0] * len(captured.params)
+        self.shards, self._zero = shards_and_chunks(
+            [
+                _local_part(whole[p.name], mesh, spec, device=self.device)
+                for p, spec in zip(captured.params, self._param_specs, strict=True)
+            ],
+            [p.dtype for p in captured.params],
+            self.zero_stages,
+            mesh.get_group(0),
+            self.dp_rank,
+            self.dp_size,
         )
 
     # ------------------------------------------------------------------ running
 
     def _local_inputs(self, inputs: Any, targets: Any, local_batch: bool) -> tuple[list, list[float]]:
         """(tensor, placement) per input, and each micro-batch's weight in the step (``loss_weights``)."""
-        tensors = self._inputs_of(inputs, targets)
+        tensors = [on_device(t, self.device) for t in self._inputs_of(inputs, targets)]
         check_input_count(tensors, self._input_specs)
         out = [
             (t, batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch))
@@ -271,10 +314,10 @@ class ParallelModule(RankModule):
 
     def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
         res = []
-        for t, spec in pairs:
+        for (t, spec), info in zip(pairs, self._input_infos, strict=True):
             if t.dim():
                 t = t.chunk(self.microbatches, 0)[k]
-            res.append(_local_part(t, self.mesh, spec))
+            res.append(_local_part(t, self.mesh, spec, info.dtype, self.device))
         return res
 
     def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
@@ -286,17 +329,24 @@ class ParallelModule(RankModule):
         the end of the step; ZeRO-2 in the graph, per micro-batch).
         """
         pairs, weights = self._local_inputs(inputs, targets, local_batch)
-        state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         total = None
         sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial)
         with torch.no_grad():
+            # what the graph reads: in its dtypes (the compute dtype's copies of the masters under mixed precision)
+            params = [cast(p, info.dtype) for p, info in zip(self.shards, self._infos, strict=False)]
+            state = [
+                cast(getattr(self, f"state_{i}"), info.dtype)
+                for i, info in enumerate(self._infos[len(self.shards) :])
+            ]
+            scale = self._scale_args()
             for k in range(self.microbatches):
                 with self._draws(k, local_batch):
-                    loss, *results = self.graph(*self.shards, *state, *self._micro(pairs, k))
+                    loss, *results = self.graph(*params, *state, *self._micro(pairs, k), *scale)
                 grads = results[: len(self.shards)]
                 for b, value in zip(self._updated, results[len(self.shards) :], strict=True):
                     state[b] = value  # the buffer as the forward left it: the next micro-batch reads it
                 share = weights[k]
+                loss = loss.float()
                 total = loss * share if total is None else total + loss * share
                 sink.add(dict(enumerate(grads)), share if self.microbatches > 1 else None)
                 del grads, results
@@ -336,9 +386,11 @@ class ParallelModule(RankModule):
         """The unsharded weights and buffers under the model's own names (a collective: call on every rank)."""
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         canonical = {}
-        for info, local, spec in zip(
-            self._infos, [*self.shards, *state], [*self._param_specs, *self._state_specs], strict=True
+        for i, (info, local, spec) in enumerate(
+            zip(self._infos, [*self.shards, *state], [*self._param_specs, *self._state_specs], strict=True)
         ):
+            if self._zero is not None and self._zero.masters and i in self._zero:
+                local = self._zero.full_master(i)  # the fp32 master, not the graph's copy of it
             canonical[info.name] = self._full(local, spec, info.shape)
         return {alias: canonical[name] for alias, name in self._aliases.items() if name in canonical}
 
@@ -365,7 +417,8 @@ class ParallelModule(RankModule):
         return sharded_layout(self.mesh, held, self._zero, self._infos)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards, by the model's names."""
+        """This rank's shards, by the model's names (no collective: under mixed precision a ZeRO-1/2
+        parameter's is the compute dtype's copy, its fp32 master chunked over dp; full_state_dict has it)."""
         state = [getattr(self, f"state_{i}") for i in range(len(self._state_specs))]
         return {info.name: t.detach() for info, t in zip(self._infos, [*self.shards, *state], strict=True)}
 

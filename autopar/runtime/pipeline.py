@@ -70,12 +70,14 @@ def run_schedule(
     stages: int,
     peer: Callable[[int], int],
     draws: Callable[[int], contextlib.AbstractContextManager] = lambda mb: contextlib.nullcontext(),
+    device: torch.device | None = None,
 ) -> None:
     """Run this rank's ``actions``; ``peer(stage)`` is the global rank holding ``stage`` at this coordinate.
 
     Each forward and backward runs inside ``draws(micro-batch)``: the state its random ops draw under.
+    Values received from other stages land on ``device`` (the rank's; None: the CPU).
     """
-    exchange = _Exchange(stages, peer)
+    exchange = _Exchange(stages, peer, device)
     for a in actions:
         s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
         runner = runners[s]
@@ -95,8 +97,8 @@ def run_schedule(
 class _Exchange:
     """This rank's point-to-point transfers: receives posted and not yet waited on, sends in flight."""
 
-    def __init__(self, stages: int, peer: Callable[[int], int]) -> None:
-        self.stages, self.peer = stages, peer
+    def __init__(self, stages: int, peer: Callable[[int], int], device: torch.device | None = None) -> None:
+        self.stages, self.peer, self.device = stages, peer, device
         self.pending_recv: dict[tuple[str, int, int], tuple[list[torch.Tensor], list]] = {}
         self.sends: list = []
 
@@ -113,7 +115,7 @@ class _Exchange:
     def _recv(
         self, specs: list[ValueSpec], src: int, direction: int, boundary: int, mb: int
     ) -> tuple[list[torch.Tensor], list]:
-        bufs = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+        bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
         works = [
             dist.irecv(b, src=src, tag=_tag(direction, boundary, mb, i, self.stages)) for i, b in enumerate(bufs)
         ]

@@ -32,6 +32,7 @@ from autopar.core.placements import SUM, Placements
 from autopar.cost_models.schedule import schedule_actions
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import Layout, sharded_layout
+from autopar.runtime.device import on_device
 from autopar.runtime.grad_accumulation import GradAccumulator
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.parallel_module import (
@@ -43,7 +44,8 @@ from autopar.runtime.parallel_module import (
     model_aliases,
 )
 from autopar.runtime.pipeline import StageRunner, run_schedule
-from autopar.runtime.zero import ZeroChunks
+from autopar.runtime.precision import PrecisionPolicy, cast
+from autopar.runtime.zero import shards_and_chunks
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +76,13 @@ class PipelineParallelModule(RankModule):
         ties: list[list[tuple[int, int]]],
         rng: str = "fast",
         seed: int = 0,
+        precision: PrecisionPolicy | None = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.mesh = mesh  # pp x dp x tp
+        self._init_precision(precision, device)
         self.stage_mesh = mesh["dp", "tp"]
         self.programs = programs
         self.pp_size = mesh.size(0)
@@ -94,6 +99,7 @@ class PipelineParallelModule(RankModule):
         self._infos = captured.params + captured.buffers
         self._input_specs = local.arg_placements[n_params + n_state :]
         self._input_shapes = [tuple(i.shape) for i in captured.inputs]
+        self._input_dtypes = [i.dtype for i in captured.inputs]
         self._inputs_of = lambda inputs, targets: input_tensors(model, inputs, targets)
         held = sorted(
             {a for g in programs for a in (*g.forward_args, *g.backward_args) if a < n_params + n_state}
@@ -106,19 +112,24 @@ class PipelineParallelModule(RankModule):
         whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self._aliases = model_aliases(model)
         sub = self.stage_mesh
-        self.shards = nn.ParameterList(
-            nn.Parameter(_local_part(whole[self._infos[i].name], sub, self._specs[i])) for i in self._params
-        )
         for k, i in enumerate(self._state):
-            self.register_buffer(f"state_{k}", _local_part(whole[self._infos[i].name], sub, self._specs[i]))
+            self.register_buffer(
+                f"state_{k}", _local_part(whole[self._infos[i].name], sub, self._specs[i], device=self.device)
+            )
         self._state_slot = {i: k for k, i in enumerate(self._state)}
         stages = list(local.zero_stages) or [0] * n_params
         self.zero_stages = [stages[i] for i in self._params]
         self._dp_partial = [local.grad_placements[i][0].is_partial(SUM) for i in self._params]
-        self._zero = (
-            ZeroChunks(self.shards, self.zero_stages, sub.get_group(0), self.dp_rank, self.dp_size)
-            if any(self.zero_stages)
-            else None
+        self.shards, self._zero = shards_and_chunks(
+            [
+                _local_part(whole[self._infos[i].name], sub, self._specs[i], device=self.device)
+                for i in self._params
+            ],
+            [self._infos[i].dtype for i in self._params],
+            self.zero_stages,
+            sub.get_group(0),
+            self.dp_rank,
+            self.dp_size,
         )
         self._actions = schedule_actions(self.schedule, self.pp_size, self.stages, self.microbatches)[
             self.pp_rank
@@ -158,14 +169,18 @@ class PipelineParallelModule(RankModule):
         self, inputs: Any, targets: Any, local_batch: bool
     ) -> tuple[list[list[torch.Tensor]], list[float]]:
         """This rank's inputs per micro-batch, and each micro-batch's weight in the step (``loss_weights``)."""
-        tensors = self._inputs_of(inputs, targets)
+        tensors = [on_device(t, self.device) for t in self._inputs_of(inputs, targets)]
         check_input_count(tensors, self._input_specs)
         per_mb: list[list[torch.Tensor]] = [[] for _ in range(self.microbatches)]
-        for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True):
+        for t, spec, shape, dtype in zip(
+            tensors, self._input_specs, self._input_shapes, self._input_dtypes, strict=True
+        ):
             spec = batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch)
             for k in range(self.microbatches):
                 part = t.chunk(self.microbatches, 0)[k] if t.dim() else t
-                per_mb[k].append(_local_part(part, self.stage_mesh, spec))
+                per_mb[k].append(_local_part(part, self.stage_mesh, spec, dtype, self.device))
+        scale = self._scale_args()
+        per_mb = [[*mb, *scale] for mb in per_mb]  # the loss scale (fp16) is read like an input
         group = self.stage_mesh.get_group(0) if local_batch and self.dp_size > 1 else None
         return per_mb, microbatch_weights(self._labels, tensors, self.microbatches, group)
 
@@ -175,14 +190,16 @@ class PipelineParallelModule(RankModule):
         first_input = self._n_params + self._n_state
         sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial, copy=True)
         m = self.microbatches
+        with torch.no_grad():  # what the graphs read: in their dtypes (mixed precision: copies of the masters)
+            params = [cast(p, self._infos[i].dtype) for p, i in zip(self.shards, self._params, strict=True)]
 
         def args(slots: list[int], mb: int) -> list[torch.Tensor]:
             out = []
             for a in slots:
                 if a < self._n_params:
-                    out.append(self.shards[self._slot[a]])
+                    out.append(params[self._slot[a]])
                 elif a < first_input:
-                    out.append(getattr(self, f"state_{self._state_slot[a]}"))
+                    out.append(cast(getattr(self, f"state_{self._state_slot[a]}"), self._infos[a].dtype))
                 else:
                     out.append(micro[mb][a - first_input])
             return out
@@ -199,11 +216,11 @@ class PipelineParallelModule(RankModule):
         runners = {g.stage: StageRunner(g, args, on_grads, on_updates) for g in self.programs}
         with torch.no_grad():
             draws = functools.partial(self._draws, local_batch=local_batch)
-            run_schedule(self._actions, runners, self.stages, self._rank_of_stage, draws)
+            run_schedule(self._actions, runners, self.stages, self._rank_of_stage, draws, self.device)
             sink.finish()
             self._sum_tied_grads()
-            losses = [x * weights[mb] for r in runners.values() for mb, x in sorted(r.losses.items())]
-            loss = torch.stack(losses).sum() if losses else torch.zeros(())
+            losses = [x.float() * weights[mb] for r in runners.values() for mb, x in sorted(r.losses.items())]
+            loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             last = self._rank_of_stage(self.stages - 1)
             dist.broadcast(loss, src=last, group=self.mesh.get_group(0))
         self.steps += 1
@@ -246,7 +263,10 @@ class PipelineParallelModule(RankModule):
         """The unsharded weights and buffers under the model's own names (a collective: call on every rank)."""
         mine = {}
         for k, i in enumerate(self._params):
-            mine[self._infos[i].name] = self._full(self.shards[k], self._specs[i], self._infos[i].shape)
+            local = self.shards[k]
+            if self._zero is not None and self._zero.masters and k in self._zero:
+                local = self._zero.full_master(k)  # the fp32 master, not the graph's copy of it
+            mine[self._infos[i].name] = self._full(local, self._specs[i], self._infos[i].shape)
         for k, i in enumerate(self._state):
             local = getattr(self, f"state_{k}")
             mine[self._infos[i].name] = self._full(local, self._specs[i], self._infos[i].shape)
@@ -265,7 +285,8 @@ class PipelineParallelModule(RankModule):
         return self._gather_stages(mine)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards, by the model's names."""
+        """This rank's shards, by the model's names (no collective: under mixed precision a ZeRO-1/2
+        parameter's is the compute dtype's copy, its fp32 master chunked over dp; full_state_dict has it)."""
         out = {self._infos[i].name: self.shards[k].detach() for k, i in enumerate(self._params)}
         out.update({self._infos[i].name: getattr(self, f"state_{k}") for k, i in enumerate(self._state)})
         return out

@@ -30,6 +30,12 @@ Gradients:
 
 Either way, between ``train_step`` and ``optimizer.step()`` a rank holds only
 the ``.grad`` of its chunks.
+
+Under mixed precision (:mod:`autopar.runtime.precision`) the chunks are the fp32
+*master* weights and the whole local parameter is only the graph's copy in the
+compute dtype, as in Megatron-LM's distributed optimizer: the chunks are cut
+from the fp32 weights once, stepped, cast and all-gathered into the copies
+after each step, and never refreshed from the copies (which would round them).
 """
 
 from __future__ import annotations
@@ -76,6 +82,31 @@ def zero_stages(params: Sequence, chosen: dict[str, dict], plan: Plan) -> dict[s
     return out
 
 
+def shards_and_chunks(
+    local: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+    stages: list[int],
+    group: dist.ProcessGroup,
+    rank: int,
+    size: int,
+) -> tuple[nn.ParameterList, ZeroChunks | None]:
+    """A rank's parameters from its ``local`` tensors (the model's dtype), and its ZeRO-1/2 chunks.
+
+    ``dtypes``: what the graph reads each parameter as.  A parameter the optimizer
+    steps whole (no ZeRO, ZeRO-3) is kept as given (the fp32 master under mixed
+    precision); a ZeRO-1/2 parameter is kept in the graph's dtype, its master
+    being the chunks (see the module docstring).
+    """
+    shards = nn.ParameterList(
+        nn.Parameter(t.to(d) if s in (1, 2) and t.dtype != d else t)
+        for t, d, s in zip(local, dtypes, stages, strict=True)
+    )
+    if not any(stages):
+        return shards, None
+    mixed = any(p.dtype != t.dtype for p, t in zip(shards, local, strict=True))
+    return shards, ZeroChunks(shards, stages, group, rank, size, masters=local if mixed else None)
+
+
 class ZeroChunks:
     """This dp rank's flat chunks of the ZeRO-1/2 parameters, and the moves between chunks and parameters.
 
@@ -85,16 +116,23 @@ class ZeroChunks:
     """
 
     def __init__(
-        self, shards: nn.ParameterList, stages: list[int], group: dist.ProcessGroup, rank: int, size: int
+        self,
+        shards: nn.ParameterList,
+        stages: list[int],
+        group: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        masters: list[torch.Tensor] | None = None,
     ):
+        """``masters``: the fp32 local tensors to cut the chunks from, when ``shards`` are low-precision copies."""
         self.group, self.rank, self.size = group, rank, size
         self.shards = shards
+        self.masters = masters is not None  # the chunks are the truth, the shards their copies
         self.stage = {i: s for i, s in enumerate(stages) if s}
         self.chunk_numel = {i: flat_chunk_numel(shards[i].numel(), size) for i in self.stage}
         self.slot = {i: k for k, i in enumerate(self.stage)}  # param index -> index in chunks
-        self.chunks = nn.ParameterList(
-            nn.Parameter(self._chunk_of(shards[i].detach(), i)) for i in self.stage
-        )
+        source = masters if masters is not None else [p.detach() for p in shards]
+        self.chunks = nn.ParameterList(nn.Parameter(self._chunk_of(source[i], i)) for i in self.stage)
 
     def __contains__(self, i: int) -> bool:
         return i in self.stage
@@ -119,7 +157,10 @@ class ZeroChunks:
 
     def add_grad(self, i: int, chunk_grad: torch.Tensor) -> None:
         p = self.chunk(i)
-        p.grad = chunk_grad if p.grad is None else p.grad.add_(chunk_grad)
+        if p.grad is not None:
+            p.grad.add_(chunk_grad)
+        else:
+            p.grad = chunk_grad if chunk_grad.dtype == p.dtype else chunk_grad.to(p.dtype)
 
     def reduce_partials(self, partial: dict[int, tuple[torch.Tensor, bool]]) -> None:
         """ZeRO-1's once-per-step reduction: each whole (local) gradient to this rank's chunk, summed over dp.
@@ -151,8 +192,17 @@ class ZeroChunks:
         dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=self.group)
         return out[: self.shards[i].numel()].view(self.shards[i].shape)
 
+    def full_master(self, i: int) -> torch.Tensor:
+        """The whole local fp32 master of parameter ``i``, gathered from every rank's chunk (a collective)."""
+        return self._gather(self.chunk(i).detach(), i)
+
     def load_from_params(self) -> None:
-        """Each chunk from its parameter: the parameters are the truth (a load or an edit between steps)."""
+        """Each chunk from its parameter: the parameters are the truth (a load or an edit between steps).
+
+        Not under mixed precision, where the chunks are the masters and the parameters their rounded copies.
+        """
+        if self.masters:
+            return
         with torch.no_grad():
             for i in self.stage:
                 self.chunk(i).copy_(self._chunk_of(self.shards[i].detach(), i))
@@ -160,16 +210,25 @@ class ZeroChunks:
     def gather_params(self) -> None:
         """After the optimizer stepped the chunks: every dp rank's chunks back into the whole local parameters.
 
-        One all-gather at a time, as in :meth:`reduce_partials`.
+        One all-gather at a time, as in :meth:`reduce_partials`; in the parameters' dtype (the
+        compute dtype under mixed precision, as Megatron-LM gathers bf16 parameters).
         """
         with torch.no_grad():
             for i in self.stage:
                 p, n = self.shards[i], self.chunk_numel[i] * self.size
                 direct = p.is_contiguous() and p.numel() == n
                 out = p.detach().view(-1) if direct else torch.empty(n, dtype=p.dtype, device=p.device)
-                dist.all_gather_into_tensor(out, self.chunk(i).detach().contiguous(), group=self.group)
+                chunk = self.chunk(i).detach().to(p.dtype).contiguous()
+                dist.all_gather_into_tensor(out, chunk, group=self.group)
                 if not direct:
                     p.copy_(out[: p.numel()].view(p.shape))
+
+    def after_load(self) -> None:
+        """After a checkpoint was read: the copies follow the loaded masters, or the chunks the loaded parameters."""
+        if self.masters:
+            self.gather_params()
+        else:
+            self.load_from_params()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Hooks on ``optimizer``: chunks refreshed from the parameters before a step, gathered after it."""

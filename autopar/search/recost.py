@@ -79,7 +79,7 @@ def estimate_plan(
     if plan.mesh.get("pp", 1) != 1:
         raise PlanError("estimate_plan costs dp x tp plans; this one has pipeline stages")
     cluster = Cluster.from_dict(plan.cluster)
-    precision = precision_spec(plan.precision)
+    precision = precision_spec(plan.precision, plan.reduce_dtype)
     captured, _ = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=plan.global_batch_size
     )

@@ -55,8 +55,10 @@ def setting_plans(
     zeros: Sequence[int] = (0, 1, 2, 3),
     squeeze: float = 0.85,
     microbatches: int = 1,
+    precision: str = "fp32",
+    settings: Sequence[str] = SETTINGS,
 ) -> list[Case]:
-    """A data-parallel plan (fp32, AdamW) for every ZeRO stage in ``zeros`` and every recompute setting.
+    """A data-parallel plan (AdamW, in ``precision``) for every ZeRO stage in ``zeros`` and recompute setting.
 
     With ``microbatches`` > 1 each plan accumulates gradients over that many
     micro-batches (its placements unchanged) and is costed as it stands: the
@@ -70,11 +72,10 @@ def setting_plans(
     cases = []
     for z in zeros:
         fixed = {"dp": processes, "tp": 1, "zero": z}
-        none = make_plan(model, inputs, cluster, fixed={**fixed, "recompute": "none"}, precision="fp32")
-        limit = squeeze * none.estimate.memory.peak
-        op_level = make_plan(model, inputs, cluster, fixed=fixed, precision="fp32", memory_limit=limit)
-        full = make_plan(model, inputs, cluster, fixed={**fixed, "recompute": "full"}, precision="fp32")
-        for how, plan in (("none", none), ("op-level", op_level), ("full", full)):
+        made = {}
+        for how in settings:
+            made[how] = _setting_plan(model, inputs, cluster, fixed, how, precision, made, squeeze)
+        for how, plan in made.items():
             if microbatches > 1:
                 plan = dataclasses.replace(
                     plan,
@@ -84,6 +85,15 @@ def setting_plans(
                 plan.estimate = estimate_plan(plan, model, inputs)
             cases.append(Case(z, how, plan, plan.estimate))
     return cases
+
+
+def _setting_plan(model, inputs, cluster: Cluster, fixed: dict, how: str, precision: str, made: dict, squeeze: float):
+    """The plan of one recompute setting (op-level: under ``squeeze`` of the peak of the one without)."""
+    if how == "op-level":
+        none = made.get("none") or _setting_plan(model, inputs, cluster, fixed, "none", precision, made, squeeze)
+        limit = squeeze * none.estimate.memory.peak
+        return make_plan(model, inputs, cluster, fixed=fixed, precision=precision, memory_limit=limit)
+    return make_plan(model, inputs, cluster, fixed={**fixed, "recompute": how}, precision=precision)
 
 
 def _measure(factory: Callable, cluster: Cluster, plan: dict) -> StepMemory:

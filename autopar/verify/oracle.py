@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 from autopar.api.parallelizer import parallelize
-from autopar.capture.joint import CapturedGraph, capture, model_loss
+from autopar.capture.joint import CapturedGraph, capture
 from autopar.core.errors import LaunchError
 from autopar.core.placements import Placements
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
@@ -43,6 +42,7 @@ from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.layouts import layout_placements
 from autopar.search.sharding.random_ops import is_random
 from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.reference import single_device_run, slice_batch, train
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class Check:
     param_error: float
     worst: str  # the tensor with the largest error
     collectives: dict[str, int] = field(default_factory=dict)
+    # what rank 0 trained in: "graph" (its graphs' inputs), "masters" (what the optimizer steps),
+    # "optimizer" (its state), "grads" (the masters' gradients): floating dtypes of each
+    dtypes: dict[str, list[str]] = field(default_factory=dict)
+    param_max_abs: float = 0.0  # the largest difference of any one parameter element after the last step
 
     def ok(self, tolerance: float = 1e-5) -> bool:
         return max(self.loss_error, self.grad_error, self.param_error) <= tolerance
@@ -83,57 +87,6 @@ def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tenso
         if d > worst:
             worst, name = d, key
     return (diff2**0.5) / (ref2**0.5 or 1.0), name
-
-
-def _train(model, inputs, step: Callable[[], torch.Tensor], opt, steps: int, grads: Callable) -> tuple:
-    losses, first = [], None
-    for s in range(steps):
-        losses.append(float(step()))
-        if s == 0:
-            first = grads()
-        opt.step()
-        opt.zero_grad()
-    return losses, first
-
-
-def single_device_run(
-    factory: Callable, steps: int, lr: float, seed: int, loss_fn=None, microbatches: int = 1
-) -> tuple:
-    """``steps`` AdamW steps of ``factory()``'s model on one device: losses, first gradients, final state.
-
-    ``microbatches`` > 1: each step accumulates the gradients of that many equal
-    slices of the batch, each loss weighted 1/m (gradient accumulation).  A model
-    whose forward couples the samples of a batch (BatchNorm in training) computes
-    another function per micro-batch, so a plan with micro-batches is compared
-    with this; for any other model, and losses that are means over equal
-    micro-batches, it is the global batch's step.
-    """
-    torch.manual_seed(seed)
-    model, inputs = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    def step() -> torch.Tensor:
-        total = torch.zeros(())
-        for k in range(microbatches):
-            part = _slice(inputs, k, microbatches)
-            loss = model_loss(model, part, loss_fn) / microbatches
-            loss.backward()
-            total += loss.detach()
-        return total
-
-    def grads() -> dict:
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    losses, first = _train(model, inputs, step, opt, steps, grads)
-    return losses, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def _slice(inputs: Any, k: int, parts: int) -> Any:
-    """Slice ``k`` of ``parts`` of every batched tensor of ``inputs`` (dim 0): a micro-batch, or a
-    data-parallel rank's part of the batch."""
-    if parts == 1:
-        return inputs
-    return pytree.tree_map(lambda t: t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
 
 
 def random_placements(
@@ -199,7 +152,7 @@ def plan_with_layout(
         chosen = random_placements(captured, shape, seed, flowing=layout == "flowing")
     else:
         mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
-        prec = precision_spec(plan.precision)
+        prec = precision_spec(plan.precision, plan.reduce_dtype)
         chosen = layout_placements(captured, cluster, mesh, prec, plan.optimizer, layout, split_batch=True)
     return dataclasses.replace(
         plan, placements=chosen, solver=dataclasses.replace(plan.solver, status=f"{layout} layout (for testing)")
@@ -265,35 +218,61 @@ def plan_with_pipeline(
     return dataclasses.replace(laid, stages=stages, solver=dataclasses.replace(laid.solver, status=f"{schedule} pipeline (hand cut)"))
 
 
-def _rank_run(factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast") -> tuple:
-
-
+def _rank_run(
+    factory, cluster, plan_dict, local_batch, steps, lr, seed, loss_fn, rng="fast", precision: str = "fp32"
+) -> tuple:
+    """One case on this rank: (losses, first gradients, final state, collectives, dtypes); gradients and state
+    on rank 0 only.  Without a plan, rank 0 plans in ``precision``."""
     torch.manual_seed(seed)
     model, inputs = factory()
     plan = Plan.from_dict(plan_dict) if plan_dict is not None else None
-    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn, rng=rng, seed=seed)
+    options = {"precision": precision} if plan is None else {}
+    pm = parallelize(model, cluster, inputs, plan=plan, loss_fn=loss_fn, rng=rng, seed=seed, **options)
     opt = pm.make_optimizer(torch.optim.AdamW, lr=lr)
-    feed = _slice(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
+    feed = slice_batch(inputs, pm.dp_rank, pm.dp_size) if local_batch else inputs
+
+    grads: list[str] = []
 
     def step() -> torch.Tensor:
-        return pm.train_step(feed, local_batch=local_batch)
+        loss = pm.train_step(feed, local_batch=local_batch)
+        grads[:] = run_dtypes(pm, opt)["grads"]  # before the optimizer's zero_grad drops them
+        return loss
 
-    losses, first = _train(model, inputs, step, opt, steps, pm.full_grads)
+    losses, first = train(model, inputs, step, opt, steps, pm.full_grads)
     final = pm.full_state_dict()
+    dtypes = {**run_dtypes(pm, opt), "grads": grads}
     if dist.get_rank() != 0:
-        return losses, None, None, pm.collectives()
-    return losses, first, final, pm.collectives()
+        return losses, None, None, pm.collectives(), dtypes
+    return losses, first, final, pm.collectives(), dtypes
 
 
-def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast") -> list[tuple]:
+def run_dtypes(pm, opt: torch.optim.Optimizer) -> dict[str, list[str]]:
+    """The dtypes a rank trained in: what its graphs compute in, what the optimizer steps, its state, its gradients."""
+
+    def names(tensors) -> list[str]:
+        return sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()})
+
+    graphs = [pm.graph] if hasattr(pm, "graph") else [g.forward for g in pm.programs]
+    stepped = [p for group in opt.param_groups for p in group["params"]]
+    return {
+        "graph": names(n.meta["val"] for g in graphs for n in g.graph.nodes if n.op == "placeholder"),
+        "masters": names(stepped),
+        "optimizer": names(v for p in stepped for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim()),
+        "grads": names(p.grad for p in stepped if p.grad is not None),
+    }
+
+
+def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast", precision: str = "fp32") -> list[tuple]:
     """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
     return [
-        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng)
+        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng, precision)
         for factory, plan, *local in cases
     ]
 
 
-def exact_rng_runs(factories: list[Callable], steps: int, lr: float, seed: int, loss_fn=None) -> list[tuple]:
+def exact_rng_runs(
+    factories: list[Callable], steps: int, lr: float, seed: int, loss_fn=None, precision: str = "fp32"
+) -> list[tuple]:
     """The reference for models that draw random numbers: each trained by autopar on one process, ``rng="exact"``.
 
     An eager run draws its own masks; under ``rng="exact"`` every plan draws
@@ -303,8 +282,8 @@ def exact_rng_runs(factories: list[Callable], steps: int, lr: float, seed: int, 
     """
     one = Cluster.local(1)
     cases = [(factory, None, False) for factory in factories]
-    runs = launch(_rank_run_all, one, cases, one, steps, lr, seed, loss_fn, "exact")[0]
-    return [(losses, first, final) for losses, first, final, _ in runs]
+    runs = launch(_rank_run_all, one, cases, one, steps, lr, seed, loss_fn, "exact", precision)[0]
+    return [(losses, first, final) for losses, first, final, *_ in runs]
 
 
 def draws_random(factory: Callable[[], tuple[Any, Any]], seed: int = 0, loss_fn: Callable | None = None) -> bool:
@@ -318,19 +297,34 @@ def _is_maker(plan: Any) -> bool:
     return plan is not None and not isinstance(plan, Plan) and callable(plan)
 
 
-def _reference_runs(
-    keys: list[tuple[Callable, int]], steps: int, lr: float, seed: int, loss_fn, rng: str | None
-) -> list:
-    """Every (model, micro-batches) reference, in one launched process: see :func:`check_plans`."""
+# a reference run: (model, micro-batches it accumulates, precision, reduce dtype)
+RefKey = tuple[Callable, int, str, str]
+
+
+def _reference_runs(keys: list[RefKey], steps: int, lr: float, seed: int, loss_fn, rng: str | None) -> list:
+    """Every reference, in one launched process: see :func:`check_plans`."""
     one = Cluster.local(1)
     out = []
-    for factory, microbatches in keys:
+    for factory, microbatches, precision, reduce in keys:
         if rng == "exact" and draws_random(factory, seed, loss_fn):
-            losses, first, final, _ = _rank_run(factory, one, None, False, steps, lr, seed, loss_fn, "exact")
-            out.append((losses, first, final))
+            run = _rank_run(factory, one, None, False, steps, lr, seed, loss_fn, "exact", precision)
+            out.append(run[:3])
         else:
-            out.append(single_device_run(factory, steps, lr, seed, loss_fn, microbatches))
+            out.append(single_device_run(factory, steps, lr, seed, loss_fn, microbatches, precision, reduce))
     return out
+
+
+def _references(keys: list[RefKey], steps: int, lr: float, seed: int, loss_fn, rng: str | None) -> dict:
+    """The reference of each key, in this process (those under ``rng="exact"``: one launch per precision)."""
+    drawing = [k for k in keys if rng == "exact" and draws_random(k[0], seed, loss_fn)]
+    runs = {}
+    for p in dict.fromkeys(k[2] for k in drawing):
+        group = [k for k in drawing if k[2] == p]
+        runs.update(zip(group, exact_rng_runs([k[0] for k in group], steps, lr, seed, loss_fn, p), strict=True))
+    for k in keys:
+        if k not in runs:
+            runs[k] = single_device_run(k[0], steps, lr, seed, loss_fn, *k[1:])
+    return runs
 
 
 def check_plans(
@@ -345,12 +339,18 @@ def check_plans(
     crash_retries: int = 1,
     rng: str | None = None,
     accumulate: bool = False,
+    precision: str = "fp32",
 ) -> list[Check]:
     """``check_plan`` for several (factory, plan) cases in one launch of ``cluster``'s processes.
 
     ``accumulate``: each plan's reference runs its micro-batches one after another on
     one device (gradient accumulation), for models whose forward couples the samples
     of a batch (:func:`single_device_run`).
+
+    Each case is compared with one device in its plan's precision
+    (:mod:`autopar.verify.reference`: under mixed precision, one device running
+    the same policy); ``precision`` is that of the cases without a plan (rank 0
+    plans them) and the one the references are run in while plans are made.
 
     ``rng="exact"``: the cases run under ``parallelize(..., rng="exact")``, and
     the reference of a model that draws random numbers is the model trained by
@@ -371,32 +371,35 @@ def check_plans(
     """
     local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
     factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
-    def key(factory: Callable, plan: Plan | None) -> tuple[Callable, int]:  # (model, micro-batches) of a reference
-        return factory, plan.microbatches if accumulate and plan is not None else 1
+
+    def key(factory: Callable, plan: Plan | None) -> RefKey:
+        if plan is None:
+            return factory, 1, precision, "fp32"
+        return factory, plan.microbatches if accumulate else 1, plan.precision, plan.reduce_dtype
 
     makers = any(_is_maker(plan) for _, plan in cases)
+    runs: dict[RefKey, tuple] = {}
     if makers and not accumulate:
         # the references run in a process of their own while this one makes the plans: two cores busy
-        keys = [(factory, 1) for factory in factories]
+        early = [(factory, 1, precision, "fp32") for factory in factories]
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(launch, _reference_runs, Cluster.local(1), keys, steps, lr, seed, loss_fn, rng)
+            pending = pool.submit(launch, _reference_runs, Cluster.local(1), early, steps, lr, seed, loss_fn, rng)
             plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
-            runs = dict(zip(keys, pending.result()[0], strict=True))
+            runs = dict(zip(early, pending.result()[0], strict=True))
     else:
         plans = [plan() if _is_maker(plan) else plan for _, plan in cases]
-        keys = list(dict.fromkeys(key(factory, plan) for (factory, _), plan in zip(cases, plans, strict=True)))
-        drawing = [k for k in keys if rng == "exact" and draws_random(k[0], seed, loss_fn)]
-        runs_of = exact_rng_runs([k[0] for k in drawing], steps, lr, seed, loss_fn) if drawing else []
-        exact = dict(zip(drawing, runs_of, strict=True))
-        runs = {k: exact.get(k) or single_device_run(k[0], steps, lr, seed, loss_fn, k[1]) for k in keys}
-    refs = [runs[key(factory, plan)] for (factory, _), plan in zip(cases, plans, strict=True)]
+    keys = [key(f, plan) for (f, _), plan in zip(cases, plans, strict=True)]
+    runs.update(_references([k for k in dict.fromkeys(keys) if k not in runs], steps, lr, seed, loss_fn, rng))
+    refs = [runs[k] for k in keys]
     wire = [
         (factory, plan.to_dict() if plan is not None else None, flag)
         for (factory, _), plan, flag in zip(cases, plans, local, strict=True)
     ]
     for attempt in range(crash_retries + 1):
         try:
-            per_rank = launch(_rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast")
+            per_rank = launch(
+                _rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast", precision
+            )
             break
         except LaunchError as exc:
             if exc.signal is None or attempt == crash_retries:
@@ -426,7 +429,7 @@ def check_plan(
 
 def _compare(per_rank: list[tuple], ref: tuple) -> Check:
     ref_losses, ref_grads, ref_params = ref
-    losses, grads, params, collectives = per_rank[0]
+    losses, grads, params, collectives, dtypes = per_rank[0]
     loss_err = 0.0
     for other, *_ in per_rank:  # every rank's loss against the reference
         for a, b in zip(other, ref_losses, strict=True):
@@ -437,4 +440,12 @@ def _compare(per_rank: list[tuple], ref: tuple) -> Check:
         [(loss_err, "loss"), (grad_err, f"grad of {grad_worst}"), (param_err, param_worst)],
         key=lambda e: e[0],
     )[1]
-    return Check(losses, ref_losses, loss_err, grad_err, param_err, worst, collectives)
+    max_abs = max(
+        (
+            (params[k].double() - v.double()).abs().max().item()
+            for k, v in ref_params.items()
+            if v.numel() and k in params and params[k].shape == v.shape
+        ),
+        default=float("inf") if set(ref_params) - set(params) else 0.0,
+    )
+    return Check(losses, ref_losses, loss_err, grad_err, param_err, worst, collectives, dtypes, max_abs)

@@ -201,12 +201,14 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
             b = sp.strategies[v][choice[v]]
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(b)
             rounds = k if per_microbatch_grad_sync(sp, b) else 1
-            for kind, d, size in grad_sync_steps(have, need, b.zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
+            nbytes = info.moved_bytes(have, need)
+            for kind, d, size in grad_sync_steps(have, need, b.zero, nbytes, mesh_shape, sp.dp_dim) or []:
                 buckets[(kind, d, rounds)] = buckets.get((kind, d, rounds), 0.0) + size
-            out.grad_bytes += info.nbytes
+            out.grad_bytes += nbytes
         elif info.kind == "data" and info.dst in chain and c > 0:
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(sp.strategies[v][choice[v]])
-            for kind, d, size in grad_sync_steps(have, need, 0, info.nbytes, mesh_shape, sp.dp_dim) or []:
+            nbytes = info.moved_bytes(have, need)
+            for kind, d, size in grad_sync_steps(have, need, 0, nbytes, mesh_shape, sp.dp_dim) or []:
                 buckets[(kind, d, 1)] = buckets.get((kind, d, 1), 0.0) + size
         elif info.kind == "data" and info.src in moved and c > 0:
             if info.dst in backward:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.capture.joint import CapturedGraph
+from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.core.placements import Placements
 from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
@@ -72,6 +72,9 @@ class BuildContext:
     b_opt: float  # optimizer-state bytes per parameter element
     b_copy: float  # the ZeRO-stepped chunk's own fp32 copy, per element
     opt_traffic: float  # bytes per parameter element one optimizer update reads and writes
+    # the gradient chain (:func:`autopar.capture.joint.gradient_chain`), where the reduce dtype differs
+    # from the activations'; empty otherwise
+    gradient_chain: set[str] = field(default_factory=set)
     memo: Memo = field(default_factory=Memo)
 
     def pieces(self, p: Placements) -> int:
@@ -167,4 +170,9 @@ def make_context(
         b_opt=b_opt,
         b_copy=partition_copy_bytes(precision),
         opt_traffic=precision.grad_bytes + 2 * b_opt + precision.param_bytes,
+        gradient_chain=(
+            gradient_chain(captured.gm, len(captured.params))
+            if precision.reduce_bytes != precision.activation_bytes
+            else set()
+        ),
     )

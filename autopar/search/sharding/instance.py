@@ -8,10 +8,10 @@ import the builder.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from autopar.capture.joint import extend_gradient_chain
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements
 from autopar.cost_models.comm import collective_time
@@ -38,6 +38,22 @@ class EdgeInfo:
     nbytes: float  # global bytes of the value, at the training dtype
     kind: EdgeKind
     input_pos: int
+    # a gradient's reduction runs in the plan's reduce dtype: bytes per byte of the training dtype
+    # (:func:`autopar.capture.joint.gradient_chain`; fp32 reductions of bf16 gradients: 2)
+    reduce_scale: float = 1.0
+
+    def moved_bytes(self, have: Placements | None, need: Placements | None) -> float:
+        """Global bytes the move from ``have`` to ``need`` works on: a gradient's reduction in the reduce dtype.
+
+        The runtime casts a gradient on the chain up before a reduction and keeps it
+        there, and returns every gradient in the reduce dtype
+        (:class:`autopar.codegen.shard.GradientCasts`): its own synchronisation
+        edge moves it in that dtype whatever the move.
+        """
+        if self.reduce_scale == 1.0 or have is None or need is None:
+            return self.nbytes
+        reduces = any(h.is_partial() and not n.is_partial() for h, n in zip(have, need, strict=True))
+        return self.nbytes * self.reduce_scale if reduces or self.kind == "grad-sync" else self.nbytes
 
     def have(self, a: Strategy) -> Placements | None:
         """The placement ``src`` makes the value in under its strategy ``a`` (None: not a tensor)."""
@@ -107,20 +123,7 @@ def gradient_chain(sp: ShardingProblem) -> set[str]:
     out = {sp.edge_info[e].src for e in sp.grad_edges}
     if sp.facts is None:
         return out
-    for name in sorted(sp.facts.backward, key=lambda n: sp.facts.order.get(n, -1), reverse=True):
-        node = sp.facts.by_name.get(name)
-        if node is None or name in out:
-            continue
-        users = [u for u in node.users if u.op != "output"]
-        size = _numel(node)
-        if users and size and all(u.name in out and _numel(u) == size for u in users):
-            out.add(name)
-    return out
-
-
-def _numel(node) -> int:
-    shape = getattr(node.meta.get("val"), "shape", None)
-    return math.prod(int(d) for d in shape) if shape is not None else 0
+    return extend_gradient_chain(list(sp.facts.by_name.values()), out)
 
 
 def per_microbatch_grad_sync(sp: ShardingProblem, strategy: Strategy) -> bool:
@@ -153,7 +156,7 @@ def tp_seconds(
     have, need = info.have(a), info.need(b)
     if have is None or need is None or len(mesh_shape) <= TP_DIM or mesh_shape[TP_DIM] == 1:
         return 0.0
-    steps = grad_sync_steps(have, need, 0, info.nbytes, mesh_shape, dp_dim) or []
+    steps = grad_sync_steps(have, need, 0, info.moved_bytes(have, need), mesh_shape, dp_dim) or []
     return sum(collective_time(k, size, mesh_shape[d], links[d]) for k, d, size in steps if d == TP_DIM)
 
 
@@ -182,7 +185,8 @@ def charged_collectives(sp: ShardingProblem, choice: list[int], mesh_shape: tupl
         if have is None or need is None:
             continue
         zero = b.zero if info.input_pos < 0 else 0
-        for coll, d, size in grad_sync_steps(have, need, zero, info.nbytes, mesh_shape, sp.dp_dim) or []:
+        nbytes = info.moved_bytes(have, need)
+        for coll, d, size in grad_sync_steps(have, need, zero, nbytes, mesh_shape, sp.dp_dim) or []:
             out.append(EdgeCollective(coll, d, size, info.src, info.dst, info.kind))
     for i in sp.param_nodes:
         s = sp.strategies[i][choice[i]]

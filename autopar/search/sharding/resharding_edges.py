@@ -36,7 +36,8 @@ def data_edges(ctx: BuildContext, t: Terms) -> None:
             if u not in t.index:
                 continue
             out_idx = node.args[1] if node.target is operator.getitem and k == 0 else 0
-            _add_edge(ctx, t, EdgeInfo(u, v, out_idx, _edge_bytes(ctx, u, out_idx), "data", k))
+            scale = _reduce_scale(ctx, u, out_idx)
+            _add_edge(ctx, t, EdgeInfo(u, v, out_idx, _edge_bytes(ctx, u, out_idx), "data", k, scale))
 
 
 def grad_sync_edges(ctx: BuildContext, t: Terms) -> None:
@@ -45,7 +46,8 @@ def grad_sync_edges(ctx: BuildContext, t: Terms) -> None:
         g = ctx.captured.grads.get(p.name)
         if g in t.index and p.placeholder in t.index:
             t.grad_edges.append(len(t.edges))
-            _add_edge(ctx, t, EdgeInfo(g, p.placeholder, 0, _edge_bytes(ctx, g, 0), "grad-sync", -1))
+            info = EdgeInfo(g, p.placeholder, 0, _edge_bytes(ctx, g, 0), "grad-sync", -1, _reduce_scale(ctx, g, 0))
+            _add_edge(ctx, t, info)
 
 
 def buffer_update_edges(ctx: BuildContext, t: Terms) -> None:
@@ -56,6 +58,13 @@ def buffer_update_edges(ctx: BuildContext, t: Terms) -> None:
         ph = captured.buffers[b].placeholder
         if node.name in t.index and ph in t.index and node.name != ph:
             _add_edge(ctx, t, EdgeInfo(node.name, ph, 0, _edge_bytes(ctx, node.name, 0), "buffer-update", -1))
+
+
+def _reduce_scale(ctx: BuildContext, u: str, out_idx: int) -> float:
+    """A gradient on the chain is reduced in the plan's reduce dtype (:attr:`EdgeInfo.reduce_scale`)."""
+    if u not in ctx.gradient_chain or not ctx.facts.out_float[u][out_idx]:
+        return 1.0
+    return ctx.precision.reduce_bytes / ctx.precision.activation_bytes
 
 
 def _edge_bytes(ctx: BuildContext, u: str, out_idx: int) -> float:
@@ -96,12 +105,15 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     # such views, and the gathered parameter would stay alive from the forward to the backward
     pinned = info.src in ctx.params and info.kind == "data" and ctx.facts.view[info.dst]
     bucketed = info.kind == "grad-sync"
-    key = (have_id, need_id, info.nbytes, pinned, bucketed)
+    key = (have_id, need_id, info.nbytes, pinned, bucketed, info.reduce_scale, info.kind)
     row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
         (have_values, have_of), (need_values, need_of) = haves, need
         table = np.array(
-            [[_move_time(ctx, h, b, info.nbytes, z, pinned, bucketed) for b, z in need_values] for h in have_values]
+            [
+                [_move_time(ctx, h, b, info.moved_bytes(h, b), z, pinned, bucketed) for b, z in need_values]
+                for h in have_values
+            ]
         ).reshape(len(have_values), len(need_values))
         row = ctx.memo.matrices[key] = table[have_of][:, need_of].ravel().tolist()
     return row

@@ -125,11 +125,12 @@ def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[in
         info = sp.edge_info[e]
         if info.kind != "data":
             continue
-        u, v, nbytes = info.src, info.dst, info.nbytes
+        u, v = info.src, info.dst
         have = info.have(sp.strategies[iu][choice[iu]])
         need = info.need(sp.strategies[iv][choice[iv]])
         if have is None or need is None or tuple(have) == tuple(need):
             continue
+        nbytes = info.moved_bytes(have, need)
         steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
         makes_partial = any(n.is_partial() and not h.is_partial() for h, n in zip(have, need, strict=True))
         if steps is None or not (steps or makes_partial):
@@ -175,9 +176,10 @@ def gradient_buffers(
     for at, e in made:
         iu, iv = sp.problem.edges[e]
         info, b = sp.edge_info[e], sp.strategies[iv][choice[iv]]
-        have, need, nbytes = info.have(sp.strategies[iu][choice[iu]]), b.outputs[0], info.nbytes
+        have, need = info.have(sp.strategies[iu][choice[iu]]), b.outputs[0]
         if have is None or need is None:
             continue
+        nbytes = info.moved_bytes(have, need)
         if b.zero == 1:
             out.append((end - 1, end, sp.state_parts[iv][choice[iv]][1] / dp_n))
         elif grad_sync_steps(tuple(have), tuple(need), b.zero, nbytes, mesh_shape, sp.dp_dim):
