@@ -69,10 +69,17 @@ C. torchtitan, FSDP2 (ZeRO 3), bf16, eager:
      2.4 TB/s, 500 W, 400 Gb/s per GPU between hosts; its footnote 2: the peak
      FLOP/s at 500 W lie between the SXM's and the NVL's, so 912 TFLOP/s bf16,
      their middle, is taken), local batch 2, selective
-     (per-op) activation checkpointing: 5,762 and 5,605 tokens/s/GPU.
-     Sequence 8,192 (torchtitan's Llama 3 8B training config). Per-op
-     checkpointing is costed as autopar's "selective" (the attention core),
-     which replays less: an optimistic stand-in.
+     (per-op) activation checkpointing: 5,762 and 5,605 tokens/s/GPU, 82.4 and
+     67.0 GiB (the caching allocator's peak reserved bytes, torchtitan's
+     ``max_reserved_gib``). Sequence 8,192 (torchtitan's Llama 3 8B training
+     config, ``train_configs/llama3_8b.toml`` at torchtitan 9dec370, the
+     benchmark's commit). Per-op checkpointing is costed as it ran:
+     ``fixed={"recompute": "op-sac"}`` carries out torchtitan's policy
+     (``parallelize_llama.py`` at 9dec370: the attention kernel's outputs and
+     every other ``aten.mm``'s kept, the rest of each layer replayed), except
+     that torchtitan also keeps the MLP down projection's output, which no
+     backward op reads (one hidden-size activation a layer, 4.3 GB at local
+     batch 2), and autopar frees it.
    * pytorch/torchtitan ``docs/performance.md`` at commit
      4d88a8a44fe439f73f564b83d60b29a906ef3507, "Llama 3 performance numbers":
      Llama 3 70B on 64 A100 80 GB, local batch 1, full activation
@@ -131,7 +138,8 @@ class Run:
     attention: str = "sdpa"  # HuggingFace's attention: "sdpa" (one fused kernel) or "eager" (its ops one by one)
     # what the run's runtime overlaps beyond autopar's own (its source names it): Megatron-Core's TP overlap
     runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
-    notes: str = ""
+    memory_gib: float | None = None  # published peak memory per GPU (the allocator's reserved bytes), if any
+    peak_bytes: float = 0.0  # the estimate's peak memory per device, set when the run is planned
 
     @property
     def seq(self) -> int:
@@ -212,17 +220,19 @@ RUNS: list[Run] = [
         LLAMA3_8B,
         autopar.Cluster(nodes=1, gpus_per_node=8, device=H100_GRAND_TETON),
         16,
-        {"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective", "microbatches": 1},
+        {"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "op-sac", "microbatches": 1},
         5762,
         fit=True,
+        memory_gib=82.4,
     ),
     Run(
         "torchtitan Llama3.1 8B 128xH100 FSDP",
         LLAMA3_8B,
         autopar.Cluster(nodes=16, gpus_per_node=8, device=H100_GRAND_TETON, inter_node_bandwidth=50e9),
         256,
-        {"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "selective", "microbatches": 1},
+        {"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "op-sac", "microbatches": 1},
         5605,
+        memory_gib=67.0,
     ),
     Run(
         "torchtitan Llama3 70B 64xA100 FSDP",
@@ -254,8 +264,7 @@ def step_time(run: Run, model, inputs) -> float:
         )
     finally:
         overlap.RUNTIME = overlap.AUTOPAR_RUNTIME
-    if not plan.estimate.fits:
-        run.notes = f"over memory ({plan.estimate.memory.peak / 1e9:.0f} GB)"
+    run.peak_bytes = plan.estimate.memory.peak
     return plan.estimate.step_time_s
 
 
@@ -307,16 +316,19 @@ def report(rows: list[tuple[Run, float]]) -> None:
     """The table of every run, the held-out errors, and the error against tp, pp and GPU count."""
     print(
         f"\n{'run':<38} {'GPUs':>5} {'tp':>3} {'pp':>3} {'recompute':>9} {'fit':>4} "
-        f"{'published tok/s/GPU':>20} {'predicted':>10} {'pred/pub':>8}"
+        f"{'published tok/s/GPU':>20} {'predicted':>10} {'pred/pub':>8}  {'memory GB: estimate / device':>28}"
     )
     held = []
     for run, pred in rows:
         ratio = pred / run.tokens_per_gpu_s
         f = run.fixed
+        device = run.cluster.device_spec.memory_bytes
+        memory = f"{run.peak_bytes / 1e9:6.1f} / {device / 1e9:3.0f}" + ("" if run.peak_bytes <= device else " over")
+        if run.memory_gib is not None:
+            memory += f" (published {run.memory_gib * 2**30 / 1e9:.1f})"
         print(
             f"{run.name:<38} {run.cluster.world_size:>5} {f['tp']:>3} {f['pp']:>3} {f['recompute']:>9} "
-            f"{'yes' if run.fit else 'no':>4} {run.tokens_per_gpu_s:>20,.0f} {pred:>10,.0f} {ratio:>8.3f}"
-            + (f"  {run.notes}" if run.notes else "")
+            f"{'yes' if run.fit else 'no':>4} {run.tokens_per_gpu_s:>20,.0f} {pred:>10,.0f} {ratio:>8.3f}  {memory}"
         )
         if not run.fit:
             held.append((run, ratio - 1))
@@ -344,9 +356,9 @@ def report(rows: list[tuple[Run, float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-fit", action="store_true", help="predict with the library's current factors")
-    parser.add_argument("--only", default="", help="only the runs whose name contains this")
+    parser.add_argument("--only", default="", help="only the runs whose name contains one of these (comma-separated)")
     args = parser.parse_args()
-    runs = [r for r in RUNS if args.only in r.name]
+    runs = [r for r in RUNS if any(part in r.name for part in args.only.split(","))]
     fitted = [r for r in runs if r.fit]
     assert len([r for r in RUNS if r.fit]) <= len(RUNS) / 3, "fit on a third of the runs at most"
     if args.no_fit:

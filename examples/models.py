@@ -63,10 +63,18 @@ def llama(
     batch: int = 1,
     kv_heads: int | None = None,
     device: str = "meta",
+    attention: str = "sdpa",
 ):
-    """A LLaMA decoder (HuggingFace LlamaForCausalLM) of the given shape."""
+    """A LLaMA decoder (HuggingFace LlamaForCausalLM) of the given shape.
+
+    ``attention``: HuggingFace's name for it ("sdpa", "eager"), or "causal": scaled-dot-product
+    attention told the mask is causal, as torchtitan's LLaMA calls it (traced, HuggingFace's "sdpa"
+    passes the causal mask it builds instead, which keeps a flash kernel from skipping the masked half).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if attention == "causal":
+        _register_causal_sdpa()
     cfg = LlamaConfig(
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -78,7 +86,21 @@ def llama(
     )
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
+    if attention != "sdpa":  # HuggingFace's default on this stack
+        model.config._attn_implementation = attention
     return model, _ids(batch, seq, vocab, device)
+
+
+def _register_causal_sdpa() -> None:
+    """HuggingFace attention "causal": its SDPA function without a mask, so that it passes ``is_causal=True``
+    (an implementation HuggingFace has no mask function for gets no mask built)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202, ARG001
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register("causal", causal)
 
 
 def gpt2_small():

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from autopar.core.errors import ClusterError
+from autopar.cost_models.comm import latency
 from autopar.hardware.cluster import (
     DEVICES,
     PRESETS,
@@ -49,8 +50,9 @@ def test_device_figures(name, bf16, fp32, tf32, mem, hbm, nvlink, ib):
     assert d.hbm_bandwidth == hbm
     assert d.intra_node_bandwidth == nvlink
     assert d.inter_node_bandwidth == ib
-    assert d.intra_node_latency_s == pytest.approx(3e-6)
-    assert d.inter_node_latency_s == pytest.approx(8e-6)
+    # a ring hop's latency in NCCL's tuning model (Simple protocol): NVLink 3.4 us, network 14 us
+    assert d.intra_node_latency_s == pytest.approx(3.4e-6)
+    assert d.inter_node_latency_s == pytest.approx(14e-6)
     assert d.source
 
 
@@ -281,11 +283,18 @@ def test_axis_links_dgx_h100():
     c = Cluster.preset("dgx-h100", nodes=8)
     m = c.check_mesh(tp=8)  # dp=8 across nodes
     tp = c.axis_link(m, "tp")
-    assert tp.name == "nvlink" and tp.intra_node and tp.bandwidth == 450e9 and tp.latency_s == 3e-6
+    assert tp.name == "nvlink" and tp.intra_node and tp.bandwidth == 450e9 and tp.latency_s == 3.4e-6
+    assert tp.base_latency_s == 8.4e-6 and tp.intra_latency_s is None  # NCCL's once-a-collective latency
     dp = c.axis_link(m, "dp")
-    assert dp.name == "infiniband" and not dp.intra_node and dp.bandwidth == 50e9 and dp.latency_s == 8e-6
+    assert dp.name == "infiniband" and not dp.intra_node and dp.bandwidth == 50e9 and dp.latency_s == 14e-6
+    assert dp.ranks_per_node == 1  # one rank of each dp group per node: every hop crosses the network
     pp = c.axis_link(m, "pp")
     assert pp.bandwidth == math.inf and pp.latency_s == 0
+    # dp over all 64 GPUs (tp 1): 8 ranks a node, 7 of a pass's 63 hops cross the network
+    flat = c.axis_link(c.check_mesh(dp=64), "dp")
+    assert flat.ranks_per_node == 8 and flat.intra_latency_s == 3.4e-6
+    assert latency("all_gather", 64, flat) == pytest.approx(8.4e-6 + 7 * 14e-6 + 56 * 3.4e-6)
+    assert latency("all_reduce", 64, flat) == pytest.approx(8.4e-6 + 1.4 * (14 * 14e-6 + 112 * 3.4e-6))
 
     m16 = c.check_mesh(tp=16)
     assert c.axis_link(m16, "tp").name == "infiniband"

@@ -146,6 +146,11 @@ def _attention_step(q, k, v):
     return (out,) + torch.autograd.grad(out.sum(), (q, k, v))
 
 
+def _causal_attention_step(q, k, v):
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return (out,) + torch.autograd.grad(out.sum(), (q, k, v))
+
+
 def _qkv(device="cpu", b=2, h=4, s=16, d=8):
     return [torch.randn(b, h, s, d, device=device, requires_grad=True) for _ in range(3)]
 
@@ -258,6 +263,36 @@ def test_roofline_big_add_is_memory_bound_and_bytes_scale_applies():
     eff = ComputeEfficiency(matmul=0.5, memory=0.7)
     assert node_time(add, H100, "bf16", eff) == pytest.approx(nbytes / (3.35e12 * 0.7))
     assert node_time(add, H100, "bf16", eff, bytes_scale=0.5) == pytest.approx(nbytes * 0.5 / (3.35e12 * 0.7))
+
+
+def test_kernels_run_at_the_devices_measured_rates_and_causal_attention_at_half_its_flops():
+    """A matmul at the device's measured best (MAMF), attention at FlashAttention-2's, a causal kernel
+    running half the FLOPs flop_counter counts; the runtime's attention kernel scales the latter."""
+    from autopar.cost_models import overlap
+    from autopar.hardware.devices import DEVICES
+
+    h100, eff = DEVICES["H100-80GB"], ComputeEfficiency(matmul=1.0, memory=1.0)
+    assert compute.kernel_flops(h100) == pytest.approx(794.5e12)
+    assert compute.kernel_flops(h100, attention=1.0) == pytest.approx(308e12)
+    assert compute.kernel_flops(H100) == 989e12  # a device without measurements: its peak
+    assert roofline_time(1e12, 0, h100, "bf16", eff) == pytest.approx(1e12 / 794.5e12)
+    assert roofline_time(1e12, 0, h100, "bf16", eff, attention=0.5) == pytest.approx(0.5e12 / 308e12)
+    # the fused attention op of a causal SDPA runs half its FLOPs, forward and backward; others run all
+    q, k, v = _qkv(b=2, h=4, s=16, d=8)
+    gm = trace(_causal_attention_step, q, k, v)
+    causal = [n for n in gm.graph.nodes if compute.attention_work(n)]
+    assert len(causal) == 2 and {compute.attention_work(n) for n in causal} == {0.5}
+    plain = trace(_attention_step, *_qkv(b=2, h=4, s=16, d=8))
+    assert {compute.attention_work(n) for n in plain.graph.nodes if compute.is_attention_kernel(n)} == {1.0}
+    (mm,) = ops(trace(torch.mm, torch.empty(8, 8), torch.empty(8, 8)), aten.mm)
+    assert compute.attention_work(mm) == 0.0
+    # Megatron-Core's cuDNN attention on Hopper: its runtime's kernel is faster than FlashAttention-2
+    saved = overlap.RUNTIME
+    try:
+        overlap.RUNTIME = overlap.Runtime(attention_speedup=1.5)
+        assert compute.kernel_flops(h100, attention=1.0) == pytest.approx(1.5 * 308e12)
+    finally:
+        overlap.RUNTIME = saved
 
 
 def test_roofline_validation_and_default_read_at_call_time(monkeypatch):

@@ -1,5 +1,6 @@
 """Recompute chosen by the planner: op by op by the sharding MILP, only where memory asks for it; or
-fixed to one of Megatron-LM's settings ("none", "selective", "full"), costed on the graph that runs it.
+fixed to one of Megatron-LM's settings ("none", "selective", "full") or torchtitan's per-op policy
+("op-sac"), costed on the graph that runs it.
 
 One process: what each setting charges in FLOPs (against the dense-transformer formula) and keeps in
 memory on the MILP and pipeline paths, MFU against HFU, and the settings' plans re-costed as they stand.
@@ -101,13 +102,13 @@ def settings():
 
 def test_each_setting_charges_the_forward_ops_it_replays(settings):
     *_, flat, piped = settings
-    none, selective, full = (flat[how].estimate for how in SETTINGS)
+    none, selective, op_sac, full = (flat[how].estimate for how in ("none", "selective", "op-sac", "full"))
     # MFU counts the model's FLOPs whatever is recomputed: the same numerator for every setting
     assert none.model_flops == selective.model_flops == full.model_flops
     dense = 72 * B * S * L * H**2 * (1 + S / (6 * H) + V / (12 * L * H))  # REFERENCES.md, no recompute
     assert none.model_flops == pytest.approx(dense, rel=0.01)
     assert none.hfu == none.mfu and none.hardware_flops == none.model_flops and none.recompute_s == 0
-    for e in (selective, full):
+    for e in (selective, op_sac, full):
         assert e.mfu * e.step_time_s == pytest.approx(none.mfu * none.step_time_s, rel=1e-9)
         assert e.hfu > e.mfu and e.hfu / e.mfu == pytest.approx(e.hardware_flops / e.model_flops, rel=1e-9)
         assert e.recompute_s > 0 and e.step_time_s > none.step_time_s
@@ -121,6 +122,10 @@ def test_each_setting_charges_the_forward_ops_it_replays(settings):
     megatron = (1 + S / (6 * H) + V / (16 * L * H)) * 96 / (72 * (1 + S / (6 * H) + V / (12 * L * H)))
     assert 1.15 < full.hfu / full.mfu < megatron
     assert full.recompute_s > selective.recompute_s
+    # torchtitan's per-op policy keeps the attention and every other projection (QKV, MLP up) and replays
+    # the rest; of the matmuls the backward reads only the attention's output projection, 2·b·s·h² a layer
+    assert op_sac.hardware_flops - op_sac.model_flops == pytest.approx(L * 2 * B * S * H**2, rel=1e-6)
+    assert full.recompute_s > op_sac.recompute_s
     # a pipeline charges the same replays (its stages' MILP runs on the same graph)
     for how in ("none", "full"):
         assert piped[how].estimate.model_flops == none.model_flops
@@ -130,9 +135,11 @@ def test_each_setting_charges_the_forward_ops_it_replays(settings):
 
 def test_each_setting_keeps_less_activation_memory_than_the_one_before(settings):
     *_, flat, piped = settings
-    none, selective, full = (flat[how].estimate.memory for how in SETTINGS)
+    none, selective, op_sac, full = (flat[how].estimate.memory for how in ("none", "selective", "op-sac", "full"))
     assert full.activations < selective.activations < none.activations
     assert full.peak < selective.peak < none.peak
+    # op by op, the replays live only from just before their backward use: less than selective keeps
+    assert op_sac.activations < selective.activations and op_sac.peak < selective.peak
     assert none.model_states == selective.model_states == full.model_states
     # full keeps the layers' inputs only: less than half of what the layers keep without recompute
     assert full.activations < 0.5 * none.activations
@@ -141,12 +148,19 @@ def test_each_setting_keeps_less_activation_memory_than_the_one_before(settings)
         plan = flat[how]
         assert plan.recompute == how and plan.estimate.fits
         marks = {n: e["recompute"] for n, e in plan.placements.items() if "recompute" in e}
-        assert set(marks.values()) == ({how} if how != "none" else set())
+        # torchtitan's policy is carried out by per-node marks, the MILP's own kind
+        assert set(marks.values()) == ({"selective" if how == "op-sac" else how} if how != "none" else set())
         assert not any(n.endswith("_recompute") for n in plan.placements)  # the runtime makes the clones
     layers = {layer_of(flat["full"].placements[n]["module"]) for n in _marked(flat["full"])}
     assert layers == {f"transformer.h.{i}" for i in range(L)}
     ops = {flat["selective"].placements[n]["op"] for n in _marked(flat["selective"])}
     assert ops == {"aten._scaled_dot_product_flash_attention_for_cpu.default", "<built-in function getitem>"}
+    # op-sac: every other projection of a layer (c_attn, c_fc) and the attention kernel are kept
+    replayed = [flat["op-sac"].placements[n] for n in _marked(flat["op-sac"])]
+    kept = {e["module"] for e in flat["op-sac"].placements.values() if e.get("op") == "aten.addmm.default"}
+    kept -= {e["module"] for e in replayed if e["op"] == "aten.addmm.default"}
+    assert {".".join(m.split(".")[-2:]) for m in kept} == {"attn.c_attn", "mlp.c_fc"}
+    assert not any("scaled_dot_product" in e["op"] for e in replayed)
 
 
 def test_a_setting_plan_recosted_as_it_stands_gets_its_estimate_back(settings):

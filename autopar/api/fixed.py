@@ -52,8 +52,9 @@ def check_fixed(fixed: dict[str, Any] | None) -> Fixed:
         )
     if "recompute" in fixed and fixed["recompute"] not in SETTINGS:
         raise PlanError(
-            f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer) or 'full' "
-            f"(every layer), not {fixed['recompute']!r}; leave it out to let the search choose op by op"
+            f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer), 'op-sac' "
+            f"(torchtitan's per-op policy) or 'full' (every layer), not {fixed['recompute']!r}; leave it out "
+            "to let the search choose op by op"
         )
     return Fixed(**fixed)
 

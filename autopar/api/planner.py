@@ -68,8 +68,10 @@ def plan(
     (``{"dp": 64, "zero": 3}``); what it leaves open is searched. Its keys are
     ``dp``, ``tp``, ``pp``, ``zero`` (0-3), ``microbatches``, ``schedule`` and
     ``recompute``: "none", "selective" (Megatron-LM's: the attention core of every
-    layer), "full" (every layer replayed from its input), or absent: the MILP
-    chooses op by op (:mod:`autopar.search.sharding.recompute_settings`).
+    layer), "op-sac" (torchtitan's per-op checkpointing: every other matmul and the
+    attention kept, the rest of each layer replayed), "full" (every layer replayed
+    from its input), or absent: the MILP chooses op by op
+    (:mod:`autopar.search.sharding.recompute_settings`).
     ``precision``: "bf16-mixed", "fp16-mixed" or "fp32"; under mixed precision
     gradients are reduced in ``reduce_dtype``, "fp32" by default or the compute
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).

@@ -98,6 +98,7 @@ def collective_time(
 
     - all_reduce: 2(n-1)·α + 2(n-1)/n·B/bw
     - all_gather, reduce_scatter, all_to_all: (n-1)·α + (n-1)/n·B/bw
+      (α per hop and once per collective as NCCL's model has them: :func:`latency`)
     - broadcast: (n-1)·α + B/bw (pipelined ring: the buffer is cut into
       chunks that stream down the ring, so the pipe fills in n-1 hops and
       then moves B at link speed)
@@ -112,7 +113,25 @@ def collective_time(
         return 0.0
     # Multiply by 1/bw (0 for an infinite link) rather than divide, so a symbolic size stays finite.
     per_byte = 1.0 / (link.bandwidth * eff)
-    return latency_hops(kind, n) * link.latency_s + bus_bytes(kind, nbytes, n) * per_byte
+    return latency(kind, n, link) + bus_bytes(kind, nbytes, n) * per_byte
+
+
+def latency(kind: str, n: int, link: Link) -> float:
+    """Seconds of latency of one ``kind`` collective over ``n`` ranks on ``link``, as NCCL's tuning model counts it.
+
+    Once the collective's base, then each ring hop at its own link's latency: a group
+    across nodes with ``link.ranks_per_node`` ranks a node crosses the network
+    ``nodes − 1`` times a pass (twice that for an all-reduce), the other hops staying
+    inside a node; NCCL charges a ring all-reduce across nodes 1.4 times that (its
+    "plateau effect of ring", src/graph/tuning.cc, for compute capability 8.0 and up).
+    """
+    hops = latency_hops(kind, n)
+    if link.intra_latency_s is None:
+        return link.base_latency_s + hops * link.latency_s
+    nodes = -(-n // max(link.ranks_per_node, 1))
+    crossings = min(hops, (nodes - 1) * (2 if kind == "all_reduce" else 1) if kind != "send_recv" else 1)
+    hop_time = crossings * link.latency_s + (hops - crossings) * link.intra_latency_s
+    return link.base_latency_s + hop_time * (1.4 if kind == "all_reduce" and nodes > 1 else 1.0)
 
 
 def bucketed_time(kind: str, nbytes: float, n: int, link: Link, bucket_bytes: float) -> tuple[float, int]:

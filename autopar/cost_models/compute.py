@@ -2,11 +2,22 @@
 
 Why a roofline: a plan is made for devices the user may not have, so op
 times are estimated analytically rather than profiled. Each op is bounded
-either by the tensor cores (FLOPs / peak FLOP/s) or by HBM (bytes / HBM
-bandwidth); its time is the larger of the two, each scaled by a calibrated
-efficiency. Matmuls, convolutions and attention land on the compute side;
-elementwise ops, norms, softmax, embedding lookups and reductions land on
-the memory side, which is why ops without a FLOP formula count 0 FLOPs.
+either by the tensor cores (FLOPs / the FLOP/s its kernel reaches) or by HBM
+(bytes / HBM bandwidth); its time is the larger of the two, each scaled by a
+calibrated efficiency. Matmuls, convolutions and attention land on the
+compute side; elementwise ops, norms, softmax, embedding lookups and
+reductions land on the memory side, which is why ops without a FLOP formula
+count 0 FLOPs.
+
+The FLOP/s a kernel reaches is a measured figure of the device, not its
+datasheet peak (:func:`kernel_flops`): a dense matmul reaches the device's
+``matmul_fraction`` of peak (the best GEMM shapes, measured), a fused attention
+kernel its ``attention_fraction`` (FlashAttention-2's forward + backward,
+measured) times the speed of the runtime's own attention kernel relative to
+that one (:data:`autopar.cost_models.overlap.RUNTIME`). A causal attention
+kernel skips the blocks above the diagonal: it runs half the FLOPs the formula
+counts (:func:`attention_work`); MFU still counts them all, as PyTorch's
+``FlopCounterMode`` and Megatron-LM's formula do.
 
 FLOPs come from ``torch.utils.flop_counter``'s registry, so autopar counts
 what PyTorch's own ``FlopCounterMode`` counts (same conventions: a
@@ -34,6 +45,8 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 from torch.utils import flop_counter
+
+from autopar.cost_models import overlap
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +120,21 @@ def _peak_flops(device: DeviceLike, dtype_name: str) -> float:
     return peak
 
 
+def kernel_flops(device: DeviceLike, dtype_name: str = "bf16", attention: float = 0.0) -> float:
+    """FLOP/s the device's kernels reach on their best shapes: a dense matmul's, or (``attention`` > 0) a fused
+    attention kernel's, the runtime's own (see the module docstring).
+
+    A device without the measured fractions (a custom or test device) reaches its peak.
+    """
+    peak = _peak_flops(device, dtype_name)
+    matmul = float(getattr(device, "matmul_fraction", 1.0) or 1.0)
+    if not attention:
+        return peak * matmul
+    fraction = getattr(device, "attention_fraction", None)
+    # the runtime is read at call time: calibration sets it per published run
+    return peak * (matmul if fraction is None else float(fraction)) * overlap.RUNTIME.attention_speedup
+
+
 def roofline_time(
     flops: float,
     nbytes: float,
@@ -114,11 +142,14 @@ def roofline_time(
     dtype_name: str = "bf16",
     efficiency: ComputeEfficiency | None = None,
     bytes_scale: float = 1.0,
+    attention: float = 0.0,
 ) -> float:
     """Seconds for an op doing ``flops`` and moving ``nbytes``: the larger of its compute and memory times.
 
     ``bytes_scale`` converts bytes counted at the traced dtype to the
     training precision (0.5 for bf16-mixed activations on an fp32 trace).
+    ``attention`` > 0 marks a fused attention kernel running that fraction of
+    ``flops`` (:func:`attention_work`), at the attention kernel's FLOP/s.
     ``efficiency`` None means the module's ``DEFAULT_EFFICIENCY`` as it is
     at call time, so calibration can replace it after import.
     """
@@ -128,7 +159,8 @@ def roofline_time(
         raise ValueError(f"device hbm_bandwidth must be positive bytes/s, got {bandwidth!r}")
     if bytes_scale < 0:
         raise ValueError(f"bytes_scale must be >= 0, got {bytes_scale!r}")
-    t_compute = flops / (_peak_flops(device, dtype_name) * eff.matmul) if flops else 0.0
+    work = flops * attention if attention else flops
+    t_compute = work / (kernel_flops(device, dtype_name, attention) * eff.matmul) if flops else 0.0
     t_memory = nbytes * bytes_scale / (bandwidth * eff.memory) if nbytes else 0.0
     return max(t_compute, t_memory)
 
@@ -243,6 +275,38 @@ def node_flops(node: fx.Node) -> int:
         )
         return 0
     return int(_hint(flops))
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of argument ``name`` of an op node (positional or keyword, else its schema default)."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == name:
+            if not arg.kwarg_only and i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, arg.default_value)
+    return None
+
+
+def is_attention_kernel(node: fx.Node) -> bool:
+    """A fused attention op, forward or backward (SDPA's flash / efficient / cuDNN kernels, autopar's own)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = node.target._schema.name
+    return "scaled_dot_product" in name or name.startswith("autopar::dropout_attention")
+
+
+def attention_work(node: fx.Node) -> float:
+    """The fraction of a fused attention kernel's counted FLOPs it runs; 0 for any other op.
+
+    A causal kernel skips the blocks above the diagonal of the scores: it runs
+    half the FLOPs (FlashAttention's benchmarks count a causal kernel's FLOPs as
+    half of ``flop_counter``'s, whose formula counts the whole square); any
+    other runs them all.
+    """
+    if not is_attention_kernel(node):
+        return 0.0
+    return 0.5 if _argument(node, "is_causal") is True else 1.0
 
 
 # --------------------------------------------------------------------------- bytes
@@ -368,8 +432,10 @@ def node_time(
     efficiency: ComputeEfficiency | None = None,
     bytes_scale: float = 1.0,
 ) -> float:
-    """Roofline seconds of one node: max(FLOPs / matmul peak, bytes / HBM bandwidth), nothing else."""
-    return roofline_time(node_flops(node), node_bytes(node), device, dtype_name, efficiency, bytes_scale)
+    """Roofline seconds of one node: max(FLOPs / its kernel's FLOP/s, bytes / HBM bandwidth), nothing else."""
+    return roofline_time(
+        node_flops(node), node_bytes(node), device, dtype_name, efficiency, bytes_scale, attention_work(node)
+    )
 
 
 # --------------------------------------------------------------------------- whole graph
@@ -387,6 +453,8 @@ class ComputeSummary:
 
     per_node: dict[str, tuple[int, int]] = field(default_factory=dict)
     phase: dict[str, str] = field(default_factory=dict)
+    # fused attention kernels: the fraction of their FLOPs they run (attention_work)
+    attention: dict[str, float] = field(default_factory=dict)
     # per node, the part of its bytes that does not grow with the batch: parameters, their gradients
     fixed_bytes: dict[str, int] = field(default_factory=dict)
     total_flops: int = 0
@@ -431,6 +499,7 @@ class ComputeSummary:
                 dtype_name,
                 efficiency,
                 bytes_scale,
+                self.attention.get(name, 0.0),
             )
         return out
 
@@ -449,6 +518,7 @@ class ComputeSummary:
         return {
             "per_node": {k: [f, b] for k, (f, b) in self.per_node.items()},
             "phase": dict(self.phase),
+            "attention": dict(self.attention),
             "fixed_bytes": dict(self.fixed_bytes),
             "total_flops": self.total_flops,
             "forward_flops": self.forward_flops,
@@ -462,6 +532,7 @@ class ComputeSummary:
         return cls(
             per_node={k: (int(v[0]), int(v[1])) for k, v in d["per_node"].items()},
             phase=dict(d.get("phase", {})),
+            attention={k: float(v) for k, v in d.get("attention", {}).items()},
             fixed_bytes={k: int(v) for k, v in d.get("fixed_bytes", {}).items()},
             total_flops=int(d["total_flops"]),
             forward_flops=int(d["forward_flops"]),
@@ -492,6 +563,8 @@ def graph_compute(
         flops, nbytes = node_flops(node), node_bytes(node)
         phase = "forward" if phase_of is None else phase_of(node)
         summary.per_node[node.name] = (flops, nbytes)
+        if attention_work(node):
+            summary.attention[node.name] = attention_work(node)
         if batch_free and nbytes:
             fixed = _fixed_bytes(node, batch_free)
             if fixed:

@@ -11,8 +11,9 @@ as DDP and DeepSpeed do):
     compute    = m · (t_fwd + t_bwd), each op's roofline at the micro-batch: its FLOPs and activation
                  bytes scaled from the captured batch, its parameter and gradient bytes not
     ZeRO 0     all-reduce(G·Ψ) once, hidden behind the last micro-batch's backward
-    ZeRO 1     reduce-scatter(G·Ψ) hidden behind the backward, all-gather(P·Ψ) after the step (exposed)
-    ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (exposed)
+    ZeRO 1     reduce-scatter(G·Ψ) hidden behind the backward, all-gather(P·Ψ) after the step (exposed,
+               or under the next forward where the runtime overlaps it: param_gather_exposed)
+    ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (as ZeRO 1)
     ZeRO 3     per micro-batch: all-gather(P·Ψ) in forward, again in backward, reduce-scatter(G·Ψ);
                each overlapped with the pass it serves
     exposed    = Σ max(comm_pass − compute_pass, tail) where tail is the last bucket's share
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.cost_models import compute as compute_model
+from autopar.cost_models import overlap
 from autopar.cost_models.comm import bucketed_time, collective_time
-from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency, ComputeSummary
+from autopar.cost_models.compute import ComputeEfficiency, ComputeSummary
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.memory import (
     Precision,
@@ -39,7 +42,8 @@ from autopar.cost_models.memory import (
     optimizer_bytes_per_param,
 )
 
-# DDP's default gradient bucket; also the granularity of ZeRO's overlapped communication.
+# DDP's default gradient bucket, autopar's runtime's; also the granularity of ZeRO's overlapped communication.
+# A runtime with other buckets says so (autopar.cost_models.overlap.bucket_bytes, which every path reads).
 BUCKET_BYTES = 25e6
 
 
@@ -66,7 +70,7 @@ class GraphStats:
     ) -> dict:
         """Roofline time per phase at ``batch_scale`` times the captured batch; cached, since every
         configuration asks."""
-        key = (device.name, dtype_name, efficiency, bytes_scale, batch_scale)
+        key = (device.name, dtype_name, efficiency, bytes_scale, batch_scale, overlap.RUNTIME)
         if key not in self._phase_cache:
             self._phase_cache[key] = self.compute.time_by_phase(
                 device, dtype_name, efficiency, bytes_scale, batch_scale
@@ -101,7 +105,7 @@ def estimate_config(
     efficiency: ComputeEfficiency | None = None,
 ) -> Estimate:
     """Cost one configuration: step time, throughput, MFU and memory per device."""
-    efficiency = efficiency or DEFAULT_EFFICIENCY
+    efficiency = efficiency or compute_model.DEFAULT_EFFICIENCY  # read at call time: calibration sets it
     device = cluster.device_spec
     mesh = cluster.check_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     mb_scale = cfg.micro_batch_size / stats.batch_size
@@ -149,10 +153,10 @@ def _dp_collective(
     """``count`` rounds of ``kind`` over ``nbytes`` on n dp ranks, recorded in ``collectives``.
 
     Each round is sent as ``pieces`` equal collectives (ZeRO-3's one per module), or, with
-    ``pieces`` None, in buckets of ``BUCKET_BYTES`` (:func:`autopar.cost_models.comm.bucketed_time`).
+    ``pieces`` None, in the runtime's buckets (:func:`autopar.cost_models.comm.bucketed_time`).
     """
     if pieces is None:
-        t, pieces = bucketed_time(kind, nbytes, n, link, BUCKET_BYTES)
+        t, pieces = bucketed_time(kind, nbytes, n, link, overlap.bucket_bytes(n))
     else:
         t = pieces * collective_time(kind, nbytes / pieces, n, link)
     if n > 1 and count > 0 and pieces:
@@ -168,18 +172,32 @@ def _dp_collective(
     return t * count
 
 
-def exposed_part(comm: float, window: float, nbytes: float) -> float:
+def exposed_part(comm: float, window: float, nbytes: float, ranks: int = 1) -> float:
     """What of ``comm`` seconds, overlapped with ``window`` seconds of compute, stays on the critical path.
 
     The part that outlasts the window, and at least the last bucket's share (a bucket
-    is sent once it is full, so the last one starts when the compute ends).
+    is sent once it is full, so the last one starts when the compute ends); ``ranks``:
+    the data-parallel group's size, which some runtimes size their buckets by.
     """
-    return max(comm - window, _tail(comm, nbytes))
+    return max(comm - window, _tail(comm, nbytes, ranks))
 
 
-def _tail(comm: float, nbytes: float) -> float:
+def param_gather_exposed(comm: float, forward: float, nbytes: float, ranks: int = 1) -> float:
+    """What of ZeRO-1/2's gather of the stepped shards (``comm`` seconds over ``nbytes``) stays on the critical path.
+
+    All of it on autopar's runtime (gathered after the optimizer step); under a runtime that
+    overlaps it with the next step's forward (:mod:`autopar.cost_models.overlap`), what outlasts
+    ``forward`` (one micro-batch's: the layers after the first wait for their bucket only) and at
+    least the first bucket.
+    """
+    if not overlap.RUNTIME.param_gather_overlap:
+        return comm
+    return exposed_part(comm, forward, nbytes, ranks)
+
+
+def _tail(comm: float, nbytes: float, ranks: int = 1) -> float:
     """The last bucket's share of ``comm``: what no overlap with the backward can hide."""
-    return comm * min(1.0, BUCKET_BYTES / max(nbytes, 1.0))
+    return comm * min(1.0, overlap.bucket_bytes(ranks) / max(nbytes, 1.0))
 
 
 def _data_parallel_comm(
@@ -206,22 +224,23 @@ def _data_parallel_comm(
     groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
     if cfg.zero == 0:
         c = coll("all_reduce", grad_bytes, 1)
-        comm, exposed = c, exposed_part(c, t_bwd, grad_bytes)
+        comm, exposed = c, exposed_part(c, t_bwd, grad_bytes, n)
     elif cfg.zero == 1:
         rs = coll("reduce_scatter", grad_bytes, 1)
         ag = coll("all_gather", param_bytes, 1)
-        comm, exposed = rs + ag, exposed_part(rs, t_bwd, grad_bytes) + ag
+        comm = rs + ag
+        exposed = exposed_part(rs, t_bwd, grad_bytes, n) + param_gather_exposed(ag, t_fwd, param_bytes, n)
     elif cfg.zero == 2:
         rs = coll("reduce_scatter", grad_bytes, m)
         ag = coll("all_gather", param_bytes, 1)
         comm = rs + ag
-        exposed = m * exposed_part(rs / m, t_bwd, grad_bytes) + ag
+        exposed = m * exposed_part(rs / m, t_bwd, grad_bytes, n) + param_gather_exposed(ag, t_fwd, param_bytes, n)
     else:
         ag = coll("all_gather", param_bytes, 2 * m, groups)
         rs = coll("reduce_scatter", grad_bytes, m, groups)
         ag1, rs1 = ag / (2 * m), rs / m
         comm = ag + rs
-        exposed = m * (exposed_part(ag1, t_fwd, param_bytes) + exposed_part(ag1 + rs1, t_bwd, param_bytes))
+        exposed = m * (exposed_part(ag1, t_fwd, param_bytes, n) + exposed_part(ag1 + rs1, t_bwd, param_bytes, n))
     if n == 1:
         comm = exposed = 0.0
     return comm, exposed
@@ -246,7 +265,7 @@ def _memory(
     activations = (stats.saved_float_bytes * act_scale + stats.saved_other_bytes) * mb_scale
     buffers = stats.peak_transient_bytes * act_scale * mb_scale
     if n > 1 and cfg.zero < 3:
-        buffers += 2 * min(BUCKET_BYTES, grad_bytes)  # a bucket in flight while the next fills
+        buffers += 2 * min(overlap.bucket_bytes(n), grad_bytes)  # a bucket in flight while the next fills
     if n > 1 and cfg.zero == 3:
         # the gathered parameters of the module in use and of the one prefetched
         groups = max(1, stats.param_groups)

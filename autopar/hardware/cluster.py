@@ -18,6 +18,7 @@ one NVLink domain whenever it fits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("nccl", "gloo")
 """Collective backends a cluster may name."""
 
+NCCL_BASE_LATENCY_S = 8.4e-6
+"""What NCCL's tuning model charges once per ring collective with its Simple protocol, the one large
+messages take (``baseLatencies``, Ring/Simple, in src/graph/tuning.cc of NVIDIA/nccl at
+5067397c2676d5aed50042fc39e5c8ee96eb0027); its per-hop latencies are the devices' link latencies."""
+
 # --------------------------------------------------------------------------- links and meshes
 
 
@@ -50,6 +56,12 @@ class Link:
     ``bandwidth`` is bytes/s per GPU per direction, the figure the ring
     formulas in ``cost_models.comm`` divide by. An axis of size 1 gets an
     infinite, zero-latency link named "local", so its collectives cost 0.
+
+    A ring's latency is paid per hop: ``latency_s`` a hop on this link. A group
+    that spans nodes has ``ranks_per_node`` of its ranks in each node, and the
+    hops between those run inside the node at ``intra_latency_s`` (None: every hop
+    at ``latency_s``); ``base_latency_s`` is paid once per collective (NCCL's
+    launch and setup).
     """
 
     bandwidth: float
@@ -57,6 +69,9 @@ class Link:
     name: str
     """"nvlink", "infiniband", "gloo", or "local" for an axis of size 1."""
     intra_node: bool
+    base_latency_s: float = 0.0
+    intra_latency_s: float | None = None
+    ranks_per_node: int = 1
 
 
 LOCAL_LINK = Link(bandwidth=math.inf, latency_s=0.0, name="local", intra_node=True)
@@ -263,14 +278,18 @@ class Cluster:
         """Link between two ranks of one node."""
         if self.backend == "gloo":
             return Link(self.intra_node_bandwidth, self._spec.intra_node_latency_s, "gloo", True)
-        return Link(self.intra_node_bandwidth, self._spec.intra_node_latency_s, "nvlink", True)
+        return Link(
+            self.intra_node_bandwidth, self._spec.intra_node_latency_s, "nvlink", True, NCCL_BASE_LATENCY_S
+        )
 
     @property
     def inter_node_link(self) -> Link:
-        """Link between ranks of different nodes."""
+        """Link between ranks of different nodes (every hop of a group across nodes at the inter-node latency)."""
         if self.backend == "gloo":
             return Link(self.inter_node_bandwidth, self._spec.inter_node_latency_s, "gloo", False)
-        return Link(self.inter_node_bandwidth, self._spec.inter_node_latency_s, "infiniband", False)
+        return Link(
+            self.inter_node_bandwidth, self._spec.inter_node_latency_s, "infiniband", False, NCCL_BASE_LATENCY_S
+        )
 
     def describe(self) -> str:
         """One line a person reads, e.g. "8 nodes x 8 H100-80GB (64 devices), NVLink 450 GB/s in a node, 50 GB/s between"."""
@@ -351,14 +370,20 @@ class Cluster:
         """The link collectives on ``axis`` run over: NVLink if every group fits in a node, else InfiniBand.
 
         A group that spans nodes is paced by its slowest hop, so it gets the
-        inter-node bandwidth per GPU even if most of its hops are NVLink.
+        inter-node bandwidth per GPU even if most of its hops are NVLink; its
+        latency is paid hop by hop, the hops between its ranks in one node at
+        NVLink's (``Link.ranks_per_node``).
         """
         self._check_mesh_size(mesh)
         if mesh.axis_size(axis) == 1:
             return LOCAL_LINK
         if self.axis_within_node(mesh, axis):
             return self.intra_node_link
-        return self.inter_node_link
+        n, stride = mesh.axis_size(axis), mesh.stride(axis)
+        per_node = max(1, min(n, self.gpus_per_node // stride)) if stride < self.gpus_per_node else 1
+        return dataclasses.replace(
+            self.inter_node_link, intra_latency_s=self.intra_node_link.latency_s, ranks_per_node=per_node
+        )
 
     def _check_mesh_size(self, mesh: MeshShape) -> None:
         if not isinstance(mesh, MeshShape):

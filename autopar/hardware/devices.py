@@ -76,6 +76,11 @@ class DeviceSpec:
     inter_node_latency_s: float
     source: str
     """Where the figures come from, so a reader can check them."""
+    matmul_fraction: float = 1.0
+    """Of the bf16 peak, what a dense matmul reaches on its best shapes (measured; 1.0 where unmeasured)."""
+    attention_fraction: float | None = None
+    """Of the bf16 peak, what FlashAttention-2's forward + backward reaches (measured, causal FLOPs counted as
+    half); None where unmeasured: attention then runs at the matmul's rate."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -94,6 +99,14 @@ class DeviceSpec:
         _positive_int(self.memory_bytes, f"device {self.name} memory_bytes")
         for attr in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _positive_number(getattr(self, attr), f"device {self.name} {attr}")
+        for attr in ("matmul_fraction", "attention_fraction"):
+            value = getattr(self, attr)
+            if value is None and attr == "attention_fraction":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ClusterError(
+                    f"device {self.name}: {attr} must be a fraction of the peak in (0, 1], got {value!r}"
+                )
         for attr in ("intra_node_latency_s", "inter_node_latency_s"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -127,6 +140,8 @@ class DeviceSpec:
             "intra_node_latency_s": self.intra_node_latency_s,
             "inter_node_latency_s": self.inter_node_latency_s,
             "source": self.source,
+            "matmul_fraction": self.matmul_fraction,
+            "attention_fraction": self.attention_fraction,
         }
 
     @classmethod
@@ -140,10 +155,24 @@ class DeviceSpec:
             ) from err
 
 
-_INTRA_LATENCY_S = 3e-6
-_INTER_LATENCY_S = 8e-6
-# NCCL's small-message latency is a few microseconds over NVLink and about
-# 5-10 microseconds across InfiniBand (REFERENCES.md); these are mid-range.
+# Measured kernel speeds, as fractions of the bf16 peak (DeviceSpec.matmul_fraction, .attention_fraction):
+# - dense matmul: the "Maximum Achievable Matmul FLOPS" table of stas00/ml-engineering
+#   (compute/accelerator/README.md at b9e29720eebd4aa946fa9678975385efbc90a777): A100 SXM 271.2 of 312
+#   TFLOP/s, H100 SXM 794.5 of 989 (torch 2.6 / 2.7, cuBLAS, the best of a sweep of shapes);
+# - attention: FlashAttention-2's forward + backward, causal, head dimension 128, sequence 8k, in the
+#   benchmark plots of Dao-AILab/flash-attention (assets/flash2_a100_fwd_bwd_benchmark.png and
+#   flash2_h100_fwd_bwd_benchmark.png at 4f285b354796fb17df8636485b9a04df3ebbb7dc): 182 TFLOP/s on an
+#   A100 80GB SXM4, 308 on an H100 80GB SXM5, causal FLOPs counted as half of the square's.
+# The H200 has the H100's chip and clocks: its figures are taken as the H100's.
+_A100_KERNELS = {"matmul_fraction": 271.2 / 312, "attention_fraction": 182 / 312}
+_H100_KERNELS = {"matmul_fraction": 794.5 / 989, "attention_fraction": 308 / 989}
+
+_INTRA_LATENCY_S = 3.4e-6
+_INTER_LATENCY_S = 14e-6
+# A ring hop's latency as NCCL's own tuning model has it for its Simple protocol, which large messages
+# take: 3.4 us over NVLink, 14 us over the network (``hwLatencies``, Ring/Simple, src/graph/tuning.cc of
+# NVIDIA/nccl at 5067397c2676d5aed50042fc39e5c8ee96eb0027); it also charges 8.4 us once a collective
+# (autopar.hardware.cluster.NCCL_BASE_LATENCY_S).
 
 DEVICES: dict[str, DeviceSpec] = {
     "V100-32GB": DeviceSpec(
@@ -176,6 +205,7 @@ DEVICES: dict[str, DeviceSpec] = {
             "1.6 TB/s HBM2 (1,555 GB/s), NVLink3 300 GB/s per direction; DGX A100: 8 x HDR 200 Gb/s "
             "InfiniBand = 25 GB/s per GPU"
         ),
+        **_A100_KERNELS,
     ),
     "A100-80GB": DeviceSpec(
         name="A100-80GB",
@@ -191,6 +221,7 @@ DEVICES: dict[str, DeviceSpec] = {
             "2.0 TB/s HBM2e (2,039 GB/s), NVLink3 300 GB/s per direction; DGX A100: 8 x HDR 200 Gb/s "
             "InfiniBand = 25 GB/s per GPU"
         ),
+        **_A100_KERNELS,
     ),
     "H100-80GB": DeviceSpec(
         name="H100-80GB",
@@ -205,6 +236,7 @@ DEVICES: dict[str, DeviceSpec] = {
             "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16/fp16 dense, 494 tf32, 67 fp32, 3.35 TB/s "
             "HBM3, NVLink4 450 GB/s per direction; DGX H100: 8 x NDR 400 Gb/s InfiniBand = 50 GB/s per GPU"
         ),
+        **_H100_KERNELS,
     ),
     "H200-141GB": DeviceSpec(
         name="H200-141GB",
@@ -220,6 +252,7 @@ DEVICES: dict[str, DeviceSpec] = {
             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink4 450 GB/s per direction; DGX H200: 8 x NDR "
             "400 Gb/s = 50 GB/s per GPU"
         ),
+        **_H100_KERNELS,
     ),
     "B200": DeviceSpec(
         name="B200",

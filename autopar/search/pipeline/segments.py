@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models import overlap
+from autopar.cost_models.comm import bucketed_time
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
+from autopar.cost_models.step import param_gather_exposed
 from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
 from autopar.search.sharding.instance import (
     TP_DIM,
@@ -79,7 +81,7 @@ def segment_figures(
             saved_bytes=f.saved[j],
             transient_bytes=f.trans[j],
             state_bytes=f.states[j],
-            optimizer_s=f.opt[j],
+            optimizer_s=f.opt[j] + _param_gather(f.gathered[j], f.fwd_compute[j], sp, mesh_shape, links),
             grad_sync_s=f.sync[j],
             boundary_bytes=f.boundary[j],
             params=f.params[j],
@@ -88,6 +90,15 @@ def segment_figures(
         )
         for j in range(k)
     ]
+
+
+def _param_gather(nbytes: float, forward: float, sp: ShardingProblem, mesh_shape, links) -> float:
+    """Exposed seconds of gathering a segment's ``nbytes`` of stepped ZeRO-1/2 shards over dp, in buckets."""
+    d = sp.dp_dim
+    if not nbytes or d is None or links is None:
+        return 0.0
+    comm = bucketed_time("all_gather", nbytes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+    return param_gather_exposed(comm, forward, nbytes, mesh_shape[d])
 
 
 @dataclass
@@ -111,10 +122,11 @@ class _SegmentFigures:
     bwd_compute: list[float]
     fwd_tp: list[float]
     bwd_tp: list[float]
+    gathered: list[float]  # ZeRO-1/2: bytes of the stepped parameter shards gathered after the optimizer
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
-        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)))
+        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(8)))
 
 
 def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
@@ -140,7 +152,11 @@ def _add_node_figures(
         t = p.node_costs[i][c]
         seg = index_seg[i]
         if i in param_nodes:
-            f.opt[seg] += t
+            # ZeRO-1/2's gather of the stepped shard is costed per segment, in buckets (segment_figures)
+            gather = sp.param_comm[i][c] if i in sp.param_comm else 0.0
+            f.opt[seg] += t - gather
+            if gather and sp.strategies[i][c].zero:
+                f.gathered[seg] += sp.state_parts[i][c][0]
             parts = sp.state_parts.get(i)
             f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
             val = by_name[sp.nodes[i]].meta.get("val")

@@ -7,7 +7,8 @@ overlap of communication with compute, as the analytic data-parallel model
 either path:
 
     step      = compute + exposed + optimizer
-    exposed   = data + Y(P_fwd, T_fwd) + Y(P_bwd, T_bwd) + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd) + Z
+    exposed   = data + Y(P_fwd, T_fwd) + Y(P_bwd, T_bwd) + X(G_fwd, T_fwd) + X(G_bwd + R, T_bwd)
+                + X(R_1, T_bwd / k) + W(Z)
     X(c, w)   = max(c − w, the last bucket's share of c)
 
 where ``data`` is every activation moved between ops (on the critical path),
@@ -19,9 +20,14 @@ moved to forward / backward ops (ZeRO-3's all-gathers, once per micro-batch,
 prefetched under the pass that reads them, as FSDP does), R the gradient
 synchronisation in buckets (:func:`autopar.cost_models.comm.bucketed_time`;
 a partial gradient reduced on its way to the gradient, a bias's ``sum``,
-counts as gradient synchronisation), T_fwd / T_bwd the forward and backward
+counts as gradient synchronisation) done every micro-batch (ZeRO-2 and 3),
+R_1 the part done once a step over the gradients accumulated over k
+micro-batches (ZeRO 0 and 1, as DDP and Megatron-LM do): only the last
+micro-batch's backward is left to hide it, T_fwd / T_bwd the forward and backward
 compute, and Z ZeRO-1/2's gather of the stepped shards after the optimizer
-(in buckets, nothing left to hide it under).
+(in buckets), W(Z) its exposed part: all of it on autopar's runtime, nothing left
+to hide it under; X(Z, T_fwd / k) where the runtime overlaps it with the next
+step's first forward (:func:`autopar.cost_models.step.param_gather_exposed`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from autopar.cost_models.comm import bucketed_time, collective_time
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.reshard import grad_sync_steps
-from autopar.cost_models.step import BUCKET_BYTES, exposed_part
+from autopar.cost_models.step import exposed_part, param_gather_exposed
 from autopar.hardware.cluster import Cluster
 from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.instance import (
@@ -115,15 +121,18 @@ def evaluate(
     # the parameters' gathers hide under the pass that reads them, the gradients' reduction under the
     # backward; ZeRO-1/2 gather the stepped parameters after the optimizer: nothing left to hide them under
     tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
+    dp = mesh_shape[sp.dp_dim] if sp.dp_dim is not None else 1
+    k = sp.microbatches
     exposed = (
         comm.data
         + overlap.tp_exposed(comm.tp_forward, compute - backward, tp)
         + overlap.tp_exposed(comm.tp_backward, backward, tp)
-        + exposed_part(comm.gather_forward, compute - backward, comm.gathered_forward_bytes)
+        + exposed_part(comm.gather_forward, compute - backward, comm.gathered_forward_bytes, dp)
         + exposed_part(
-            comm.gather_backward + comm.grad, backward, comm.gathered_backward_bytes or comm.grad_bytes
+            comm.gather_backward + comm.grad, backward, comm.gathered_backward_bytes or comm.grad_bytes, dp
         )
-        + comm.zero_gather
+        + exposed_part(comm.grad_once, backward / k, comm.grad_once_bytes, dp)
+        + param_gather_exposed(comm.zero_gather, (compute - backward) / k, comm.zero_gather_bytes, dp)
     )
     step = compute + exposed + optimizer_s
 
@@ -168,13 +177,19 @@ class StepComm:
     gather_backward: float = 0.0  # parameters moved to backward ops
     gathered_forward_bytes: float = 0.0  # one micro-batch's, whole (before sharding)
     gathered_backward_bytes: float = 0.0
-    grad: float = 0.0  # gradient synchronisation, in buckets
+    grad: float = 0.0  # gradient synchronisation every micro-batch (ZeRO-2 and 3), in buckets
     grad_bytes: float = 0.0
+    grad_once: float = 0.0  # gradient synchronisation once a step, under the last micro-batch's backward
+    grad_once_bytes: float = 0.0
     zero_gather: float = 0.0  # ZeRO-1/2: the stepped shards gathered after the optimizer, in buckets
+    zero_gather_bytes: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.data + self.tp_forward + self.tp_backward + self.gather_forward + self.gather_backward + self.grad + self.zero_gather
+        return (
+            self.data + self.tp_forward + self.tp_backward + self.gather_forward + self.gather_backward
+            + self.grad + self.grad_once + self.zero_gather
+        )
 
 
 def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ...], links: list) -> StepComm:
@@ -204,7 +219,10 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
             nbytes = info.moved_bytes(have, need)
             for kind, d, size in grad_sync_steps(have, need, b.zero, nbytes, mesh_shape, sp.dp_dim) or []:
                 buckets[(kind, d, rounds)] = buckets.get((kind, d, rounds), 0.0) + size
-            out.grad_bytes += nbytes
+            if rounds == 1 and k > 1:
+                out.grad_once_bytes += nbytes
+            else:
+                out.grad_bytes += nbytes
         elif info.kind == "data" and info.dst in chain and c > 0:
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(sp.strategies[v][choice[v]])
             nbytes = info.moved_bytes(have, need)
@@ -220,11 +238,16 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
         else:
             _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward)
     for (kind, d, rounds), nbytes in buckets.items():
-        out.grad += rounds * bucketed_time(kind, nbytes, mesh_shape[d], links[d], BUCKET_BYTES)[0]
+        t = bucketed_time(kind, nbytes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+        if rounds == 1 and k > 1:  # accumulated over the micro-batches, reduced once: under the last backward
+            out.grad_once += t
+        else:
+            out.grad += rounds * t
     stepped = sum(sp.state_parts[i][choice[i]][0] for i in sp.param_nodes if sp.strategies[i][choice[i]].zero)
     if stepped and sp.dp_dim is not None:
         d = sp.dp_dim
-        out.zero_gather = bucketed_time("all_gather", stepped, mesh_shape[d], links[d], BUCKET_BYTES)[0]
+        out.zero_gather = bucketed_time("all_gather", stepped, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+        out.zero_gather_bytes = stepped
     return out
 
 

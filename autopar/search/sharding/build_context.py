@@ -17,7 +17,8 @@ from typing import Any
 
 from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.core.placements import Placements
-from autopar.cost_models.compute import DEFAULT_EFFICIENCY, ComputeEfficiency
+from autopar.cost_models import compute as compute_model
+from autopar.cost_models.compute import ComputeEfficiency
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
 from autopar.cost_models.reshard import shard_factor
 from autopar.hardware.cluster import Link
@@ -166,7 +167,7 @@ def make_context(
         inputs={t.placeholder for t in captured.inputs},
         scale=request.activation_scale,
         dp_n=mesh_shape[dp_dim] if dp_dim is not None else 1,
-        mem_bw=device.hbm_bandwidth * (request.efficiency or DEFAULT_EFFICIENCY).memory,
+        mem_bw=device.hbm_bandwidth * (request.efficiency or compute_model.DEFAULT_EFFICIENCY).memory,
         b_opt=b_opt,
         b_copy=partition_copy_bytes(precision),
         opt_traffic=precision.grad_bytes + 2 * b_opt + precision.param_bytes,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import is_view, node_flops
+from autopar.cost_models.compute import attention_work, is_view, node_flops
 from autopar.search.sharding.recompute import can_recompute
 
 
@@ -52,6 +52,7 @@ class GraphFacts:
     # be freed before that backward use (and so must be kept for the recomputation), with their end
     recompute_gap: dict[str, tuple[int, int]] = field(default_factory=dict)
     late_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
+    attention: dict[str, float] = field(default_factory=dict)  # fused attention kernels: attention_work
 
 
 _FACTS: weakref.WeakKeyDictionary[fx.GraphModule, GraphFacts] = weakref.WeakKeyDictionary()
@@ -97,6 +98,8 @@ def graph_facts(gm: fx.GraphModule) -> GraphFacts:
         facts.out_float[name] = [bool(getattr(v, "is_floating_point", lambda: False)()) for v in vals]
         facts.whole_bytes[name] = _tensor_bytes(node.meta.get("val"))
         facts.flops[name] = float(node_flops(node)) if node.op == "call_function" else 0.0
+        if attention_work(node):
+            facts.attention[name] = attention_work(node)
         facts.view[name] = is_view(node)
         last_use = max(storage_end.get((node, None), 0), order[name] + 1)
         facts.interval[name] = (order[name], last_use)

@@ -216,7 +216,11 @@ def node_row(
     facts = ctx.facts
     out_bytes = facts.out_bytes[name]
     in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
-    key = (kind, ids, tuple(out_bytes), tuple(in_bytes), facts.flops[name], facts.view[name], facts.element_size.get(name))
+    attention = facts.attention.get(name, 0.0)
+    key = (
+        kind, ids, tuple(out_bytes), tuple(in_bytes), facts.flops[name], attention, facts.view[name],
+        facts.element_size.get(name),
+    )
     row = ctx.memo.rows.get(key)
     if row is None:
         if kind == "param":
@@ -224,7 +228,7 @@ def node_row(
         elif kind == "placeholder":
             row = input_row(ctx, options, out_bytes)
         else:
-            row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name])
+            row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name], attention)
         ctx.memo.rows[key] = row
     return row
 
@@ -264,8 +268,12 @@ def compute_row(
     in_bytes: list,
     node_flops: float,
     view: bool,
+    attention: float = 0.0,
 ) -> NodeRow:
-    """c_v: the roofline time of an op's local work (twice when recomputed); m_v: its local outputs."""
+    """c_v: the roofline time of an op's local work (twice when recomputed); m_v: its local outputs.
+
+    ``attention``: a fused attention kernel's share of its FLOPs it runs (0 for other ops).
+    """
     scale, k = ctx.scale, ctx.microbatches
     row = NodeRow([], [])
     for s in options:
@@ -273,7 +281,7 @@ def compute_row(
         ins = ctx.local(in_bytes, s.inputs)
         flops = node_flops / ctx.split(s)
         nbytes = 0.0 if view else (sum(ins) + sum(out_local))
-        t = roofline_time(flops, nbytes, ctx.device, ctx.precision.compute_dtype, ctx.efficiency, scale)
+        t = roofline_time(flops, nbytes, ctx.device, ctx.precision.compute_dtype, ctx.efficiency, scale, attention)
         row.costs.append(2 * t if s.recompute else t)  # a recomputed op runs again in the backward
         row.in_parts.append([b * scale / k for b in ins])
         # with k micro-batches a step runs the graph k times on 1/k of the batch: the same

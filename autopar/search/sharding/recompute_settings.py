@@ -13,6 +13,18 @@ user say:
   graph has a fused attention op (``scaled_dot_product_*`` kernels,
   ``autopar::dropout_attention``) the core is that op.  Those values are
   the ``5·a·s/h`` term of a layer's activations, quadratic in the sequence.
+* ``"op-sac"`` — torchtitan's per-op selective activation checkpointing
+  (``activation_checkpoint.mode = "selective"``, ``selective_ac_option = "op"``;
+  ``torchtitan/parallelisms/parallelize_llama.py``, ``_save_list`` and
+  ``_custom_policy``, at pytorch/torchtitan 9dec370): in every layer the
+  outputs of the attention kernels and of every other ``aten.mm`` (the first,
+  third, ... in the layer's forward order; a projection with a bias, which
+  torchtitan's Llama has not, is an ``aten.addmm`` and counts as one) are saved
+  and everything else is recomputed (:func:`op_sac_marks`).  In a Llama layer that keeps the q and v
+  projections and the MLP's gate and down projections and replays the norms,
+  the rotary embedding, the k, output and up projections and the element-wise
+  ops.  torchtitan also keeps the down projection's output, which no backward
+  op reads; autopar frees it after the forward.
 * ``"full"`` — Megatron's full checkpointing of every layer: only the layers'
   inputs are kept, and each layer's forward is replayed before its backward
   (:func:`autopar.search.sharding.recompute.full_recompute_nodes`).
@@ -43,17 +55,22 @@ from autopar.search.sharding.recompute import (
     can_recompute,
     full_recompute_nodes,
     layer_of,
+    layer_outputs,
     recompute_layers,
 )
 
 aten = torch.ops.aten
 
 NONE = "none"
-SETTINGS = (NONE, SELECTIVE, FULL)  # what fixed["recompute"] takes
+OP_SAC = "op-sac"
+SETTINGS = (NONE, SELECTIVE, OP_SAC, FULL)  # what fixed["recompute"] takes
 OP_LEVEL = "op-level"  # Plan.recompute of a plan whose marks the MILP chose op by op
 
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _MATMUL = {aten.bmm.default, aten.mm.default, aten.matmul.default, aten.baddbmm.default}
+# the matmuls torchtitan's per-op policy counts: its Llama's projections are aten.mm; a projection with a
+# bias is the same matmul as aten.addmm
+_LINEAR = {aten.mm.default, aten.addmm.default}
 
 
 def is_fused_attention(node: fx.Node) -> bool:
@@ -156,10 +173,53 @@ def attention_core(captured: CapturedGraph) -> dict[str, list[str]]:
     return out
 
 
+def _op_sac_saved(nodes: list[fx.Node]) -> set[fx.Node]:
+    """What torchtitan's per-op policy saves of one layer's forward nodes: every other projection matmul
+    (the first, third, ...) and the attention kernels, with the ``getitem``\\ s that unpack them."""
+    saved: set[fx.Node] = set()
+    count = 0
+    for n in nodes:
+        if n.target in _LINEAR:
+            count += 1
+            if count % 2:
+                saved.add(n)
+        elif is_fused_attention(n):
+            saved.add(n)
+            saved.update(u for u in n.users if u.target is operator.getitem)
+    return saved
+
+
+def op_sac_marks(captured: CapturedGraph) -> dict[str, list[str]]:
+    """Per layer, the forward nodes torchtitan's per-op checkpointing recomputes (see the module docstring).
+
+    Every replayable forward node of the layer except what the policy saves and
+    the layer's outputs (the next layer's input, which a checkpointed block keeps).
+    """
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    out: dict[str, list[str]] = {}
+    for layer, names in recompute_layers(captured).items():
+        nodes = [by_name[name] for name in names]
+        keep = _op_sac_saved(nodes) | {by_name[name] for name in layer_outputs(captured, layer)}
+        chosen = [n.name for n in nodes if _replayable_apart_from(n, keep)]
+        if chosen:
+            out[layer] = chosen
+    return out
+
+
+def _replayable_apart_from(n: fx.Node, keep: set[fx.Node]) -> bool:
+    """Whether ``n`` can be replayed without replaying a node of ``keep``: an op and the ``getitem``\\ s
+    that unpack it are replayed together, or not at all."""
+    op = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else n
+    unit = {op, *(u for u in op.users if u.target is operator.getitem)}
+    return n.op == "call_function" and not unit & keep and can_recompute(n)
+
+
 def setting_marks(captured: CapturedGraph, how: str) -> dict[str, str]:
     """Node name -> recompute mark that carries out setting ``how`` ("none": no marks)."""
     if how == SELECTIVE:
         return {name: SELECTIVE for names in attention_core(captured).values() for name in names}
+    if how == OP_SAC:  # carried out by per-node marks, as the MILP's own op-level choices are
+        return {name: SELECTIVE for names in op_sac_marks(captured).values() for name in names}
     if how == FULL:
         layers = recompute_layers(captured)
         # every forward node of a layer with something to replay carries the mark (the runtime reads the layer)

@@ -17,9 +17,9 @@ import operator
 import numpy as np
 
 from autopar.capture.joint import graph_results
+from autopar.cost_models import overlap
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import INF, grad_sync_steps
-from autopar.cost_models.step import BUCKET_BYTES
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.build_context import BuildContext, Terms
 from autopar.search.sharding.instance import EdgeInfo
@@ -132,7 +132,8 @@ def _move_time(
     """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be).
 
     ``bucketed``: a gradient's synchronisation, sent in buckets with the other gradients, costs its share
-    of a full bucket's collective, ``t(BUCKET_BYTES) · bytes / BUCKET_BYTES``: linear in its bytes, as the
+    of a full bucket's collective, ``t(bucket) · bytes / bucket`` (the runtime's bucket,
+    :func:`autopar.cost_models.overlap.bucket_bytes`): linear in its bytes, as the
     objective needs, and summing to the estimate's bucketed time (:func:`autopar.cost_models.comm.bucketed_time`)
     to within one bucket's latency.
     """
@@ -151,7 +152,9 @@ def _steps_time(
     steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link], bucketed: bool = False
 ) -> float:
     if bucketed:
+        buckets = [overlap.bucket_bytes(mesh_shape[d]) for _, d, _ in steps]
         return sum(
-            collective_time(kind, BUCKET_BYTES, mesh_shape[d], links[d]) * b / BUCKET_BYTES for kind, d, b in steps
+            collective_time(kind, bucket, mesh_shape[d], links[d]) * b / bucket
+            for (kind, d, b), bucket in zip(steps, buckets, strict=True)
         )
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
