@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import operator
 
+from autopar.capture.graph import extend_gradient_chain
 from autopar.capture.joint import CapturedGraph, node_phase
 from autopar.cost_models.compute import graph_compute, is_view, node_bytes
 from autopar.cost_models.memory import saved_activation_bytes
@@ -67,20 +68,7 @@ def batch_free_nodes(captured: CapturedGraph) -> set[str]:
         src = node.args[0] if node.args else None
         if is_view(node) and getattr(src, "name", None) in out:
             out.add(node.name)
-    out |= set(captured.grads.values())
-    for node in reversed(list(gm.graph.nodes)):  # what only feeds gradients
-        if node.op != "call_function" or node.name in out or node_phase(node) != "backward":
-            continue
-        users = [u for u in node.users if u.op != "output"]
-        size = _numel_of(node)
-        if users and size and all(u.name in out and _numel_of(u) == size for u in users):
-            out.add(node.name)
-    return out
-
-
-def _numel_of(node) -> int:
-    val = node.meta.get("val")
-    return _numel(val.shape) if hasattr(val, "shape") else 0
+    return extend_gradient_chain(list(gm.graph.nodes), out | set(captured.grads.values()))
 
 
 def _numel(shape) -> int:
