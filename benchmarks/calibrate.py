@@ -469,7 +469,16 @@ def report(rows: list[tuple[Run, float]]) -> None:
         cells = ", ".join(
             f"{k}: {100 * statistics.mean(v):+.1f}% (n={len(v)})" for k, v in sorted(groups.items())
         )
-        print(f"held-out mean signed error by {label:<4} {cells}")
+        print(f"held-out mean signed error by {label:<4} {cells}; {_slope(held, key)}")
+
+
+def _slope(held: list[tuple[Run, float]], key) -> str:
+    """The least-squares slope of the signed error against log2 of ``key``: the trend, per doubling."""
+    xs = [math.log2(key(run)) for run, _ in held]
+    if len(set(xs)) < 2:
+        return "no spread"
+    slope = statistics.linear_regression(xs, [e for _, e in held]).slope
+    return f"trend {100 * slope:+.1f}% per doubling"
 
 
 def main() -> None:
