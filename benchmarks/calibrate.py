@@ -11,19 +11,30 @@ the mesh is the planner's own. The predicted throughput is the plan's
 
 Three factors are fitted, on a third of the runs at most (``fit=True`` below;
 the small ones, whose plans are quick to make four times each):
-the fraction of peak FLOP/s compute-bound ops reach (``ComputeEfficiency.matmul``),
-the fraction of HBM bandwidth memory-bound ops reach (``ComputeEfficiency.memory``)
-and the fraction of a link's line rate a collective's bus bandwidth reaches
-(``comm.LINK_EFFICIENCY``). The step time of a pinned plan is, to first order,
-``D + A/e_matmul + B/e_memory + C/e_link``; the fit plans each fit run at a
-reference point and at one perturbation of each factor, reads A, B, C and D
-off the four step times, and minimises the squared log error of the fit runs
-over a grid of the three factors. Every run is then planned again at the
-fitted factors and printed beside what was published; the runs not fitted
-are held out. Copy the fitted figures into
+the fraction of a kernel's measured FLOP/s compute-bound ops reach in training
+(``ComputeEfficiency.matmul``: the devices hold what a dense matmul and
+FlashAttention-2 reach on their best shapes, ``DeviceSpec.matmul_fraction`` and
+``attention_fraction``), the fraction of HBM bandwidth memory-bound ops reach
+(``ComputeEfficiency.memory``) and the fraction of a link's line rate a
+collective's bus bandwidth reaches (``comm.LINK_EFFICIENCY``). The step time of
+a pinned plan is, to first order, ``D + A/e_matmul + B/e_memory + C/e_link``;
+the fit plans each fit run at a reference point and at one perturbation of each
+factor, reads A, B, C and D off the four step times, and minimises the squared
+log error of the fit runs over a grid of the three factors; a second round
+linearises again at the first round's answer (``--rounds``). Every run is then
+planned again at the fitted factors and printed beside what was published; the
+runs not fitted are held out. Copy the fitted figures into
 ``autopar/cost_models/compute.py`` (``DEFAULT_EFFICIENCY``) and
 ``autopar/cost_models/comm.py`` (``LINK_EFFICIENCY``) and rerun with
 ``--no-fit`` to check.
+
+What a run's model and runtime do that the estimate must know is modelled,
+not fitted per run: each model is built in bf16, the dtype it computed in, so
+that its trace holds the fp32 copies its code makes (the loss's logits, a
+norm's intermediates); attention is the kernels the run ran (flash kernels
+skip the masked half of a causal square); and each run is costed with the
+runtime it used (:mod:`autopar.cost_models.overlap`): autopar's own for the
+rest, Megatron-Core's for B.
 
 Published runs (each figure read at its source; what the source leaves open is
 an assumption, named per run)
@@ -37,32 +48,44 @@ A. Megatron-LM (Narayanan et al., SC'21), GPT weak scaling on Selene (DGX A100
    2,048 (README text). The split of the model-parallel size into tp x pp
    (tp = min(MP, 8), pp = MP / 8) and the head counts (hidden / 96 up to 3.6B,
    / 128 up to 310B, / 160 above) are the paper's Table 1; attention FLOPs do
-   not depend on the head count. The MLP's GeLU is one kernel (Megatron-LM's fused
-   bias-GeLU; the model is built with "gelu_pytorch_tanh", one ``aten.gelu``,
-   rather than GPT-2's eight-op "gelu_new"). Attention is unfused, as in 2021
-   (before flash attention): the scores matmul, a softmax over the s x s scores,
-   dropout and the second matmul, each its own kernel (HuggingFace's "eager"
-   attention; Megatron-LM fused the scale, mask and softmax into one of them).
-   Full activation recompute; the TFLOP/s count
-   the recompute forward: 96·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs per step
-   (paper, eq. 3). Assumed: micro-batch 1, the 1F1B schedule (the README does
-   not name either), no distributed optimizer (ZeRO 0, 2021), dropout 0.1.
+   not depend on the head count. The model is ``examples/megatron.py``'s GPT
+   with Megatron-LM's 2021 kernels: separate q, k, v projections (a column
+   split is a head split, as Megatron-LM lays its fused projection out per
+   head), the GeLU one kernel (its fused bias-GeLU), unfused attention (the
+   scores matmul, one softmax kernel with the scale and the causal mask inside,
+   as its fused ``scaled_upper_triang_masked_softmax``, dropout, the second
+   matmul), the loss over fp32 logits (its ``output.float()``). Full activation
+   recompute; the TFLOP/s count the recompute forward: 96·B·s·l·h²·(1 + s/6h +
+   V/16lh) FLOPs per step (paper, eq. 3). Assumed: micro-batch 1, the 1F1B
+   schedule (the README does not name either; the paper's interleaved schedule
+   would only make the prediction faster), no distributed optimizer (ZeRO 0,
+   2021), dropout 0.1. autopar's sharding cannot split a batched matmul whose
+   batch merges the batch and head dims over both dp and tp (DTensor's strided
+   shard, which autopar's placements do not have): its plans of these unfused
+   attentions gather q and k over tp, traffic Megatron-LM does not have.
 
 B. Megatron-Core r0.8.0 weak scaling on H100 (DGX H100, 8 x NDR 400 Gb/s per
    node): NVIDIA/Megatron-LM README at commit
    d98e8a64ddf34856e74b24714e3bedb2f5a39553, ``images/model_table.png``:
    heads, hidden, layers, tp, pp, dp, GPUs, batch, TFLOP/s per GPU and MFU;
-   vocabulary 131,072, sequence 4,096 (README text); overlapped DP gradient
-   reduce and parameter gather (hence the distributed optimizer, ZeRO 1), TP
-   communication overlap (costed as such, :mod:`autopar.cost_models.overlap`:
-   the tensor-parallel collectives pipelined with the GEMMs next to them; every
-   other run is costed with autopar's own runtime, which does not overlap them).
-   MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs, taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. Assumed: no activation
-   recompute, micro-batch 1, 1F1B, a GPT-3-style block (GeLU MLP of 4h, the GeLU
-   one kernel as in A; attention one fused kernel, as Transformer Engine's flash
-   attention runs it).
+   vocabulary 131,072, sequence 4,096, "fine-grained overlapping with DP
+   (--overlap-grad-reduce, --overlap-param-gather), TP (--tp-comm-overlap), and
+   PP" (README text; hence the distributed optimizer, ZeRO 1). Costed with
+   Megatron-Core's runtime (``MEGATRON_CORE``): the tensor-parallel collectives
+   pipelined with the GEMMs next to them, the parameter gather under the next
+   step's forward, its buckets of max(40M, 1M x dp) parameters
+   (``megatron/core/distributed/distributed_data_parallel.py`` at core_r0.8.0,
+   baf94af3c667248865f23df73b9fb8e2395e6fd0), and Transformer Engine's cuDNN
+   attention (below). MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs,
+   taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. The model is
+   ``examples/megatron.py``'s GPT with flash attention (one causal kernel).
+   Assumed: no activation recompute, micro-batch 1, 1F1B (an interleaved
+   schedule would only make the prediction faster), Megatron-LM's default
+   dropout 0.1, bf16 gradients.
 
-C. torchtitan, FSDP2 (ZeRO 3), bf16, eager:
+C. torchtitan, FSDP2 (ZeRO 3), bf16, eager; HuggingFace's LLaMA with
+   scaled-dot-product attention told the mask is causal, as torchtitan's
+   LLaMA calls it (``llama(..., attention="causal")``):
    * pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` at
      commit b5bcd76c66d0acb1a08b176d9639425bc55e0b2a, Tables 1 and 3, row
      "FSDP": Llama 3.1 8B on 8 and on 128 H100 (Grand Teton: 96 GB HBM2e at
@@ -81,15 +104,50 @@ C. torchtitan, FSDP2 (ZeRO 3), bf16, eager:
      backward op reads (one hidden-size activation a layer, 4.3 GB at local
      batch 2), and autopar frees it.
    * pytorch/torchtitan ``docs/performance.md`` at commit
-     4d88a8a44fe439f73f564b83d60b29a906ef3507, "Llama 3 performance numbers":
-     Llama 3 70B on 64 A100 80 GB, local batch 1, full activation
-     checkpointing, 331 tokens/s/GPU; sequence 8,192.
+     1ea476e9f24be439eda358aa864f45c1c37a8a88 (and unchanged at 4d88a8a),
+     "Llama 3 performance numbers", 64 A100 80 GB, local batch 1, sequence
+     8,192: Llama 3 8B with per-op checkpointing, 2,973 tokens/s/GPU (its
+     config at that commit, ``train_configs/llama3_8b.toml``: ``compile =
+     false``, ``norm_type = "fused_rmsnorm"``, a Triton kernel a pass, costed
+     as LayerNorm's one ATen kernel of the same bytes); Llama 3 70B with full
+     activation checkpointing, 331 tokens/s/GPU (``norm_type = "rmsnorm"``).
 
-Runs left out: torchtitan's 70B and 405B H100 runs train in Float8 and
-autopar has no fp8 peak. Llama 3 405B (Meta, 2024; 8,192 H100, tp 8, pp 16,
-16M tokens a batch, 430 TFLOP/s per GPU) was found only in a secondary page
-(glennklockwood.com/garden/llama-3.1, quoting an SC'24 slide), which gives
-neither the micro-batch count nor the pipeline schedule.
+The kernel figures the devices hold (``autopar/hardware/devices.py``): a dense
+matmul's best, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS";
+attention, FlashAttention-2's benchmark plots (Dao-AILab/flash-attention). The
+cuDNN attention of B: on Hopper Transformer Engine prefers its FusedAttention
+(cuDNN) backend over FlashAttention (``transformer_engine/pytorch/attention.py``,
+``get_attention_backend``, at NVIDIA/TransformerEngine 6792eca), 518 TFLOP/s
+against FlashAttention-2's 319 (forward, causal, head dimension 128, sequence
+4k, H100; Dao-AILab/flash-attention ``assets/flash3_fp16_fwd.png`` at
+7ef24848cf2f855077cef88fe122775b727dcd74).
+
+Runs left out. Llama 3 405B pre-training (Meta, "The Llama 3 Herd of Models",
+arXiv:2407.21783v3, §3.3.2 and Table 4): 8,192 H100 with TP 8, CP 1, PP 16,
+DP 64, sequence 8,192, 32 sequences per DP group, 430 TFLOP/s per GPU; 16,384
+with DP 128, 16 per group, 400 TFLOP/s (not 400 at 8K). Planned as published
+(ZeRO 2, as its FSDP "shards optimizer states and gradients" and keeps the
+parameters whole; no activation checkpointing; interleaved 1F1B), autopar
+predicts 0.77 and 0.64 of the published throughput and 193 / 139 GB a GPU: the
+configuration is not one autopar can pin. Its interleaved schedule has V = 8
+stages a rank (126 layers, the embedding and the head dealt one to a chunk over
+16 ranks: "the first model chunk on the first stage has only the embedding, and
+the last model chunk on the last stage has only output projection and loss"),
+so a bubble of 15 / (8·M), with a tunable number N of micro-batches in a row
+that sets how many are in flight; autopar's interleaved schedule deals 2 chunks
+to a rank and ``fixed`` has no key for more (at 8K, the predicted step is 15.7 s
+against the published 12.6, and its bubble of 2.6 s would be 0.7 s with 8
+chunks: two thirds of the gap); the memory it fits in 80 GB without checkpointing
+rests on freeing each stage's inputs and outputs as soon as they are sent
+("proactively deallocated"), which autopar's runtime does not do. Its attention
+(with a document mask) and tensor-parallel overlap are not named.
+torchtitan's 2D, 3D and 4D H100 runs (Tables 2, 4, 5, 6 of the
+2024-12 benchmark) train in Float8, and autopar has no fp8 peak. Its Llama 3.1
+405B on 128 H100 (``docs/performance.md``, 109 tokens/s/GPU, FSDP 16 x TP 8):
+the 405B config it ran (``train_configs/llama3_405b.toml`` when the row was
+written, 3faaa1a) compiles the model, whose element-wise fusions autopar's
+cost model does not have. Llama 3 405B at 128K context (Table 4's third row)
+needs context parallelism, which autopar has not.
 """
 
 from __future__ import annotations
@@ -107,11 +165,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 import autopar  # noqa: E402
 from autopar.cost_models import comm, compute, overlap  # noqa: E402
 from autopar.cost_models.compute import ComputeEfficiency  # noqa: E402
 from autopar.hardware.cluster import DEVICES  # noqa: E402
-from examples.models import gpt, llama  # noqa: E402
+from examples.megatron import megatron_gpt  # noqa: E402
+from examples.models import llama  # noqa: E402
 
 # torchtitan's H100s (section C): 96 GB of HBM2e at 2.4 TB/s, run at 500 W; its benchmark page says their
 # peak "is between SXM and NVL" (989 and 835 TFLOP/s bf16 dense): taken as the middle of the two.
@@ -121,6 +182,23 @@ H100_GRAND_TETON = dataclasses.replace(
     memory_bytes=96 * 10**9,
     hbm_bandwidth=2.4e12,
     peak_flops={**DEVICES["H100-80GB"].peak_flops, "bf16": 912e12, "fp16": 912e12},
+)
+
+
+# Megatron-Core's runtime (section B): tensor-parallel collectives overlapped with the GEMMs, the distributed
+# optimizer's parameter gather overlapped with the next step's forward (the README's --tp-comm-overlap and
+# --overlap-param-gather), and Transformer Engine's attention, which on Hopper is cuDNN's fused kernel (transformer_engine/pytorch/attention.py,
+# get_attention_backend: "give FusedAttention preference on Hopper+", NVIDIA/TransformerEngine 6792eca):
+# 518 TFLOP/s against FlashAttention-2's 319 forward, causal, head dimension 128, sequence 4k, on an H100
+# (Dao-AILab/flash-attention, assets/flash3_fp16_fwd.png at 7ef24848cf2f855077cef88fe122775b727dcd74).
+# Its data-parallel buckets hold max(40M, 1M x dp) parameters (megatron/core/distributed/
+# distributed_data_parallel.py at core_r0.8.0, baf94af3c667248865f23df73b9fb8e2395e6fd0), bf16 gradients.
+MEGATRON_CORE = overlap.Runtime(
+    tp_comm_overlap=True,
+    param_gather_overlap=True,
+    attention_speedup=518 / 319,
+    bucket_bytes=40e6 * 2,
+    bucket_bytes_per_rank=1e6 * 2,
 )
 
 
@@ -135,10 +213,11 @@ class Run:
     fixed: dict
     tokens_per_gpu_s: float  # published throughput
     fit: bool = False
-    attention: str = "sdpa"  # HuggingFace's attention: "sdpa" (one fused kernel) or "eager" (its ops one by one)
+    attention: str = "flash"  # the GPT's attention (examples/megatron.py): "flash" (one kernel) or "unfused" (2021)
     # what the run's runtime overlaps beyond autopar's own (its source names it): Megatron-Core's TP overlap
     runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
     memory_gib: float | None = None  # published peak memory per GPU (the allocator's reserved bytes), if any
+    fused_norm: bool = False  # the LLaMA's RMSNorm one kernel a pass (torchtitan's fused_rmsnorm), not PyTorch's ops
     peak_bytes: float = 0.0  # the estimate's peak memory per device, set when the run is planned
 
     @property
@@ -146,13 +225,29 @@ class Run:
         return self.model[-1] if self.model[0] == "gpt" else self.model[6]
 
     def build(self):
+        """The model on the meta device in bf16, the dtype the run computed in: its trace holds the fp32 copies
+        the model's code makes (a norm's, the loss's logits), as the run did."""
         if self.model[0] == "gpt":
             _, layers, hidden, heads, vocab, seq = self.model
-            model, inputs = gpt(layers, hidden, heads, vocab=vocab, seq=seq, batch=1, activation="gelu_pytorch_tanh")
-            model.config._attn_implementation = self.attention
-            return model, inputs
-        _, layers, hidden, heads, inter, vocab, seq, kv = self.model
-        return llama(layers, hidden, heads, inter, vocab=vocab, seq=seq, batch=1, kv_heads=kv)
+            model, inputs = megatron_gpt(layers, hidden, heads, vocab=vocab, seq=seq, batch=1, attention=self.attention)
+        else:
+            _, layers, hidden, heads, inter, vocab, seq, kv = self.model
+            model, inputs = llama(
+                layers, hidden, heads, inter, vocab=vocab, seq=seq, batch=1, kv_heads=kv, attention="causal"
+            )
+            if self.fused_norm:
+                _fuse_norms(model, hidden)
+        return model.to(torch.bfloat16), inputs
+
+
+def _fuse_norms(model, hidden: int) -> None:
+    """Each RMSNorm as one kernel a pass, as torchtitan's Triton ``fused_rmsnorm``: costed as LayerNorm's single
+    ATen kernel, which reads and writes the same bytes (PyTorch's RMSNorm is six element-wise kernels)."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            parent, _, child = name.rpartition(".")
+            norm = torch.nn.LayerNorm(hidden, bias=False, device="meta")
+            setattr(model.get_submodule(parent) if parent else model, child, norm)
 
 
 def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops, fit=False) -> Run:
@@ -172,7 +267,7 @@ def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops, fit=Fal
         fixed,
         tflops * 1e12 / flops_per_token,
         fit,
-        attention="eager",
+        attention="unfused",
     )
 
 
@@ -192,12 +287,13 @@ def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tf
         fixed,
         tflops * 1e12 / flops_per_token,
         fit,
-        runtime=overlap.Runtime(tp_comm_overlap=True),
+        runtime=MEGATRON_CORE,
     )
 
 
 LLAMA3_8B = ("llama", 32, 4096, 32, 14336, 128256, 8192, 8)
 LLAMA3_70B = ("llama", 80, 8192, 64, 28672, 128256, 8192, 8)
+
 
 RUNS: list[Run] = [
     _megatron_2021("1.7B", 2304, 24, 24, 1, 32, 512, 137, fit=True),
@@ -213,7 +309,9 @@ RUNS: list[Run] = [
     _megatron_core_h100("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
     _megatron_core_h100("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
     _megatron_core_h100("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
+    _megatron_core_h100("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5),
     _megatron_core_h100("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+    _megatron_core_h100("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
     _megatron_core_h100("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
     Run(
         "torchtitan Llama3.1 8B 8xH100 FSDP",
@@ -233,6 +331,15 @@ RUNS: list[Run] = [
         {"dp": 128, "tp": 1, "pp": 1, "zero": 3, "recompute": "op-sac", "microbatches": 1},
         5605,
         memory_gib=67.0,
+    ),
+    Run(
+        "torchtitan Llama3 8B 64xA100 FSDP",
+        LLAMA3_8B,
+        autopar.Cluster.preset("dgx-a100", nodes=8),
+        64,
+        {"dp": 64, "tp": 1, "pp": 1, "zero": 3, "recompute": "op-sac", "microbatches": 1},
+        2973,
+        fused_norm=True,
     ),
     Run(
         "torchtitan Llama3 70B 64xA100 FSDP",
@@ -272,10 +379,9 @@ def tokens_per_gpu(run: Run, step: float) -> float:
     return run.batch * run.seq / step / run.cluster.world_size
 
 
-def terms(run: Run) -> tuple[float, float, float, float]:
-    """(A, B, C, D) of step ≈ D + A/e_matmul + B/e_memory + C/e_link around REFERENCE, from four plans."""
+def terms(run: Run, base: tuple[float, float, float]) -> tuple[float, float, float, float]:
+    """(A, B, C, D) of step ≈ D + A/e_matmul + B/e_memory + C/e_link around ``base``, from four plans."""
     model, inputs = run.build()
-    base = REFERENCE
     set_factors(*base)
     t0 = step_time(run, model, inputs)
     coeffs = []
@@ -290,19 +396,32 @@ def terms(run: Run) -> tuple[float, float, float, float]:
     return (*coeffs, d)
 
 
-def fit(runs: list[Run]) -> tuple[float, float, float]:
-    """The three factors minimising Σ log(predicted / published)² over the fit runs (a grid search)."""
-    linear = {}
-    for run in runs:
-        start = time.perf_counter()
-        linear[run.name] = terms(run)
-        print(f"  terms of {run.name}: {time.perf_counter() - start:.0f} s", flush=True)
+def fit(runs: list[Run], rounds: int = 2) -> tuple[float, float, float]:
+    """The three factors minimising Σ log(predicted / published)² over the fit runs (a grid search).
 
+    Each round linearises the step times (:func:`terms`) at the previous round's answer, the first at
+    REFERENCE: the linearisation is exact only where it is taken.
+    """
+    point = REFERENCE
+    for r in range(rounds):
+        linear = {}
+        for run in runs:
+            start = time.perf_counter()
+            linear[run.name] = terms(run, point)
+            print(f"  round {r + 1}: terms of {run.name}: {time.perf_counter() - start:.0f} s", flush=True)
+        point = _grid_fit(runs, linear)
+        print(f"  round {r + 1}: matmul {point[0]:.2f}, memory {point[1]:.2f}, link {point[2]:.2f}", flush=True)
+    return point
+
+
+def _grid_fit(runs: list[Run], linear: dict[str, tuple[float, float, float, float]]) -> tuple[float, float, float]:
     def loss(e: tuple[float, float, float]) -> float:
         total = 0.0
         for run in runs:
             a, b, c, d = linear[run.name]
             step = d + a / e[0] + b / e[1] + c / e[2]
+            if step <= 0:
+                return math.inf
             total += math.log(tokens_per_gpu(run, step) / run.tokens_per_gpu_s) ** 2
         return total
 
@@ -315,7 +434,7 @@ def fit(runs: list[Run]) -> tuple[float, float, float]:
 def report(rows: list[tuple[Run, float]]) -> None:
     """The table of every run, the held-out errors, and the error against tp, pp and GPU count."""
     print(
-        f"\n{'run':<38} {'GPUs':>5} {'tp':>3} {'pp':>3} {'recompute':>9} {'fit':>4} "
+        f"\n{'run':<38} {'GPUs':>5} {'tp':>3} {'pp':>3} {'recompute':>9} {'in fit':>6} "
         f"{'published tok/s/GPU':>20} {'predicted':>10} {'pred/pub':>8}  {'memory GB: estimate / device':>28}"
     )
     held = []
@@ -328,7 +447,7 @@ def report(rows: list[tuple[Run, float]]) -> None:
             memory += f" (published {run.memory_gib * 2**30 / 1e9:.1f})"
         print(
             f"{run.name:<38} {run.cluster.world_size:>5} {f['tp']:>3} {f['pp']:>3} {f['recompute']:>9} "
-            f"{'yes' if run.fit else 'no':>4} {run.tokens_per_gpu_s:>20,.0f} {pred:>10,.0f} {ratio:>8.3f}  {memory}"
+            f"{'yes' if run.fit else 'no':>6} {run.tokens_per_gpu_s:>20,.0f} {pred:>10,.0f} {ratio:>8.3f}  {memory}"
         )
         if not run.fit:
             held.append((run, ratio - 1))
@@ -350,13 +469,23 @@ def report(rows: list[tuple[Run, float]]) -> None:
         cells = ", ".join(
             f"{k}: {100 * statistics.mean(v):+.1f}% (n={len(v)})" for k, v in sorted(groups.items())
         )
-        print(f"held-out mean signed error by {label:<4} {cells}")
+        print(f"held-out mean signed error by {label:<4} {cells}; {_slope(held, key)}")
+
+
+def _slope(held: list[tuple[Run, float]], key) -> str:
+    """The least-squares slope of the signed error against log2 of ``key``: the trend, per doubling."""
+    xs = [math.log2(key(run)) for run, _ in held]
+    if len(set(xs)) < 2:
+        return "no spread"
+    slope = statistics.linear_regression(xs, [e for _, e in held]).slope
+    return f"trend {100 * slope:+.1f}% per doubling"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-fit", action="store_true", help="predict with the library's current factors")
     parser.add_argument("--only", default="", help="only the runs whose name contains one of these (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=2, help="linearise-and-fit rounds (each at the last answer)")
     args = parser.parse_args()
     runs = [r for r in RUNS if any(part in r.name for part in args.only.split(","))]
     fitted = [r for r in runs if r.fit]
@@ -365,7 +494,7 @@ def main() -> None:
         factors = (compute.DEFAULT_EFFICIENCY.matmul, compute.DEFAULT_EFFICIENCY.memory, comm.LINK_EFFICIENCY)
         print("library factors:", end=" ")
     else:
-        factors = fit(fitted)
+        factors = fit(fitted, args.rounds)
         print("fitted factors:", end=" ")
     print(f"matmul {factors[0]:.2f} of peak FLOP/s, memory {factors[1]:.2f} of HBM bandwidth, "
           f"link {factors[2]:.2f} of line rate", flush=True)

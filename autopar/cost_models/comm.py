@@ -36,7 +36,9 @@ from autopar.hardware.cluster import Cluster, Link, MeshShape
 logger = logging.getLogger(__name__)
 
 LINK_EFFICIENCY = 1.0
-"""Fraction of the link's line rate a collective achieves; calibration sets it. Read at call time."""
+"""Fraction of the link's line rate a collective's bus bandwidth reaches; read at call time. benchmarks/
+calibrate.py fits it at its cap, 1.0: with NCCL's latency model (:func:`latency`) the line rate is what NCCL's
+own tuning model assumes for large ring collectives."""
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 

@@ -91,12 +91,10 @@ class ComputeEfficiency:
                 )
 
 
-# Fitted to two published data-parallel runs (Megatron-LM GPT 1.7B on 32 A100s; torchtitan Llama 3
-# 8B on 64 A100s), unfused eager ATen ops being charged one by one. benchmarks/calibrate.py now fits
-# three factors on eighteen runs; its fit (README, Calibration) is a compromise between run families
-# the model does not tell apart (fused kernels, overlapped tensor-parallel communication) that puts
-# memory-bound ops at the full HBM bandwidth, which no device reaches: it is not used here.
-DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.81, memory=0.40)
+# Fitted by benchmarks/calibrate.py (README, Calibration) on five of twenty-two published runs, the
+# others held out: compute-bound kernels at 0.75 of the FLOP/s they reach on their best shapes (the
+# devices' measured kernel figures, kernel_flops), memory-bound ops at 0.86 of the HBM bandwidth.
+DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.75, memory=0.86)
 
 _DTYPE_ALIASES = {
     "bfloat16": "bf16",

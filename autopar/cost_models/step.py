@@ -14,8 +14,8 @@ as DDP and DeepSpeed do):
     ZeRO 1     reduce-scatter(G·Ψ) hidden behind the backward, all-gather(P·Ψ) after the step (exposed,
                or under the next forward where the runtime overlaps it: param_gather_exposed)
     ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (as ZeRO 1)
-    ZeRO 3     per micro-batch: all-gather(P·Ψ) in forward, again in backward, reduce-scatter(G·Ψ);
-               each overlapped with the pass it serves
+    ZeRO 3     per micro-batch: all-gather(P·Ψ) in forward, again in backward (a collective per parameter
+               tensor), reduce-scatter(G·Ψ) in buckets; each overlapped with the pass it serves
     exposed    = Σ max(comm_pass − compute_pass, tail) where tail is the last bucket's share
     optimizer  = bytes the update reads and writes / HBM bandwidth
     step       = compute + exposed + optimizer
@@ -221,7 +221,9 @@ def _data_parallel_comm(
     def coll(kind: str, nbytes: float, count: int, pieces: int | None = None) -> float:
         return _dp_collective(kind, nbytes, count, pieces, n, dp_link, collectives)
 
-    groups = max(1, stats.param_groups)  # ZeRO-3 gathers one module's parameters at a time
+    # ZeRO-3 gathers each parameter where an op reads it (autopar's runtime, as the MILP path charges it), and
+    # reduces the gradients in buckets
+    tensors = max(1, len(stats.param_names) or stats.param_groups)
     if cfg.zero == 0:
         c = coll("all_reduce", grad_bytes, 1)
         comm, exposed = c, exposed_part(c, t_bwd, grad_bytes, n)
@@ -236,8 +238,8 @@ def _data_parallel_comm(
         comm = rs + ag
         exposed = m * exposed_part(rs / m, t_bwd, grad_bytes, n) + param_gather_exposed(ag, t_fwd, param_bytes, n)
     else:
-        ag = coll("all_gather", param_bytes, 2 * m, groups)
-        rs = coll("reduce_scatter", grad_bytes, m, groups)
+        ag = coll("all_gather", param_bytes, 2 * m, tensors)
+        rs = coll("reduce_scatter", grad_bytes, m)
         ag1, rs1 = ag / (2 * m), rs / m
         comm = ag + rs
         exposed = m * (exposed_part(ag1, t_fwd, param_bytes, n) + exposed_part(ag1 + rs1, t_bwd, param_bytes, n))
