@@ -85,6 +85,18 @@ def test_cuts_are_the_brute_force_optimum():
             assert max(dp.memory) <= limit and dp.exact
 
 
+def test_every_stage_holds_a_parameter():
+    """A stage of only the loss would be balanced but has nothing for its optimizer to step: not cut so."""
+    layer = {"forward_s": 1.0, "backward_s": 2.0, "params": 100}
+    segments = [Segment("l0", **layer), Segment("l1", **layer), Segment("loss", forward_s=2.0, backward_s=4.0)]
+    for search in (best_cuts, brute_force_cuts):
+        got = search(segments, 2, 4, "1F1B", lambda b: 0.0)
+        assert got.cuts == [1], search  # not [2], which leaves the loss alone on the last stage
+    assert best_cuts(segments, 3, 4, "1F1B", lambda b: 0.0) is None  # three stages cannot all hold one
+    # interleaved: a device needs a parameter among its chunks, not every chunk
+    assert best_cuts(segments * 2, 2, 4, "interleaved", lambda b: 0.0, chunks=2) is not None
+
+
 def test_pipeline_cost_is_the_textbook_formula_on_balanced_stages():
     segments = [Segment(f"s{i}", forward_s=1.0, backward_s=2.0, saved_bytes=1.0) for i in range(8)]
     for p, m in [(2, 4), (4, 8), (8, 8)]:

@@ -14,7 +14,9 @@ used, segments covered) keeps, for every prefix, the Pareto set of
 of the three, so a dominated prefix can never complete into the optimum, and
 the program is exact (it returns the brute-force optimum; the tests check that
 against every cut set of small models).  Memory is checked per stage as it is
-closed, since a stage's memory depends only on its own segments and index.
+closed, since a stage's memory depends only on its own segments and index, and
+so is that the stage holds a parameter (the runtime steps an optimizer on each
+stage's own parameters).
 Cost: O(p · K² · F) for fronts of size F (a few tens on transformer layers).
 
 Alpa's inter-op pass (``stage_construction.py``) solves the same slicing by
@@ -88,10 +90,25 @@ def best_cuts(
 
 
 def _costed(segments, cuts, m, schedule, p2p, limit, chunks, exact) -> CutChoice | None:
+    if not _every_device_holds_parameters(segments, cuts, schedule, chunks):
+        return None
     memory = pipeline_memory(segments, cuts, m, schedule, chunks)
     if max(memory) > limit:
         return None
     return CutChoice(list(cuts), pipeline_time(segments, cuts, m, schedule, p2p, chunks), memory, exact)
+
+
+def _every_device_holds_parameters(segments: list[Segment], cuts: list[int], schedule: str, chunks: int) -> bool:
+    """Whether every pipeline device gets a parameter: the runtime steps an optimizer on each stage's own
+    parameters, and an optimizer over none is refused (a model without parameters passes)."""
+    if not any(s.params for s in segments):
+        return True
+    bounds = [0, *cuts, len(segments)]
+    held = [sum(s.params for s in segments[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    if schedule == "interleaved" and chunks > 1:
+        p = len(held) // chunks
+        held = [sum(held[d::p]) for d in range(p)]
+    return all(held)
 
 
 def brute_force_cuts(
@@ -126,6 +143,7 @@ class _Ranges:
         self.sync_tail = _prefix([s.grad_tail_s for s in segments])
         k = len(segments)
         # transient[i][j - i - 1]: the largest transient of segments[i:j]
+        self.params = _prefix([s.params for s in segments])
         self.transient = []
         for i in range(k):
             row, top = [], 0.0
@@ -164,6 +182,8 @@ def _pareto_dp(segments, p, m, schedule, p2p, limit) -> CutChoice | None:
                 work, tail, (held, saved, transient) = ranges.figures(i, j)
                 if held + depth * saved + transient > limit:
                     continue
+                if ranges.params[-1] and ranges.params[j] == ranges.params[i]:
+                    continue  # a stage without a parameter: the runtime has nothing to step there
                 add = work + (0.0 if j == k else send[j - 1])
                 bucket = nxt.setdefault(j, [])
                 for total, top, worst, cuts in states:
