@@ -70,7 +70,7 @@ def data_parallel_placements(
     its ``zero``, which the placements would otherwise override.
     """
     kind = "zero3" if zero == 3 else "dp"
-    placements = layout_placements(captured, cluster, mesh, precision, optimizer, kind)
+    placements = layout_placements(captured, cluster, mesh, precision, optimizer, kind, batch_activations=True)
     return {k: {kk: v for kk, v in e.items() if kk != "zero"} for k, e in placements.items()}
 
 

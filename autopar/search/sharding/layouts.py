@@ -39,18 +39,28 @@ def layout_placements(
     optimizer: str,
     kind: str,
     split_batch: bool = False,
+    batch_activations: bool = False,
 ) -> dict[str, dict]:
     """Placements of a hand-set layout ("dp", "zero3", "megatron") on a dp × tp ``mesh``, the rest solved.
 
     ``split_batch`` also splits every input by batch over the data-parallel
     axis, as DDP and FSDP do, even where the cost model would rather not.
+    ``batch_activations`` keeps every activation that carries the batch (its
+    leading dim a multiple of the batch) from being replicated over the
+    data-parallel axis, as DDP and FSDP run: without it a ZeRO-3 layout may
+    compute a small layer whole on every rank with its weights left sharded,
+    moving activations instead of weights, which the analytic data-parallel
+    model that costs such a plan does not count.
     """
     params = {p.placeholder: p.name for p in captured.params}
     inputs = {i.placeholder for i in captured.inputs}
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    batched = _batch_carrying(captured) if batch_activations else set()
 
     def allowed(node: str, strategy: Strategy) -> bool:
         if split_batch and node in inputs and not strategy.outputs[0][0].is_shard(0):
+            return False
+        if node in batched and strategy.outputs[0][0].is_replicate():
             return False
         return seed(node, strategy)
 
@@ -64,6 +74,21 @@ def layout_placements(
         where = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp}
         raise PlanError(f"no {kind} layout found for {captured.model_name} on mesh {where}")
     return res.placements
+
+
+def _batch_carrying(captured: CapturedGraph) -> set[str]:
+    """Forward and backward ops whose (first) output leads with a multiple of the batch: the activations."""
+    batch = captured.batch_size
+    params = {p.placeholder for p in captured.params}
+    out = set()
+    for node in captured.gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or node.name in params or not hasattr(val, "shape") or val.dim() == 0:
+            continue
+        lead = int(val.shape[0])
+        if batch > 1 and lead >= batch and lead % batch == 0:
+            out.add(node.name)
+    return out
 
 
 def forced_placements(
