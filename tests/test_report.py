@@ -152,7 +152,7 @@ def test_report_escapes_names_from_user_code():
 
 def test_report_of_a_real_plan_without_records(tmp_path):
     model, batch = mlp_tiny()
-    plan = autopar.plan(model, batch, Cluster.local(4), precision="fp32")
+    plan = autopar.plan(model, batch, Cluster.local(4), precision="fp32", fixed={"pp": 1})
     page = write_report(plan, tmp_path / "mlp.html").read_text()
     assert "up.weight" in page and page.count("data:image/png;base64,") == 2  # no pipeline picture at pp=1
     assert "No pipeline" in page
