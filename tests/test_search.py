@@ -2,6 +2,7 @@
 at a small batch, plain data parallel for a narrow layer at a large batch."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -171,3 +172,24 @@ def test_pipelines_whose_stages_hold_their_states_with_room_are_costed_first() -
     roomy = [m for m in order if stage[m] <= ROOMY_STATES * limit]
     assert order[: len(roomy)] == roomy and len(roomy) < len(order)
     assert order[0].tp == 8 and order[0].pp == min(m.pp for m in roomy if m.tp == 8) > 2
+
+
+def test_a_seeded_pipeline_far_slower_than_the_best_flat_plan_is_not_polished(monkeypatch) -> None:
+    """The MILP round polishes the fastest seeded pipelines, but not one more than HOPELESS slower than
+    the best plan without a pipeline: the margin at which the seed round leaves a mesh uncosted."""
+    from types import SimpleNamespace
+
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    polished = []
+    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: polished.append(pm))
+
+    def seeded(step: float):
+        solution = SimpleNamespace(choice=[0])
+        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(solution=solution))
+
+    entries = [("slow", seeded(1.0 * (1 + HOPELESS) * 1.01)), ("close", seeded(1.05))]
+    pipeline_mesh._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None, flat_best=1.0)
+    assert polished == ["close"]
+    pipeline_mesh._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None)  # no flat plan: both
+    assert polished == ["close", "close", "slow"]
