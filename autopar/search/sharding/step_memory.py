@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch.fx as fx
 
 from autopar.cost_models.compute import is_view
@@ -200,28 +201,30 @@ def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int
     parts = [sp.state_parts[i][choice[i]] for i in sp.param_nodes if i in sp.state_parts]
     states = sum(p.node_memory[i][choice[i]] for i in sp.param_nodes)
     n = len(p.node_costs)
-    skip = set(sp.param_nodes)  # a parameter's own item is its state
-    grad_items = {n + j for j in sp.grad_items}
-    item_node, intervals, item_memory = p.items()
     kinds = ("grads", "activations", "buffers")
-    events: dict[int, list[float]] = {}
-
-    def add(start: int, stop: int, nbytes: float, kind: int) -> None:
-        for t, sign in ((start, 1.0), (stop, -1.0)):
-            events.setdefault(t, [0.0, 0.0, 0.0])[kind] += sign * nbytes
-
-    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
-        m = item_memory[k][choice[v]]
-        if m and k not in skip:
-            add(s, e, m, 0 if k in grad_items else (2 if v in params else 1))
-    for s, e, m in [*edge_buffers(sp, choice, mesh_shape), *gradient_buffers(sp, choice, mesh_shape)]:
-        add(s, e, m, 2)
-    live = [0.0, 0.0, 0.0]
+    item_node, intervals, item_memory = p.items()
+    memory = np.fromiter((row[choice[v]] for v, row in zip(item_node.tolist(), item_memory, strict=True)), float)
+    kind = np.where(np.isin(item_node, list(params)), 2, 1)
+    kind[[n + j for j in sp.grad_items]] = 0
+    keep = memory != 0
+    keep[list(sp.param_nodes)] = False  # a parameter's own item is its state
+    buffers = [*edge_buffers(sp, choice, mesh_shape), *gradient_buffers(sp, choice, mesh_shape)]
+    starts = np.concatenate([intervals[keep, 0], np.array([b[0] for b in buffers], dtype=np.int64)])
+    stops = np.concatenate([intervals[keep, 1], np.array([b[1] for b in buffers], dtype=np.int64)])
+    sizes = np.concatenate([memory[keep], np.array([b[2] for b in buffers], dtype=float)])
+    which = np.concatenate([kind[keep], np.full(len(buffers), 2, dtype=np.int64)])
+    times = np.unique(np.concatenate([starts, stops]))
+    delta = np.zeros((len(times), 3))
+    np.add.at(delta, (np.searchsorted(times, starts), which), sizes)
+    np.add.at(delta, (np.searchsorted(times, stops), which), -sizes)
+    live = np.cumsum(delta, axis=0)
     best, at = [0.0, 0.0, 0.0], -1
-    for t in sorted(events):
-        live = [x + d for x, d in zip(live, events[t], strict=True)]
-        if sum(live) > sum(best) * (1 + 1e-12) or at < 0:
-            best, at = list(live), t
+    totals = live.sum(axis=1).tolist()
+    top = 0.0
+    for k, total in enumerate(totals):  # the first time the total rises past the peak so far
+        if total > top * (1 + 1e-12) or at < 0:
+            top, at = total, int(times[k])
+            best = live[k].tolist()
     param_bytes = sum(x[0] for x in parts)
     optimizer = sum(x[2] for x in parts)
     return MemoryEstimate(
