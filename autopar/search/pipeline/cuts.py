@@ -36,6 +36,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.cost_models.pipeline import (
     PipelineTime,
     Segment,
@@ -211,26 +213,33 @@ def _pareto(states: list[tuple]) -> list[tuple]:
 
 
 def _balanced_chunks(segments: list[Segment], pieces: int, p2p) -> list[int]:
-    """Cuts into ``pieces`` contiguous chunks minimising the largest chunk's work (then the sum)."""
-    work = _prefix([s.forward_s + s.backward_s for s in segments])
-    send = [2.0 * p2p(s.boundary_bytes) for s in segments]
+    """Cuts into ``pieces`` contiguous chunks minimising the largest chunk's work (then the sum).
+
+    The chunks' work adds up to the same total however they are cut, so "then the sum" is the
+    fewest seconds of sends at the cuts. Two dynamic programmes over (chunks, segments covered),
+    each O(pieces · k²) in numpy: the least largest chunk B (the linear partition problem),
+    then the least sends over cuts whose every chunk does at most B.
+    """
     k = len(segments)
-    front = {0: [(0.0, 0.0, ())]}
-    for c in range(pieces):
-        nxt: dict[int, list] = {}
-        last = c == pieces - 1
-        for i, states in front.items():
-            for j in [k] if last else range(i + 1, k - (pieces - 1 - c) + 1):
-                w = work[j] - work[i]
-                add = w + (0.0 if j == k else send[j - 1])
-                for total, top, cuts in states:
-                    nxt.setdefault(j, []).append((total + add, max(top, w), cuts if j == k else (*cuts, j)))
-        front = {}
-        for j, states in nxt.items():
-            states.sort(key=lambda x: (x[1], x[0]))
-            kept = []
-            for st in states:
-                if not kept or st[0] < kept[-1][0]:
-                    kept.append(st)
-            front[j] = kept
-    return list(min(front[k], key=lambda x: (x[1], x[0]))[2])
+    work = np.array(_prefix([s.forward_s + s.backward_s for s in segments]))
+    # a chunk ending at j (< k) sends across a cut after segment j - 1; the last chunk sends nothing
+    send = np.array([0.0] + [2.0 * p2p(s.boundary_bytes) for s in segments[:-1]] + [0.0])
+    span = work[None, :] - work[:, None]  # span[i, j]: the work of segments[i:j]
+    before = np.tri(k + 1, k + 1, -1, dtype=bool).T  # before[i, j]: i < j
+    largest = np.full(k + 1, np.inf)
+    largest[0] = 0.0
+    for _ in range(pieces):
+        largest = np.where(before, np.maximum(largest[:, None], span), np.inf).min(axis=0)
+    bound = largest[k]
+    sends = np.full(k + 1, np.inf)
+    sends[0] = 0.0
+    came_from = []
+    for _ in range(pieces):
+        total = np.where(before & (span <= bound), sends[:, None] + send[None, :], np.inf)
+        came_from.append(total.argmin(axis=0))
+        sends = total.min(axis=0)
+    cuts, j = [], k
+    for back in reversed(came_from):
+        j = int(back[j])
+        cuts.append(j)
+    return sorted(cuts)[1:]
