@@ -28,10 +28,15 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
     if microbatches == 1:
         return sp
     params = set(sp.param_nodes)
-    memory = [
-        row if i in params else [x / microbatches for x in row]
-        for i, row in enumerate(sp.problem.node_memory)
-    ]
+    divided: dict[int, list[float]] = {}  # repeated layers share their rows (one list object): divide each once
+
+    def per_microbatch(row: list[float]) -> list[float]:
+        out = divided.get(id(row))
+        if out is None:
+            out = divided[id(row)] = [x / microbatches for x in row]
+        return out
+
+    memory = [row if i in params else per_microbatch(row) for i, row in enumerate(sp.problem.node_memory)]
     # ZeRO-2 and ZeRO-3 reduce each micro-batch's gradient (ZeRO-1 and plain data parallelism once a
     # step), and every micro-batch moves the parameters it reads again (ZeRO-3's all-gathers)
     edge_costs = list(sp.problem.edge_costs)
@@ -52,7 +57,7 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
     # gradients are sized by the parameters, not the batch, and accumulate over the micro-batches
     grads = set(sp.grad_items)
     items = [
-        (v, iv, row if k in grads else [x / microbatches for x in row])
+        (v, iv, row if k in grads else per_microbatch(row))
         for k, (v, iv, row) in enumerate(sp.problem.memory_items or [])
     ]
     grad_items = accumulated(items, sp.grad_items)
