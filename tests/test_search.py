@@ -129,6 +129,7 @@ def test_the_first_pipeline_of_a_neighbouring_tp_is_costed_however_it_previews()
     half or twice the fastest costed tp is costed; once its tp has been costed, the preview may rule it out."""
     preview = Preview.__new__(Preview)  # the rule alone: previewed steps given, no graph
     preview.figures, preview.tried, preview.flat_best = {4: None, 8: None}, set(), 10.0
+    preview.costed_shapes, preview.best_recomputed = set(), False
     preview.best, preview.best_mesh = (math.inf, 0), None
     steps = {4: 9.0, 8: 12.0}
     preview.step = lambda mesh: steps[mesh.tp]
@@ -193,3 +194,24 @@ def test_a_seeded_pipeline_far_slower_than_the_best_flat_plan_is_not_polished(mo
     assert polished == ["close"]
     pipeline_mesh._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None)  # no flat plan: both
     assert polished == ["close", "close", "slow"]
+
+
+def test_a_pipeline_with_twice_the_stages_of_the_fastest_is_costed_however_it_previews() -> None:
+    """Figures of a costed pipeline carry the recompute its stages' memory forced; twice the stages hold half
+    the states and may need none, so they preview slow (LLaMA-3-405B on 16,384 H100s: pp = 16 ruled out
+    behind pp = 8's 13.0 s, and costed 10.1 s). When the fastest recomputes, that mesh goes first and is not
+    hopeless until costed."""
+    preview = Preview.__new__(Preview)  # the rule alone: previewed steps given, no graph
+    preview.figures, preview.tried, preview.flat_best = {8: None}, set(), math.inf
+    preview.best, preview.best_mesh, preview.costed_shapes = (math.inf, 0), None, set()
+    pp4, pp8, pp16, pp32 = MeshShape(512, 8, 4), MeshShape(256, 8, 8), MeshShape(128, 8, 16), MeshShape(64, 8, 32)
+    steps = {pp4: 15.0, pp8: 13.0, pp16: 15.0, pp32: 14.0}
+    preview.step = steps.get
+    preview.costed(pp8, 13.0)  # without recompute: the previews stand
+    assert preview.hopeless(pp16)
+    preview.best = (math.inf, 0)
+    preview.costed(pp8, 13.0, recomputed=True)
+    assert 15.0 > 13.0 * (1 + HOPELESS) and not preview.hopeless(pp16) and preview.hopeless(pp4)
+    assert preview.order([pp32, pp16])[0] == pp16  # ahead of pp = 32, which previews faster
+    preview.costed(pp16, 14.9)  # costed, and slower: the rule no longer holds it back
+    assert preview.hopeless(pp16) and preview.order([pp32, pp16]) == [pp32, pp16]

@@ -284,8 +284,8 @@ def solve_pipeline_mesh(
 
 # The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.
 MILP_MESHES = 2
-# A MILP round on a mesh takes at most this many times what costing a mesh with its seed layouts took.
-MILP_ROUND_OF = 1
+# A MILP round on a mesh takes at most this many times what solving its seed layouts took (its problem is built).
+MILP_ROUND_OF = 2
 # The share of the time limit for costing meshes with the seed layouts; the MILP rounds get the rest.
 SEED_ROUND = 0.75
 # Each mesh of the seed round may take up to 1/SHARE_OF of the round's time left.
@@ -322,7 +322,7 @@ def search_pipelines(
     seeds_end = start + time_limit_s * SEED_ROUND
     seeded: list[tuple[PipelineMesh, PipelineResult | None]] = []
     todo = preview.order(meshes) if preview is not None else list(meshes)
-    costed = 0
+    costed, solving = 0, 0.0
     for k in range(len(meshes)):
         if k and time.perf_counter() > seeds_end:
             log.info("pipelines: time limit reached after %d of %d meshes", k, len(meshes))
@@ -341,17 +341,20 @@ def search_pipelines(
             # a share of what is left that lets a large mesh's solve find an answer: the limit ends
             # the round long before every mesh of a large cluster is costed
             left = max(seeds_end - time.perf_counter(), 0.0) / min(max(len(meshes) - k, 1), SHARE_OF)
+            began = time.perf_counter()
             res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False, target_gap=SEED_GAP)
+            solving += time.perf_counter() - began
             seeded.append((pm, res))
             if preview is not None:
-                preview.costed(mesh, res.estimate.step_time_s if res is not None else None)
+                recomputed = res is not None and res.estimate.recompute_s > 0
+                preview.costed(mesh, res.estimate.step_time_s if res is not None else None, recomputed)
                 if res is not None:
                     preview.learn(res.mesh, res.segments, res.microbatches)
                 todo = preview.order(todo)
     if not seeded:
         return []
 
-    per_mesh = (time.perf_counter() - start) / max(costed, 1)  # what costing one mesh took
+    per_mesh = solving / max(costed, 1)  # what solving one prepared mesh under its seed layouts took
     flat_best = preview.flat_best if preview is not None else math.inf
     _milp_round(seeded, start + time_limit_s, per_mesh, schedules, zero, flat_best)
     return [r for _, r in seeded if r is not None]
@@ -370,7 +373,8 @@ def _milp_round(
     flat_best: float = math.inf,
 ) -> None:
     """The MILP inside the stages of the ``MILP_MESHES`` fastest seeded meshes, started from their seeded
-    answers; each takes at most ``MILP_ROUND_OF`` times what costing a mesh took (``per_mesh``), and
+    answers; each takes at most ``MILP_ROUND_OF`` times what solving a mesh's seed layouts took (``per_mesh``:
+    the mesh's problem is built already), and
     replaces its mesh's entry of ``seeded`` when faster.
 
     A seeded pipeline more than ``HOPELESS`` slower than the fastest plan without a pipeline
@@ -388,7 +392,7 @@ def _milp_round(
     for n, i in enumerate(top):
         left = max(deadline - time.perf_counter(), 0.0) / (len(top) - n)
         left = min(left, MILP_ROUND_OF * per_mesh)  # it starts from the seeded answer: a polish, not a search
-        if left < per_mesh:  # a MILP round takes at least as long as a seed costing: no time for it
+        if left < per_mesh:  # a MILP round takes at least as long as the seed layouts' solves: no time for it
             log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
             break
         pm, old = seeded[i]

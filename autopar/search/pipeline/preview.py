@@ -58,6 +58,8 @@ class Preview:
         self.activation_scale = activation_scale(captured, precision)
         self.figures: dict[int, tuple[list[Segment], float]] = {}  # tp -> segments, their micro-batch size
         self.tried: set[int] = set()  # tensor-parallel sizes a pipeline mesh was costed for
+        self.costed_shapes: set[tuple[int, int]] = set()  # (pp, tp) of every pipeline mesh costed
+        self.best_recomputed = False  # whether the fastest costed pipeline recomputes activations
         self.best: tuple[float, int] = (math.inf, 0)  # the fastest pipeline costed: step, tp
         self.best_mesh: MeshShape | None = None
         self.flat_best = math.inf  # the fastest mesh without a pipeline that fits
@@ -85,12 +87,15 @@ class Preview:
         """Figures of ``mesh``'s solved sharding at ``microbatches``: they now stand for its tp."""
         self.figures[mesh.tp] = (segments, self.captured.batch_size / (mesh.dp * microbatches))
 
-    def costed(self, mesh: MeshShape, step_s: float | None) -> None:
-        """``mesh`` was costed as a pipeline: its step, or None when nothing on it fits."""
+    def costed(self, mesh: MeshShape, step_s: float | None, recomputed: bool = False) -> None:
+        """``mesh`` was costed as a pipeline: its step (None when nothing on it fits), and whether
+        its answer recomputes activations (which fewer states per device might spare it)."""
         self.tried.add(mesh.tp)
+        self.costed_shapes.add((mesh.pp, mesh.tp))
         if step_s is not None and step_s < self.best[0]:
             self.best = (step_s, mesh.tp)
             self.best_mesh = mesh
+            self.best_recomputed = recomputed
 
     def step(self, mesh: MeshShape) -> float | None:
         """The previewed step time of a pipeline on ``mesh`` (plus UNFIT if it does not fit), or None."""
@@ -128,9 +133,30 @@ class Preview:
         """
         if mesh.tp not in self.tried and mesh.tp in self._wanted():
             return False
+        if self._deeper(mesh):
+            return False
         step = self.step(mesh)
         best = min(self.best[0], self.flat_best)
         return step is not None and math.isfinite(best) and step > best * (1 + HOPELESS)
+
+    def _deeper(self, mesh: MeshShape) -> bool:
+        """Whether ``mesh`` has the fastest costed pipeline's tp and twice its stages, and was not costed.
+
+        The figures of a costed pipeline carry the recompute its stages' memory forced; twice
+        the stages hold half the states per device and may need less, so when that pipeline
+        recomputes, such a
+        mesh previews slow (LLaMA-3-405B on 16,384 H100s: pp = 16 previewed more than 10% slower
+        than pp = 8's 13.0 s, and costs 10.1 s). It is costed however it previews, as the first
+        pipeline of a neighbouring tp is.
+        """
+        best = self.best_mesh
+        return (
+            best is not None
+            and self.best_recomputed
+            and mesh.tp == best.tp
+            and mesh.pp == 2 * best.pp
+            and (mesh.pp, mesh.tp) not in self.costed_shapes
+        )
 
     def _wanted(self) -> set[int]:
         """The tensor-parallel sizes whose first pipeline goes ahead of the previewed order (see ``order``)."""
@@ -145,7 +171,8 @@ class Preview:
         costed, so some meshes go first, the best-previewed (or else the first) of their
         tp: before any mesh was costed, one of each tp with figures; after, the mesh of
         the fastest pipeline's tp previewed faster than that pipeline's own mesh, if
-        any, then one of each tp not yet tried next to (half or twice) that tp.
+        any, then the mesh of that tp with twice its stages (:meth:`_deeper`), then one of each tp
+        not yet tried next to (half or twice) that tp.
         """
         steps = {m: self.step(m) for m in meshes}
         ahead = sorted((m for m in meshes if steps[m] is not None), key=lambda m: steps[m])
@@ -160,5 +187,6 @@ class Preview:
         if self.best_mesh is not None:
             own = self.step(self.best_mesh)
             better = [m for m in ahead if m.tp == self.best[1] and own is not None and steps[m] < own]
-            first = better[:1] + first
+            deeper = [m for m in meshes if self._deeper(m)]
+            first = better[:1] + deeper[:1] + first
         return first + [m for m in ahead + rest if m not in first]
