@@ -75,6 +75,8 @@ def plan(
     ``precision``: "bf16-mixed", "fp16-mixed" or "fp32"; under mixed precision
     gradients are reduced in ``reduce_dtype``, "fp32" by default or the compute
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
+    ``time_limit_s``: wall seconds for the whole call, capture included; the search gets what
+    capture leaves, and at least ``SEARCH_AT_LEAST`` of it.
     """
     t0 = time.perf_counter()
     prec, fixed, limit, gbs = _checked_request(
@@ -89,7 +91,8 @@ def plan(
     fixed, coupling_note = _keep_batches_whole(captured, fixed)
     warnings = [coupling_note] if coupling_note else []
     if sharding:
-        sharded = _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+        search_s = max(time_limit_s - t_capture, SEARCH_AT_LEAST * time_limit_s)
+        sharded = _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, search_s)
         sharded.warnings += warnings
         sharded.solver.capture_s = round(t_capture, 3)
         sharded.solver.time_s = round(time.perf_counter() - t0, 3)
@@ -172,6 +175,9 @@ def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
         return fixed, note
     return dataclasses.replace(fixed, microbatches=fixed.microbatches or 1, pp=fixed.pp or 1), ""
 
+
+SEARCH_AT_LEAST = 0.25
+"""The least share of ``time_limit_s`` the search gets however long capture took."""
 
 OPTIONAL_FLAT = 0.25
 """The share of their time the meshes without a pipeline keep when a pipeline is searched first
