@@ -206,3 +206,15 @@ def test_summary_reads_like_a_table():
         "8 nodes x 8 H100-80GB",
     ):
         assert needle in text, needle
+
+
+def test_the_search_line_says_the_time_spent_against_the_limit_and_why_meshes_were_left_out():
+    from autopar.plans.data import FORMAT_VERSION
+    from autopar.plans.records import SearchRecord, solver_line
+
+    stopped = "pipelines: time limit reached after 3 of 27 meshes"
+    record = SearchRecord(status="feasible", time_s=48.0, time_limit_s=60.0, stopped=stopped)
+    line = solver_line(record)
+    assert "48.00 s of the 60 s limit" in line and line.endswith(stopped)
+    again = SearchRecord.from_dict(record.to_dict(), FORMAT_VERSION)
+    assert (again.time_limit_s, again.stopped) == (60.0, stopped)

@@ -119,8 +119,10 @@ def test_meshes_inside_a_node_come_first_and_a_deadline_leaves_the_rest_out():
     prec = precision_spec("fp32")
     _, every = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0)
     assert [r.mesh.tp for r in every] == [4, 2, 1]
-    best, first = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0, deadline=0.0)
+    notes: list[str] = []
+    best, first = search_meshes(captured, cluster, prec, "adamw", float("inf"), 5.0, deadline=0.0, notes=notes)
     assert [r.mesh.tp for r in first] == [4] and best is first[0]
+    assert notes == ["meshes: time limit reached after 1 of 3 dp x tp meshes"]  # what the plan's record says
 
 
 def test_the_first_pipeline_of_a_neighbouring_tp_is_costed_however_it_previews():

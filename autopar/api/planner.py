@@ -95,6 +95,7 @@ def plan(
         sharded = _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, search_s)
         sharded.warnings += warnings
         sharded.solver.capture_s = round(t_capture, 3)
+        sharded.solver.time_limit_s = time_limit_s
         sharded.solver.time_s = round(time.perf_counter() - t0, 3)
         return _make_plan(
             stats,
@@ -145,7 +146,9 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
     """Per-op sharding (and pipelines) searched on the graph, a fixed recompute setting carried out first."""
     # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
     captured, marks = apply_setting(captured, fixed.recompute or NONE)
-    sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+    notes: list[str] = []
+    sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes)
+    sharded.solver.stopped = "; ".join(notes) or "every mesh costed"
     sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
     if (fixed.recompute or NONE) != NONE and not marks:
         why = "no attention in a numbered layer" if fixed.recompute == "selective" else "no numbered layers"
@@ -196,12 +199,13 @@ class _Sharded:
     results: list = field(default_factory=list)  # every mesh's ShardingResult, for the pipeline search
 
 
-def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s) -> _Sharded:
+def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None) -> _Sharded:
     """Search per-op sharding, ZeRO stages, micro-batches and pipelines on every mesh; PlanError if none fits.
 
     Meshes without a pipeline (dp × tp) and with one (pp × dp × tp, pp ≥ 2) share the
     solver's time limit by their number; the fastest plan that fits wins, and a plan
-    without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run).
+    without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run). ``notes`` collects
+    why the searches left meshes out.
     """
     if fixed.dp is not None and gbs % fixed.dp:
         raise PlanError(
@@ -230,7 +234,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         nonlocal flat, none_fits
         try:
             flat = _plan_flat(
-                captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share, deadline, optional
+                captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share, deadline, optional, notes
             )
         except PlanError as err:  # a pipeline may still fit: its stages hold less
             if not pipe_meshes:
@@ -243,7 +247,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         # tensor-parallel size the meshes without a pipeline chose, fewest stages first
         tp_ref = flat.args[0].tp if flat is not None else cluster.gpus_per_node
         pipe_meshes[:] = pipeline_order(captured, prec, optimizer, limit, pipe_meshes, tp_ref)
-        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget, preview)
+        pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget, preview, notes)
 
     if pipelines_first:
         # the meshes without a pipeline are then costed with their seed layouts only (optional), which
@@ -277,7 +281,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
 
 
 def _pipelines(
-    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s, preview=None
+    captured, cluster, prec, optimizer, limit, fixed, meshes, time_limit_s, preview=None, notes=None
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes``; with ``fixed`` pp and none fitting, the fastest."""
     kwargs = dict(
@@ -286,6 +290,7 @@ def _pipelines(
         zero=fixed.zero,
         recompute=fixed.recompute is None,  # op by op only when no setting is fixed
         preview=preview,
+        notes=notes,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
     if not found and (fixed.pp or 1) > 1:
@@ -353,7 +358,7 @@ def _pipelined(
 
 
 def _plan_flat(
-    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False
+    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False, notes=None
 ) -> _Sharded | None:
     """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
 
@@ -376,6 +381,7 @@ def _plan_flat(
         require_one=not optional,
         milp=not optional,
         microbatches=fixed.microbatches,
+        notes=notes,
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")

@@ -115,6 +115,8 @@ class SearchRecord:
     sharding: ShardingFacts | None = None
     capture_s: float | None = None
     time_s: float | None = None
+    time_limit_s: float | None = None  # the plan's time limit (the whole call, capture included)
+    stopped: str = ""  # why the search left meshes out ("every mesh costed" when it did not)
 
     def __bool__(self) -> bool:
         return bool(self.status)
@@ -149,7 +151,8 @@ class SearchRecord:
 
 
 def solver_line(record: SearchRecord, mesh: dict[str, int] | None = None) -> str:
-    """Status, gap of the linear objective against the solver's bound, who found the answer, time."""
+    """Status, gap of the linear objective against the solver's bound, who found the answer, the time
+    spent against the limit, and why the search left meshes out."""
     parts = [record.status or "?"]
     if record.gap is not None:
         parts.append(f"gap {record.gap * 100:.2g}%")
@@ -159,8 +162,10 @@ def solver_line(record: SearchRecord, mesh: dict[str, int] | None = None) -> str
     if record.candidates is not None:
         parts.append(f"{record.candidates} configurations costed")
     if record.time_s is not None:
-        parts.append(f"{record.time_s:.2f} s")
-    return ", ".join(parts)
+        limit = f" of the {record.time_limit_s:g} s limit" if record.time_limit_s is not None else ""
+        parts.append(f"{record.time_s:.2f} s{limit}")
+    line = ", ".join(parts)
+    return f"{line}; {record.stopped}" if record.stopped else line
 
 
 @dataclass(frozen=True)

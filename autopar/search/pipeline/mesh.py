@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.capture.joint import CapturedGraph
+from autopar.core.notes import note
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.memory import Precision
@@ -306,6 +307,7 @@ def search_pipelines(
     zero: int | None = None,
     recompute: bool = True,
     preview: Preview | None = None,
+    notes: list[str] | None = None,
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
@@ -317,6 +319,7 @@ def search_pipelines(
     preview finds hopeless (:meth:`Preview.hopeless`). The MILP then runs on the
     ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
     improve them, as long as the time left is at least what costing a mesh took.
+    ``notes`` (when given) collects why the search left meshes out, as the log says it.
     """
     start = time.perf_counter()
     seeds_end = start + time_limit_s * SEED_ROUND
@@ -325,10 +328,12 @@ def search_pipelines(
     costed, solving = 0, 0.0
     for k in range(len(meshes)):
         if k and time.perf_counter() > seeds_end:
-            log.info("pipelines: time limit reached after %d of %d meshes", k, len(meshes))
+            note(log, notes, "pipelines: time limit reached after %d of %d meshes", k, len(meshes))
             break
         if preview is not None and preview.hopeless(todo[0]):
-            log.info(
+            note(
+                log,
+                notes,
                 "pipelines: %d of %d meshes left out, previewed more than %.0f%% slower than the best plan",
                 len(todo), len(meshes), 100 * HOPELESS,
             )
@@ -356,7 +361,7 @@ def search_pipelines(
 
     per_mesh = solving / max(costed, 1)  # what solving one prepared mesh under its seed layouts took
     flat_best = preview.flat_best if preview is not None else math.inf
-    _milp_round(seeded, start + time_limit_s, per_mesh, schedules, zero, flat_best)
+    _milp_round(seeded, start + time_limit_s, per_mesh, schedules, zero, flat_best, notes)
     return [r for _, r in seeded if r is not None]
 
 
@@ -371,6 +376,7 @@ def _milp_round(
     schedules: tuple[str, ...],
     zero: int | None,
     flat_best: float = math.inf,
+    notes: list[str] | None = None,
 ) -> None:
     """The MILP inside the stages of the ``MILP_MESHES`` fastest seeded meshes, started from their seeded
     answers; each takes at most ``MILP_ROUND_OF`` times what solving a mesh's seed layouts took (``per_mesh``:
@@ -385,7 +391,9 @@ def _milp_round(
     ranked = sorted(range(len(seeded)), key=lambda i: _step(seeded[i][1]))[:MILP_MESHES]
     top = [i for i in ranked if _step(seeded[i][1]) <= flat_best * (1 + HOPELESS)]
     if len(top) < len(ranked):
-        log.info(
+        note(
+            log,
+            notes,
             "pipelines: %d of %d meshes left out of the MILP round, more than %.0f%% slower than the best plan "
             "without a pipeline", len(ranked) - len(top), len(ranked), 100 * HOPELESS,
         )
@@ -393,7 +401,7 @@ def _milp_round(
         left = max(deadline - time.perf_counter(), 0.0) / (len(top) - n)
         left = min(left, MILP_ROUND_OF * per_mesh)  # it starts from the seeded answer: a polish, not a search
         if left < per_mesh:  # a MILP round takes at least as long as the seed layouts' solves: no time for it
-            log.info("pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
+            note(log, notes, "pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
             break
         pm, old = seeded[i]
         known = old.sharding.solution.choice if old is not None else None

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from autopar.capture.joint import CapturedGraph
 from autopar.core.heap import long_lived_heap
+from autopar.core.notes import note
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster
 from autopar.search.sharding.mesh_solve import (
@@ -100,6 +101,7 @@ def search_meshes(
     require_one: bool = True,
     milp: bool = True,
     microbatches: int | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -115,7 +117,8 @@ def search_meshes(
     collectives filled in (:func:`describe_result` fills in another's). ``zero`` fixes
     every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
     ``recompute=False`` keeps every activation for the backward. ``microbatches`` fixes the
-    micro-batch count (meshes whose local batch it does not divide are left out).
+    micro-batch count (meshes whose local batch it does not divide are left out). ``notes`` (when
+    given) collects why meshes were left out, as the log says it.
     """
     world = cluster.world_size
     sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
@@ -128,10 +131,10 @@ def search_meshes(
         per_mesh = max((time_limit_s - (time.perf_counter() - began)) / (len(sizes) - k), 1.0)
         late = deadline is not None and time.perf_counter() > deadline
         if late and (not require_one or any(r.estimate.fits for r in results)):
-            log.info("meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
+            note(log, notes, "meshes: time limit reached after %d of %d dp x tp meshes", k, len(sizes))
             break
         if cluster.gpus_per_node % t and tp is None and _lost_across_nodes(results, cluster):
-            log.info("meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
+            note(log, notes, "meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
             break
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
