@@ -19,7 +19,7 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
-from autopar.search.pipeline.preview import HOPELESS, Preview
+from autopar.search.pipeline.preview import CARRIED_SLOW, HOPELESS, Preview
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
@@ -133,14 +133,44 @@ def test_the_first_pipeline_of_a_neighbouring_tp_is_costed_however_it_previews()
     preview.figures, preview.tried, preview.flat_best = {4: None, 8: None}, set(), 10.0
     preview.costed_shapes, preview.best_recomputed = set(), False
     preview.best, preview.best_mesh = (math.inf, 0), None
-    steps = {4: 9.0, 8: 12.0}
+    steps = {4: 9.0, 8: 11.0}
     preview.step = lambda mesh: steps[mesh.tp]
     tp4, tp8, tp8_deeper = MeshShape(32, 4, 4), MeshShape(32, 8, 2), MeshShape(16, 8, 4)
     assert not preview.hopeless(tp8)  # nothing costed yet: every tp with figures gets a pipeline costed
     preview.costed(tp4, 8.97)
-    assert not preview.hopeless(tp8)  # 12 > 1.1 x 8.97, but tp = 8 has no costed pipeline yet
+    assert not preview.hopeless(tp8)  # 11 > 1.1 x 8.97, but tp = 8 has no costed pipeline yet
+    steps[8] = 8.97 * (1 + HOPELESS) * (1 + CARRIED_SLOW) * 1.01
+    assert preview.hopeless(tp8)  # past the margin of figures carried over too
+    steps[8] = 11.0
     preview.costed(tp8, 8.65)
-    assert 12.0 > 8.65 * (1 + HOPELESS) and preview.hopeless(tp8_deeper)
+    assert 11.0 > 8.65 * (1 + HOPELESS) and preview.hopeless(tp8_deeper)
+
+
+def test_a_hopeless_first_pipeline_of_a_tp_leaves_the_meshes_behind_it_in_the_search(monkeypatch) -> None:
+    """The first pipeline of a tp goes ahead of the previewed order and is hopeless only under a wider margin,
+    so when it is ruled out the meshes previewed faster behind it are still costed; the others are left out,
+    and the note counts them."""
+    from types import SimpleNamespace
+
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    lead, close, far = MeshShape(8, 4, 2), MeshShape(4, 8, 2), MeshShape(2, 8, 4)
+    steps = {lead: 1.3, close: 1.05, far: 1.5}
+    preview = SimpleNamespace(
+        order=lambda ms: [m for m in (lead, close, far) if m in ms],
+        hopeless=lambda m: steps[m] > 1.1,
+        costed=lambda *a, **k: None,
+        learn=lambda *a, **k: None,
+        flat_best=1.0,
+    )
+    costed = []
+    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", lambda request, **k: request.mesh)
+    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: costed.append(pm))
+    notes: list[str] = []
+    args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [lead, close, far], 60.0)
+    pipeline_mesh.search_pipelines(*args, preview=preview, notes=notes)
+    assert costed == [close]
+    assert notes[0] == "pipelines: 2 of 3 meshes left out, previewed more than 10% slower than the best plan"
 
 
 def test_every_copy_of_a_middle_layer_shares_its_variables_weights_and_gradient_sums_included() -> None:

@@ -326,18 +326,20 @@ def search_pipelines(
     seeded: list[tuple[PipelineMesh, PipelineResult | None]] = []
     todo = preview.order(meshes) if preview is not None else list(meshes)
     costed, solving = 0, 0.0
+    hopeless: list[MeshShape] = []
     for k in range(len(meshes)):
+        if not todo:
+            break
         if k and time.perf_counter() > seeds_end:
             note(log, notes, "pipelines: time limit reached after %d of %d meshes", k, len(meshes))
             break
         if preview is not None and preview.hopeless(todo[0]):
-            note(
-                log,
-                notes,
-                "pipelines: %d of %d meshes left out, previewed more than %.0f%% slower than the best plan",
-                len(todo), len(meshes), 100 * HOPELESS,
-            )
-            break
+            # the first pipeline of a tp goes ahead of the previewed order under a wider margin:
+            # a hopeless one does not make the meshes behind it hopeless
+            hopeless += [m for m in todo if preview.hopeless(m)]
+            todo = [m for m in todo if m not in hopeless]
+            if not todo:
+                break
         mesh = todo.pop(0)
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         pm = prepare_pipeline_mesh(request, microbatches=microbatches)
@@ -356,6 +358,13 @@ def search_pipelines(
                 if res is not None:
                     preview.learn(res.mesh, res.segments, res.microbatches)
                 todo = preview.order(todo)
+    if hopeless:
+        note(
+            log,
+            notes,
+            "pipelines: %d of %d meshes left out, previewed more than %.0f%% slower than the best plan",
+            len(hopeless), len(meshes), 100 * HOPELESS,
+        )
     if not seeded:
         return []
 

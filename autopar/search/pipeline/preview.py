@@ -40,6 +40,12 @@ HOPELESS = 0.1
 priced under 1F1B and carried over from another mesh's sharding are within about 5% of
 the costed step at LLaMA-7B scale (interleaving, costed, gains about 4% more)."""
 
+CARRIED_SLOW = 0.15
+"""How much slower than costed a pipeline previews from the figures of a mesh without one
+(which holds every layer's states, so may have chosen ZeRO-3 or recompute where a stage needs
+neither): GPT 39B on 512 A100s, tp = 8 previewed past the fastest costed tp = 4 pipeline's
+8.97 s and costed 8.65 s. The first pipeline of a tp is hopeless only past this margin too."""
+
 
 def near_even_cuts(graph_segments: list[GraphSegment], pieces: int) -> list[int] | None:
     """Cuts giving ``pieces`` stages as equal a number of layers as they divide into (None: too few layers)."""
@@ -128,16 +134,19 @@ class Preview:
         pipeline of a tp that ``order`` puts first (any tp before a pipeline was costed, then
         half or twice the fastest one's): its figures come from a mesh without a pipeline,
         which holds every layer's states and may have chosen ZeRO-3 or recompute where a
-        stage needs neither, and so preview it up to 15% slow (GPT 39B on 512 A100s: tp = 8
-        previewed past the fastest costed tp = 4 pipeline, 8.97 s, costed 8.65 s).
+        stage needs neither, and so preview it up to ``CARRIED_SLOW`` slow: such a mesh is hopeless
+        only past that margin too (LLaMA-7B on 64 H100s, batch 256: the first pipelines of tp = 4,
+        8 and 2 previewed 42-51% slower than the 0.849 s plan without a pipeline, and costed
+        27-54% slower, 7.6 s of a 26-s search).
         """
-        if mesh.tp not in self.tried and mesh.tp in self._wanted():
-            return False
         if self._deeper(mesh):
             return False
+        margin = 1 + HOPELESS
+        if mesh.tp not in self.tried and mesh.tp in self._wanted():
+            margin *= 1 + CARRIED_SLOW
         step = self.step(mesh)
         best = min(self.best[0], self.flat_best)
-        return step is not None and math.isfinite(best) and step > best * (1 + HOPELESS)
+        return step is not None and math.isfinite(best) and step > best * margin
 
     def _deeper(self, mesh: MeshShape) -> bool:
         """Whether ``mesh`` has the fastest costed pipeline's tp and twice its stages, and was not costed.
