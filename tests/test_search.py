@@ -247,3 +247,44 @@ def test_a_pipeline_with_twice_the_stages_of_the_fastest_is_costed_however_it_pr
     assert preview.order([pp32, pp16])[0] == pp16  # ahead of pp = 32, which previews faster
     preview.costed(pp16, 14.9)  # costed, and slower: the rule no longer holds it back
     assert preview.hopeless(pp16) and preview.order([pp32, pp16]) == [pp32, pp16]
+
+
+def test_a_restriction_asks_a_keyed_filter_once_per_strategy_list_and_key_with_the_same_masks() -> None:
+    """``restrict`` shares a mask between nodes with the same strategy list and filter key (the copies of a
+    repeated layer): every seed, ZeRO and micro-batch filter, alone and combined, forbids exactly what the
+    same filter asked node by node forbids, and asks far fewer questions."""
+    from autopar.search.sharding.derived import restrict
+    from autopar.search.sharding.mesh_solve import both, prepare_mesh, zero_filter
+    from autopar.search.sharding.microbatches import microbatch_filter
+    from autopar.search.sharding.request import MeshRequest
+    from autopar.search.sharding.seeds import seed_filter
+
+    model, inputs = llama(8, 64, 4, 128, seq=16, batch=8)
+    c = capture(model, inputs)
+    cluster = Cluster.local(8)
+    mesh = cluster.check_mesh(dp=2, tp=4, pp=1)
+    mp = prepare_mesh(MeshRequest(c, cluster, mesh, precision_spec("bf16-mixed"), "adamw", float("inf")))
+    sp = mp.sp
+    params = {p.placeholder: p.name for p in c.params}
+    filters = {
+        "megatron": seed_filter("megatron", params, False),
+        "zero1": zero_filter(sp, 1),
+        "zero3": zero_filter(sp, 3),
+        "microbatches": microbatch_filter(c, (2, 4), 4),
+    }
+    filters["megatron+zero3"] = both(sp, filters["megatron"], filters["zero3"])
+    filters["microbatches+megatron"] = both(sp, filters["microbatches"], filters["megatron"])
+    for name, f in filters.items():
+        asked = []
+
+        def counted(node: str, s, f=f, asked=asked) -> bool:
+            asked.append(node)
+            return f(node, s)
+
+        plain = restrict(sp.problem, sp, lambda node, s, f=f: f(node, s))  # no key: every node asked
+        counted.node_key = f.node_key
+        shared = restrict(sp.problem, sp, counted)
+        assert shared.node_costs == plain.node_costs and shared.groups == plain.groups, name
+        forbidden = sum(math.isinf(x) for row in plain.node_costs for x in row)
+        assert forbidden > 0 or name == "microbatches", name
+        assert len(asked) < sum(len(s) for s in sp.strategies) / 2, name

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from autopar.search.sharding.filters import node_key
 from autopar.search.sharding.instance import ShardingProblem, parameter_sourced, per_microbatch_grad_sync
 from autopar.search.sharding.step_memory import accumulated
 from autopar.search.sharding.strategies import Strategy
@@ -70,14 +71,24 @@ def restrict(
 ) -> StrategyProblem:
     """``problem`` with the strategies ``allowed(node name, strategy)`` rejects forbidden (infinite cost).
 
-    A node none of whose strategies is allowed keeps them all. Repeated-layer groups are
+    A node none of whose strategies is allowed keeps them all. Nodes with the same strategy
+    list (``sp.list_ids``) and the same key of the filter (:mod:`autopar.search.sharding.filters`)
+    are asked once. Repeated-layer groups are
     split where their members' restrictions differ, so tying them never forbids more.
     Indices stay those of ``sp``: an answer reads back through ``sp`` as it is.
     """
     costs = list(problem.node_costs)
     masks: dict[int, tuple[bool, ...]] = {}
+    key = node_key(allowed)
+    shared: dict[tuple, tuple[bool, ...]] = {}  # (strategy list, node key) -> mask: the repeated layers' copies
+    lists = sp.list_ids if len(sp.list_ids) == len(sp.nodes) else None
     for i, name in enumerate(sp.nodes):
-        mask = tuple(bool(allowed(name, s)) for s in sp.strategies[i])
+        k = (lists[i], key(name)) if lists is not None else None
+        mask = shared.get(k) if k is not None else None
+        if mask is None:
+            mask = tuple(bool(allowed(name, s)) for s in sp.strategies[i])
+            if k is not None:
+                shared[k] = mask
         if all(mask) or not any(mask):
             continue
         masks[i] = mask

@@ -91,6 +91,9 @@ class ShardingProblem:
     # nodes that replay a forward op in the backward (made by autopar.search.sharding.recompute): hardware FLOPs,
     # not model FLOPs
     replayed: list[int] = field(default_factory=list)
+    # per problem node, the number of its strategy list: nodes with equal numbers hold the same strategies
+    # in the same order (the copies of a repeated layer)
+    list_ids: list[int] = field(default_factory=list)
 
 
 def parameter_sourced(sp: ShardingProblem) -> set[str]:

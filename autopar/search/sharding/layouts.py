@@ -22,6 +22,7 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
+from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
@@ -64,6 +65,7 @@ def layout_placements(
             return False
         return seed(node, strategy)
 
+    allowed = keyed(allowed, lambda node: (node in inputs, node in batched, params.get(node)))
     request = MeshRequest(captured, cluster, mesh, precision, optimizer, float("inf"))
     strategies = enumerate_strategies(captured.gm, request.shape, SHARDING_AXES)
     forced = forced_placements(captured, strategies, allowed)

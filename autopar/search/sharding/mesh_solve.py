@@ -27,6 +27,7 @@ from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
 from autopar.search.sharding.derived import restrict, with_microbatches
+from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
@@ -403,7 +404,7 @@ def zero_filter(sp: ShardingProblem, zero: int) -> Callable[[str, Strategy], boo
         want = min(zero, 2)
         return not over_dp(s) and s.zero == (want if any(o.zero for o in params[name]) else 0)
 
-    return allowed
+    return keyed(allowed, lambda name: (name in params, name in shardable))
 
 
 def both(
@@ -415,7 +416,11 @@ def both(
         for i in range(len(sp.nodes))
         if any(first(sp.nodes[i], s) and then(sp.nodes[i], s) for s in sp.strategies[i])
     }
-    return lambda name, s: then(name, s) and (first(name, s) or name not in agree)
+    first_key, then_key = node_key(first), node_key(then)
+    return keyed(
+        lambda name, s: then(name, s) and (first(name, s) or name not in agree),
+        lambda name: (first_key(name), then_key(name), name in agree),
+    )
 
 
 def describe_result(captured: CapturedGraph, res: ShardingResult) -> ShardingResult:

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.capture.joint import CapturedGraph
+from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.instance import ShardingProblem
 
 _SHAPES: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[list, list]]] = weakref.WeakKeyDictionary()
@@ -101,4 +102,8 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
             hit = verdicts[key] = (ok, s)
         return hit[0]
 
-    return allowed
+    def shapes_of(name: str):
+        node = by_name.get(name)
+        return None if node is None or microbatches == 1 else node_shapes(node)
+
+    return keyed(allowed, shapes_of)  # a node by its shapes

@@ -365,6 +365,7 @@ def _assemble(ctx: BuildContext, t: Terms, memory_limit: float | None) -> Shardi
         facts=ctx.facts,
         microbatches=ctx.microbatches,
         replayed=[i for i, name in enumerate(t.names) if "autopar_recompute_of" in by_name[name].meta],
+        list_ids=t.list_ids,
     )
 
 

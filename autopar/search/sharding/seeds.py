@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 
 from autopar.core.placements import REPLICATE, Placement, shard
+from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
@@ -55,7 +56,7 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
         raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3 or megatron")
 
-    return allowed
+    return keyed(allowed, params.get)  # a parameter by its name; every other node alike
 
 
 def seeds_for(tp: int, param_names: list[str]) -> list[str]:
