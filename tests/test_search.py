@@ -288,3 +288,40 @@ def test_a_restriction_asks_a_keyed_filter_once_per_strategy_list_and_key_with_t
         forbidden = sum(math.isinf(x) for row in plain.node_costs for x in row)
         assert forbidden > 0 or name == "microbatches", name
         assert len(asked) < sum(len(s) for s in sp.strategies) / 2, name
+
+
+def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch) -> None:
+    """Another pipeline mesh is costed only if, at what costing one took, the MILP's polish of the best still fits
+    in the time left: on a clock where preparing a mesh takes 1 s and solving it 4 s, a 12-s search costs one mesh
+    and polishes it, where a second mesh would have left no time for the polish."""
+    from types import SimpleNamespace
+
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    clock = [0.0]
+    monkeypatch.setattr(pipeline_mesh.time, "perf_counter", lambda: clock[0])
+
+    def prepare(request, **k):
+        clock[0] += 1.0
+        return request.mesh
+
+    calls = []
+
+    def solve(pm, left, **k):
+        clock[0] += 4.0
+        calls.append((pm, "polish" if k.get("layouts") == () else "seeds"))
+        solution = SimpleNamespace(choice=[0])
+        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=1.0), sharding=SimpleNamespace(solution=solution))
+
+    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", prepare)
+    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", solve)
+    first, second = MeshShape(8, 4, 2), MeshShape(4, 8, 2)
+    args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [first, second])
+    notes: list[str] = []
+    pipeline_mesh.search_pipelines(*args, 12.0, notes=notes)
+    assert calls == [(first, "seeds"), (first, "polish")]
+    assert notes == ["pipelines: time limit reached after 1 of 2 meshes"]
+    calls.clear()
+    clock[0] = 0.0
+    pipeline_mesh.search_pipelines(*args, 30.0)  # room for both, and the polish
+    assert [c[1] for c in calls] == ["seeds", "seeds", "polish", "polish"]
