@@ -11,6 +11,8 @@ are among the cases.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,3 +155,94 @@ def test_the_stack_is_the_outermost_list_not_the_experts_inside_each_layer() -> 
     model.layers = nn.ModuleList(_Experts() for _ in range(6))
     parent, attr, path = repeated_stack(model)
     assert (parent, attr, path) == (model, "layers", "layers")
+
+
+def test_every_node_of_a_folded_capture_stands_on_a_template_node_of_the_same_op() -> None:
+    """The fold record (:class:`autopar.capture.graph.Fold`): each node of the L-layer graph maps onto a node of
+    the four-layer trace with the same op and shapes; the first middle layer stands for L - 3 layers, every
+    other template layer for one."""
+    from collections import Counter
+
+    model, inputs = llama(9, 64, 4, 128, seq=16)
+    c = capture_folded(model, inputs)
+    fold = c.fold
+    assert fold is not None and fold.layers == 9 and fold.stack == "model.layers"
+    template = {n.name: n for n in fold.template.gm.graph.nodes}
+    for n in c.gm.graph.nodes:
+        if n.op == "output":
+            continue
+        t = template[fold.origin[n.name]]
+        assert t.op == n.op and (n.op == "placeholder" or t.target == n.target), n.name
+        assert getattr(t.meta.get("val"), "shape", None) == getattr(n.meta.get("val"), "shape", None), n.name
+    per_layer = Counter(fold.template_layer[o][0] for o in fold.origin.values() if o in fold.template_layer)
+    one = per_layer[0]
+    assert per_layer == {0: one, 1: (9 - 3) * one, 2: one, 3: one}
+    assert capture(model, inputs).fold is None  # traced whole: nothing to stand on
+
+
+@pytest.mark.parametrize("layers", [8, 11])
+def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: int) -> None:
+    """The sharding problem of the four traced layers, its first middle layer counted L - 3 times
+    (:mod:`autopar.search.sharding.fold`), gives every answer the objective, estimated step and peak memory
+    that answer copied to all L layers gives on the whole graph's problem: the unrestricted optimum with and
+    without a memory limit (which makes it recompute), the seed layouts, and (objective and step) random
+    answers with every layer choosing alike."""
+    import random
+
+    from autopar import Cluster
+    from autopar.cost_models.memory import precision_spec
+    from autopar.search.sharding.answer import evaluate
+    from autopar.search.sharding.derived import restrict
+    from autopar.search.sharding.fold import fold_problem, unfold_choice
+    from autopar.search.sharding.mesh_solve import prepare_mesh
+    from autopar.search.sharding.request import MeshRequest
+    from autopar.search.sharding.seeds import seed_filter
+    from autopar.search.sharding.step_memory import step_memory
+    from autopar.solver import solve_strategies
+    from autopar.solver.evaluate import objective_of
+
+    # a small vocabulary: the layers' activations, not the logits, are what a memory limit cuts
+    model, inputs = llama(layers, 64, 4, 128, vocab=64, seq=64, batch=8)
+    c = capture_folded(model, inputs)
+    cluster = Cluster.local(4)
+    mesh = cluster.check_mesh(dp=2, tp=2, pp=1)
+    prec = precision_spec("bf16-mixed")
+
+    def prepared(captured):
+        return prepare_mesh(MeshRequest(captured, cluster, mesh, prec, "adamw", float("inf"), recompute=True))
+
+    full, template = prepared(c), prepared(c.fold.template)
+    folded = fold_problem(template.sp, c.fold)
+
+    def figures(sp, choice):
+        est = evaluate(sp, SimpleNamespace(choice=choice), (2, 2), cluster, 8, float("inf"), full.links)
+        return objective_of(sp.problem, choice), est.step_time_s, step_memory(sp, choice, (2, 2)).peak
+
+    def check(choice, memory=True):
+        whole = figures(full.sp, unfold_choice(full.sp, folded, choice, c.fold))
+        mine = figures(folded, choice)
+        assert mine[:2] == pytest.approx(whole[:2], rel=1e-9)
+        if memory:
+            assert mine[2] == pytest.approx(whole[2], rel=1e-9)
+        return mine
+
+    free = solve_strategies(folded.problem, time_limit_s=10).choice
+    _, _, peak = check(free)
+    params = {p.placeholder: p.name for p in c.fold.template.params}
+    # ZeRO held to stage 0: what the limit takes must come out of the activations, by recomputing them
+    no_zero = restrict(folded.problem, folded, lambda name, s: not s.zero)
+    for share in (0.97, 0.9):
+        tight = replace(no_zero, memory_limit=share * peak)
+        recomputing = solve_strategies(tight, time_limit_s=10).choice
+        assert any(folded.strategies[i][k].recompute for i, k in enumerate(recomputing))
+        assert check(recomputing)[2] <= share * peak * (1 + 1e-9)
+    for kind in ("megatron", "zero3"):
+        problem = restrict(folded.problem, folded, seed_filter(kind, params, False))
+        check(solve_strategies(problem, time_limit_s=10).choice)
+    rng = random.Random(0)
+    for _ in range(3):  # forbidden moves included: costs agree, though the memory of a forbidden move is moot
+        choice = [rng.randrange(len(s)) for s in folded.strategies]
+        for group in folded.problem.groups or []:
+            for v in group:
+                choice[v] = choice[group[0]]
+        check(choice, memory=False)

@@ -49,6 +49,33 @@ class CapturedGraph:
     batch_size: int
     model_name: str
     updated: list[int] = field(default_factory=list)
+    # how the graph was written from a trace of four of its layers (None: traced whole); a graph
+    # rewritten from this one is no longer that graph and must not carry it
+    fold: Fold | None = None
+
+
+@dataclass
+class Fold:
+    """What a graph written from a four-layer trace (:mod:`autopar.capture.unroll`) stands on.
+
+    ``template`` is the trace of the model with its stack of ``layers`` layers cut to
+    four: the first, two middle ones, the last. ``origin`` maps every node of the full
+    graph to the template node it stands for: layer 0 and layer L-1 to the traced first
+    and last, layer L-2 to the second traced middle layer, and every other middle layer
+    (1 .. L-3) to the first traced middle layer, which so stands for L-3 layers; a node
+    outside the stack stands for itself. ``template_layer`` gives each template node of
+    the stack its layer (0-3) and part: its placeholders ("ph"), its forward ("fwd", the ops
+    between the previous layer's and the next one's, in graph order) or its backward ("bwd").
+    With every layer choosing alike, a problem on the template
+    whose first middle layer counts L-3 times is the whole graph's
+    (:mod:`autopar.search.sharding.fold`).
+    """
+
+    template: CapturedGraph
+    stack: str
+    layers: int
+    origin: dict[str, str]
+    template_layer: dict[str, tuple[int, str]]
 
 
 def graph_results(gm: fx.GraphModule | fx.Graph, params: int) -> tuple[Any, list[Any], list[Any]]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-from autopar.capture.graph import CapturedGraph, TensorInfo, graph_results
+from autopar.capture.graph import CapturedGraph, Fold, TensorInfo, graph_results
 
 TEMPLATE_LAYERS = 4
 """Layers traced: the first, two middle ones (to check that they agree), the last."""
@@ -248,6 +248,11 @@ def unroll(
     n_params, n_fixed = len(params), len(fixed)
     loss, grad_nodes, _ = graph_results(gm, n_params)
     grad_names = {p.name: g.name for p, g in zip(infos[:n_params], grad_nodes, strict=True) if g is not None}
+    # canonical_names keeps the order of the nodes it renames
+    origin = {
+        m.name: w.origin[n].name for n, m in zip(w.new.nodes, gm.graph.nodes, strict=True) if n in w.origin
+    }
+    layer_of = {n.name: where[:2] for n, where in w.tpl.where.items() if where is not None}
     return CapturedGraph(
         gm,
         infos[:n_params],
@@ -258,6 +263,7 @@ def unroll(
         c.batch_size,
         c.model_name,
         [],
+        fold=Fold(c, stack, layers, origin, layer_of),
     )
 
 
@@ -275,6 +281,11 @@ class _Writer:
         self.copied: dict[fx.Node, fx.Node] = {}
         self.layered: dict[tuple[int, str, int], fx.Node] = {}
         self.ph_nodes = {n.name: n for n in c.gm.graph.nodes if n.op == "placeholder"}
+        self.origin: dict[fx.Node, fx.Node] = {}  # each node written -> the template node it stands for
+
+    def fold_layer(self, j: int) -> int:
+        """The traced layer that layer ``j`` stands on in a fold (:class:`Fold`): layer L-2 on the second middle one."""
+        return 2 if j == self.layers - 2 and self.layers > 3 else self.template_layer(j)
 
     def template_layer(self, j: int) -> int:
         """The traced layer that layer ``j`` is written from: the first, the first middle one or the last."""
@@ -326,9 +337,11 @@ class _Writer:
                 node.meta["seq_nr"] = self.seq_nr(node.meta["seq_nr"], None if j is None else self.template_layer(j), j)
             if j is None:
                 self.copied[traced] = node
+                self.origin[node] = traced
             else:
                 _, kind, pos = self.tpl.where[traced]
                 self.layered[(j, kind, pos)] = node
+                self.origin[node] = self.tpl.parts[(self.fold_layer(j), kind)][pos]
             infos.append(TensorInfo(info.name, node.name, info.shape, info.dtype))
         return infos
 
@@ -337,6 +350,7 @@ class _Writer:
         for i in self.c.inputs:
             node = self.ph_nodes[i.placeholder]
             self.copied[node] = out = self.new.node_copy(node)
+            self.origin[out] = node
             out.meta = dict(node.meta)
             if "seq_nr" in node.meta:
                 out.meta["seq_nr"] = self.seq_nr(node.meta["seq_nr"], None, -1)
@@ -356,10 +370,13 @@ class _Writer:
     def shared(self, nodes: list[fx.Node]) -> None:
         for n in nodes:
             self.copied[n] = self.copy(n, None, -1)
+            self.origin[self.copied[n]] = n
 
     def layer(self, t: int, kind: str, j: int) -> None:
+        stands_on = self.tpl.parts[(self.fold_layer(j), kind)]
         for pos, n in enumerate(self.tpl.parts[(t, kind)]):
-            self.layered[(j, kind, pos)] = self.copy(n, t, j)
+            self.layered[(j, kind, pos)] = out = self.copy(n, t, j)
+            self.origin[out] = stands_on[pos]
 
     def results(self, params: list[TensorInfo]) -> None:
         """The output: the loss, then each parameter's gradient (its layer's copy)."""

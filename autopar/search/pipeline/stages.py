@@ -214,7 +214,7 @@ def untie_across_stages(
     _order_placeholders(g, params, captured)
     g.lint()
     new_gm.recompile()
-    new = dataclasses.replace(captured, gm=new_gm, params=params)
+    new = dataclasses.replace(captured, gm=new_gm, params=params, fold=None)
     return new, placements, stage_of, ties
 
 

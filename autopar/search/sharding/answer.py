@@ -208,15 +208,17 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
     backward = {sp.nodes[i] for i in sp.backward_nodes}
     grad = set(sp.grad_edges)
     k = sp.microbatches
+    weights = sp.edge_weight
     buckets: dict[tuple[str, int, int], float] = {}  # (kind, mesh dim, rounds per step) -> bytes
     for e, (u, v) in enumerate(p.edges):
         info = sp.edge_info[e]
         c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
+        w = 1.0 if weights is None else weights[e]  # the edges of the graph it stands for (a fold)
         if e in grad:
             b = sp.strategies[v][choice[v]]
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(b)
             rounds = k if per_microbatch_grad_sync(sp, b) else 1
-            nbytes = info.moved_bytes(have, need)
+            nbytes = info.moved_bytes(have, need) * w
             for kind, d, size in grad_sync_steps(have, need, b.zero, nbytes, mesh_shape, sp.dp_dim) or []:
                 buckets[(kind, d, rounds)] = buckets.get((kind, d, rounds), 0.0) + size
             if rounds == 1 and k > 1:
@@ -225,18 +227,18 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
                 out.grad_bytes += nbytes
         elif info.kind == "data" and info.dst in chain and c > 0:
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(sp.strategies[v][choice[v]])
-            nbytes = info.moved_bytes(have, need)
+            nbytes = info.moved_bytes(have, need) * w
             for kind, d, size in grad_sync_steps(have, need, 0, nbytes, mesh_shape, sp.dp_dim) or []:
                 buckets[(kind, d, 1)] = buckets.get((kind, d, 1), 0.0) + size
         elif info.kind == "data" and info.src in moved and c > 0:
             if info.dst in backward:
                 out.gather_backward += c
-                out.gathered_backward_bytes += info.nbytes
+                out.gathered_backward_bytes += info.nbytes * w
             else:
                 out.gather_forward += c
-                out.gathered_forward_bytes += info.nbytes
+                out.gathered_forward_bytes += info.nbytes * w
         else:
-            _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward)
+            _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward, w)
     for (kind, d, rounds), nbytes in buckets.items():
         t = bucketed_time(kind, nbytes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
         if rounds == 1 and k > 1:  # accumulated over the micro-batches, reduced once: under the last backward
@@ -252,15 +254,26 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
 
 
 def _add_data(
-    out: StepComm, sp: ShardingProblem, e: int, choice: list[int], mesh_shape, links, cost: float, in_backward: bool
+    out: StepComm,
+    sp: ShardingProblem,
+    e: int,
+    choice: list[int],
+    mesh_shape,
+    links,
+    cost: float,
+    in_backward: bool,
+    weight: float = 1.0,
 ) -> None:
-    """An activation's move: on the critical path, its tensor-parallel part apart when the runtime overlaps it."""
+    """An activation's move: on the critical path, its tensor-parallel part apart when the runtime overlaps it.
+
+    ``weight``: the edges of the graph the edge stands for (``cost`` counts them all already).
+    """
     info = sp.edge_info[e]
     tp = 0.0
     if overlap.RUNTIME.tp_comm_overlap and info.kind == "data" and cost > 0:
         u, v = sp.problem.edges[e]
         a, b = sp.strategies[u][choice[u]], sp.strategies[v][choice[v]]
-        tp = min(cost, tp_seconds(info, a, b, mesh_shape, links, sp.dp_dim))
+        tp = min(cost, weight * tp_seconds(info, a, b, mesh_shape, links, sp.dp_dim))
     out.data += cost - tp
     if in_backward:
         out.tp_backward += tp

@@ -94,6 +94,9 @@ class ShardingProblem:
     # per problem node, the number of its strategy list: nodes with equal numbers hold the same strategies
     # in the same order (the copies of a repeated layer)
     list_ids: list[int] = field(default_factory=list)
+    # per problem edge, how many edges of the graph it stands for (a folded problem's,
+    # autopar.search.sharding.fold: its costs are already multiplied; the bytes it moves are not); None: one each
+    edge_weight: list[float] | None = None
 
 
 def parameter_sourced(sp: ShardingProblem) -> set[str]:

@@ -448,7 +448,7 @@ def apply_recompute(captured: CapturedGraph, placements: dict[str, dict]) -> tup
         len(selective),
         len(groups),
     )
-    return dataclasses.replace(captured, gm=gm), out_placements
+    return dataclasses.replace(captured, gm=gm, fold=None), out_placements
 
 
 def recomputed(gm: fx.GraphModule | CapturedGraph) -> dict[str, str]:
