@@ -246,3 +246,33 @@ def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: in
             for v in group:
                 choice[v] = choice[group[0]]
         check(choice, memory=False)
+
+
+def test_the_mesh_search_on_the_folded_problem_finds_the_plan_the_whole_graph_gives() -> None:
+    """``search_meshes`` solves each mesh on the four traced layers folded to all of them and carries the best
+    answer onto the whole graph: the same meshes, step times and peaks as solving the whole graph, the best
+    one's placements naming every node of the whole graph; under a binding limit the answer carried over
+    recomputes and fits there."""
+    from autopar import Cluster
+    from autopar.cost_models.memory import precision_spec
+    from autopar.search.sharding.mesh import search_meshes
+
+    model, inputs = llama(8, 64, 4, 128, vocab=64, seq=64, batch=8)
+    c = capture_folded(model, inputs)
+    cluster = Cluster.local(4)
+    prec = precision_spec("bf16-mixed")
+    runs = {fold: search_meshes(c, cluster, prec, "adamw", float("inf"), 30.0, fold=fold) for fold in (True, False)}
+    (best, every), (whole_best, whole_every) = runs[True], runs[False]
+    assert [r.mesh for r in every] == [r.mesh for r in whole_every]
+    for mine, whole in zip(every, whole_every, strict=True):
+        assert mine.estimate.step_time_s == pytest.approx(whole.estimate.step_time_s, rel=1e-6), mine.mesh
+        assert mine.estimate.memory.peak == pytest.approx(whole.estimate.memory.peak, rel=1e-6), mine.mesh
+    assert best.mesh == whole_best.mesh and best.sp.template is None  # carried onto the whole graph
+    names = {n.name for n in c.gm.graph.nodes if n.op != "output"}
+    assert set(best.placements) == set(whole_best.placements) and set(best.placements) <= names
+
+    limit = 5e6  # every mesh's unlimited answer peaks above 7 MB
+    best, _ = search_meshes(c, cluster, prec, "adamw", limit, 30.0)
+    assert best.sp.template is None and len(best.solution.choice) == len(best.sp.nodes)
+    assert best.estimate.fits and best.estimate.memory.peak <= limit
+    assert any(best.sp.strategies[i][k].recompute for i, k in enumerate(best.solution.choice))

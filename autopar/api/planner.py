@@ -35,13 +35,14 @@ from autopar.plans.format import size_brief
 from autopar.plans.plan import Plan
 from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
-from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines
+from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines, unfold_pipeline
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.explain_records import explain_records
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
+from autopar.search.sharding.request import MeshRequest
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,10 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     pipe = None
     if pipe_meshes:
         pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
+    if pipe is not None:  # solved on the folded layers: carried onto the whole graph
+        request = MeshRequest(captured, cluster, pipe.mesh, prec, optimizer, limit, recompute=fixed.recompute is None)
+        folded, pipe = pipe, unfold_pipeline(pipe, request)
+        pipes = [pipe if r is folded else r for r in pipes]
     if pipe is not None and (
         flat is None
         or not flat.args[1].fits

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.capture.joint import CapturedGraph
@@ -45,10 +45,10 @@ from autopar.search.pipeline.cuts import CutChoice, best_cuts
 from autopar.search.pipeline.preview import HOPELESS, Preview
 from autopar.search.pipeline.segments import (
     even_layer_cuts,
+    layer_figures,
     microbatch_counts,
     pipeline_memory_problem,
     rescale,
-    segment_figures,
 )
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
 from autopar.search.sharding.answer import evaluate
@@ -60,7 +60,9 @@ from autopar.search.sharding.mesh_solve import (
     ShardingResult,
     both,
     describe_result,
+    prepare_folded,
     prepare_mesh,
+    unfold_result,
     zero_filter,
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
@@ -120,7 +122,7 @@ def _costed_cuts(segments, cuts, m, schedule, p2p, memory_limit, chunks) -> CutC
 
 def _splittable(pm: PipelineMesh, sp: ShardingProblem, choice: list[int]) -> list[int]:
     """The micro-batch counts under which every placement of ``choice`` still divides its tensor."""
-    return [m for m in pm.counts if microbatch_divides(pm.captured, sp, choice, (pm.mesh.dp, pm.mesh.tp), m)]
+    return [m for m in pm.counts if microbatch_divides(pm.solved, sp, choice, (pm.mesh.dp, pm.mesh.tp), m)]
 
 
 @dataclass
@@ -141,12 +143,24 @@ class PipelineMesh:
     def solve_microbatches(self) -> int:
         return self.counts[-1]
 
+    @property
+    def solved(self) -> CapturedGraph:
+        """The graph the problem's node names are of: the four traced layers' when it is folded."""
+        return self.mp.captured
+
     def p2p(self, nbytes: float) -> float:
         return collective_time("send_recv", nbytes, 2, self.link) if nbytes > 0 else 0.0
 
 
-def prepare_pipeline_mesh(request: MeshRequest, *, microbatches: int | None = None) -> PipelineMesh | None:
-    """Build the problem of ``request``'s mesh (pp ≥ 2); None when the model has fewer segments than stages."""
+def prepare_pipeline_mesh(
+    request: MeshRequest, *, microbatches: int | None = None, fold: bool = True
+) -> PipelineMesh | None:
+    """Build the problem of ``request``'s mesh (pp ≥ 2); None when the model has fewer segments than stages.
+
+    ``fold`` (on a folded capture): the problem is the four traced layers' folded to all of them
+    (:func:`~autopar.search.sharding.mesh_solve.prepare_folded`); its answers are carried onto the
+    whole graph by :func:`unfold_pipeline`.
+    """
     captured, mesh = request.captured, request.mesh
     graph_segments = forward_segments(captured)
     if len(graph_segments) < mesh.pp:
@@ -154,7 +168,7 @@ def prepare_pipeline_mesh(request: MeshRequest, *, microbatches: int | None = No
     counts = microbatch_counts(captured.batch_size // mesh.dp, mesh.pp, microbatches)
     if not counts:
         return None
-    mp = prepare_mesh(request)
+    mp = prepare_folded(request) if fold else prepare_mesh(request)
     sp = pipeline_memory_problem(with_microbatches(mp.sp, counts[-1]), mesh.pp)
     link = request.cluster.axis_link(mesh, "pp")
     return PipelineMesh(
@@ -164,7 +178,7 @@ def prepare_pipeline_mesh(request: MeshRequest, *, microbatches: int | None = No
 
 def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: tuple[str, ...] | None):
     """(name, strategy filter) of each way to shard inside the stages: the MILP and the seed layouts."""
-    captured = pm.captured
+    captured = pm.solved
     fixed = zero_filter(pm.mp.sp, zero) if zero is not None else None
     params = {p.placeholder: p.name for p in captured.params}
     conv1d = captured.model_name.startswith("GPT2")
@@ -209,7 +223,7 @@ def solve_pipeline(
     best: tuple | None = None  # (step, m, schedule, chunks, choice, segments, solution, source)
     for source, solution, counts in _stage_answers(pm, candidates, per, start, target_gap):
         sp_solve = with_microbatches(mp.sp, m_solve)
-        base = segment_figures(
+        base = layer_figures(
             pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale, mp.links
         )
         for m in counts:
@@ -231,7 +245,8 @@ def solve_pipeline(
     result = PipelineResult(
         mesh, m, schedule, chunks, choice.cuts, segments, pm.graph_segments, res, est, choice, source
     )
-    describe_result(pm.captured, res)
+    if res.sp.template is None:  # a folded answer is described once carried onto the whole graph
+        describe_result(pm.captured, res)
     result.timings = {**mp.timings, "pipeline_s": time.perf_counter() - t0}
     log.info(
         "mesh %s: pipeline %s, %d micro-batches, step %.4g s (%s)", mesh, schedule, m, est.step_time_s, source
@@ -247,7 +262,7 @@ def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | 
     the most micro-batches).
     """
     sp, m_solve = pm.sp, pm.solve_microbatches
-    divides = microbatch_filter(pm.captured, (pm.mesh.dp, pm.mesh.tp), m_solve)
+    divides = microbatch_filter(pm.solved, (pm.mesh.dp, pm.mesh.tp), m_solve)
     for source, allowed in candidates:
         problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
         known = start if source == "milp" else None
@@ -278,9 +293,20 @@ def solve_pipeline_mesh(
     pm = prepare_pipeline_mesh(request, microbatches=microbatches)
     if pm is None:
         return None
-    return solve_pipeline(
+    result = solve_pipeline(
         pm, time_limit_s, schedules=schedules, zero=zero, milp=milp, layouts=layouts, even_cuts=even_cuts
     )
+    return None if result is None else unfold_pipeline(result, request)
+
+
+def unfold_pipeline(result: PipelineResult, request: MeshRequest) -> PipelineResult:
+    """``result`` with its sharding carried onto ``request``'s whole graph and described there
+    (:func:`~autopar.search.sharding.mesh_solve.unfold_result`); one solved on the whole graph as it is."""
+    if result.sharding.sp.template is None:
+        return result
+    sharding = unfold_result(result.sharding, request)
+    describe_result(request.captured, sharding)
+    return replace(result, sharding=sharding)
 
 
 # The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.

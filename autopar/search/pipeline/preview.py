@@ -26,8 +26,9 @@ from autopar.cost_models.comm import collective_time
 from autopar.cost_models.memory import Precision
 from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time
 from autopar.hardware.cluster import Cluster, MeshShape
-from autopar.search.pipeline.segments import microbatch_counts, rescale, segment_figures
+from autopar.search.pipeline.segments import layer_figures, microbatch_counts, rescale
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
+from autopar.search.sharding.mesh import HOPELESS
 from autopar.search.sharding.request import activation_scale, mesh_links
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,9 @@ log = logging.getLogger(__name__)
 # Added to a previewed step that does not fit in memory: such meshes are costed after those that fit.
 UNFIT = 1e9
 
-HOPELESS = 0.1
-"""A mesh previewed this much slower than the best plan costed is not costed. Previews
-priced under 1F1B and carried over from another mesh's sharding are within about 5% of
-the costed step at LLaMA-7B scale (interleaving, costed, gains about 4% more)."""
+# HOPELESS (autopar.search.sharding.mesh): a mesh previewed this much slower than the best plan costed is
+# not costed. Previews priced under 1F1B and carried over from another mesh's sharding are within about 5%
+# of the costed step at LLaMA-7B scale (interleaving, costed, gains about 4% more).
 
 CARRIED_SLOW = 0.15
 """How much slower than costed a pipeline previews from the figures of a mesh without one
@@ -77,7 +77,7 @@ class Preview:
                 self.flat_best = min(self.flat_best, r.estimate.step_time_s)
             if not r.solution.choice or r.mesh.tp in self.figures:
                 continue
-            segs = segment_figures(
+            segs = layer_figures(
                 self.captured,
                 r.sp,
                 r.solution.choice,

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.capture.graph import Fold
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models import overlap
 from autopar.cost_models.comm import bucketed_time
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.cost_models.step import param_gather_exposed
-from autopar.search.pipeline.stages import GraphSegment, segment_of_nodes
+from autopar.search.pipeline.stages import GraphSegment, forward_segments, segment_of_nodes
 from autopar.search.sharding.instance import (
     TP_DIM,
     ShardingProblem,
@@ -90,6 +91,49 @@ def segment_figures(
         )
         for j in range(k)
     ]
+
+
+def layer_figures(
+    captured: CapturedGraph,
+    sp: ShardingProblem,
+    choice: list[int],
+    graph_segments: list[GraphSegment],
+    mesh_shape: tuple[int, ...],
+    microbatches: int,
+    activation_scale: float,
+    links: list | None = None,
+) -> list[Segment]:
+    """:func:`segment_figures` of ``captured``'s segments, for an answer to its problem or to its folded one.
+
+    An answer to a folded problem (``sp.template`` set, :mod:`autopar.search.sharding.fold`) is
+    read on the four traced layers, every layer counted once, and each template layer's
+    figures stand for the layers it stands for (:func:`unfold_segments`).
+    """
+    fold = captured.fold
+    if sp.template is None or fold is None:
+        return segment_figures(
+            captured, sp, choice, graph_segments, mesh_shape, microbatches, activation_scale, links
+        )
+    template = forward_segments(fold.template)
+    segs = segment_figures(
+        fold.template, sp.template, choice, template, mesh_shape, microbatches, activation_scale, links
+    )
+    return unfold_segments(segs, fold)
+
+
+def unfold_segments(segments: list[Segment], fold: Fold) -> list[Segment]:
+    """The four traced layers' segments as all ``fold.layers``: the first middle layer's for layers 1 .. L-3."""
+    prefix = fold.stack + "."
+    last = fold.layers - 1
+    out: list[Segment] = []
+    for seg in segments:
+        t = seg.name[len(prefix) :] if seg.name.startswith(prefix) else ""
+        if not t.isdigit():
+            out.append(seg)
+            continue
+        layers = {0: [0], 1: list(range(1, last - 1)), 2: [last - 1], 3: [last]}[int(t)]
+        out += [replace(seg, name=f"{prefix}{j}") for j in layers]
+    return out
 
 
 def _param_gather(nbytes: float, forward: float, sp: ShardingProblem, mesh_shape, links) -> float:

@@ -63,7 +63,8 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
     ]
     grad_items = accumulated(items, sp.grad_items)
     problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items or None)
-    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items)
+    template = None if sp.template is None else with_microbatches(sp.template, microbatches)
+    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items, template=template)
 
 
 def restrict(

@@ -121,6 +121,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
         param_comm={i: _scaled(rows, weight[i]) for i, rows in sp.param_comm.items()},
         grad_items=grad_items,
         edge_weight=edge_weight,
+        template=sp,
     )
 
 

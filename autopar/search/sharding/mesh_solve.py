@@ -28,6 +28,7 @@ from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.filters import keyed, node_key
+from autopar.search.sharding.fold import fold_problem, unfold_choice
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
@@ -118,6 +119,47 @@ def prepare_mesh(request: MeshRequest, strategies: dict[str, NodeStrategies] | N
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
     return MeshProblem(request, request.links, sp, timings)
+
+
+def prepare_folded(request: MeshRequest) -> MeshProblem:
+    """:func:`prepare_mesh` of ``request``'s folded capture: the four traced layers' problem, folded to all of them.
+
+    The whole graph's problem (:mod:`autopar.search.sharding.fold`), built and solved a
+    layer-count times cheaper; its answers read back onto the four-layer template
+    (``MeshProblem.captured`` is that template), and :func:`unfold_result` carries one onto the
+    whole graph. Without a fold (a model traced whole), :func:`prepare_mesh` itself.
+    """
+    fold = request.captured.fold
+    if fold is None:
+        return prepare_mesh(request)
+    mp = prepare_mesh(replace(request, captured=fold.template))
+    mp.sp = fold_problem(mp.sp, fold)
+    return mp
+
+
+def unfold_result(res: ShardingResult, request: MeshRequest) -> ShardingResult:
+    """A result solved on a folded problem (:func:`prepare_folded`) as the same answer on ``request``'s whole graph.
+
+    The whole graph's problem is built, each node takes the strategy of the template node it
+    stands on, and the answer is costed there: the folded problem costs it alike (the fold's
+    tests hold them equal), and what the plan records (placements, collectives) names the
+    whole graph's nodes. A result not folded is returned as it is.
+    """
+    fold = request.captured.fold
+    if res.sp.template is None or fold is None:
+        return res
+    t = time.perf_counter()
+    mp = prepare_mesh(request)
+    sp = with_microbatches(mp.sp, res.microbatches)
+    solution = res.solution
+    if solution.choice:
+        solution = replace(solution, choice=unfold_choice(sp, res.sp, solution.choice, fold))
+    limit = request.memory_limit if request.memory_limit is not None else math.inf
+    shape = (res.mesh.dp, res.mesh.tp)
+    estimate = evaluate(sp, solution, shape, mp.cluster, mp.captured.batch_size, limit, mp.links, mp.compute_dtype)
+    timings = dict(res.timings)
+    timings["unfold_s"] = time.perf_counter() - t
+    return replace(res, sp=sp, solution=solution, estimate=estimate, timings=timings, placements={}, charged=[])
 
 
 @long_lived_heap()
