@@ -276,3 +276,18 @@ def test_the_mesh_search_on_the_folded_problem_finds_the_plan_the_whole_graph_gi
     assert best.sp.template is None and len(best.solution.choice) == len(best.sp.nodes)
     assert best.estimate.fits and best.estimate.memory.peak <= limit
     assert any(best.sp.strategies[i][k].recompute for i, k in enumerate(best.solution.choice))
+
+
+@pytest.mark.parametrize("name", [name for name, (_, clean) in CASES.items() if clean])
+def test_the_whole_graphs_strategies_read_off_the_templates_are_those_enumerated(name: str) -> None:
+    """``unfold_strategies``: each node of the whole graph gets the strategies of the template node it stands on,
+    inputs renamed, and they are what enumerating the whole graph gives, node for node."""
+    from autopar.search.sharding.fold import unfold_strategies
+    from autopar.search.sharding.strategies import enumerate_strategies
+
+    model, inputs = CASES[name][0]()
+    c = capture_folded(model, inputs)
+    assert c.fold is not None
+    for shape in [(2, 2), (4, 1)]:
+        template = enumerate_strategies(c.fold.template.gm, shape)
+        assert unfold_strategies(c, template) == enumerate_strategies(c.gm, shape)

@@ -241,6 +241,8 @@ def solve_pipeline(
         return None
     _, m, schedule, chunks, choice, segments, solution, source = best
     res = ShardingResult(mesh, m, with_microbatches(mp.sp, m), solution, Estimate(), source=source)
+    if mp.sp.template is not None:
+        res.template_strategies = mp.strategies
     est = _estimate(pm.captured, res, segments, choice, schedule, chunks, mp, pm.memory_limit)
     result = PipelineResult(
         mesh, m, schedule, chunks, choice.cuts, segments, pm.graph_segments, res, est, choice, source

@@ -54,8 +54,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autopar.capture.graph import Fold
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.capture.graph import CapturedGraph, Fold
 from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.strategies import NodeStrategies
 from autopar.solver import StrategyProblem
 
 MIDDLE = 1
@@ -141,6 +145,35 @@ def unfold_choice(full: ShardingProblem, folded: ShardingProblem, choice: list[i
             if key is not None:
                 found[key] = k
         out.append(k)
+    return out
+
+
+def unfold_strategies(captured: CapturedGraph, template: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
+    """The whole graph's strategies from the template's: each node those of the node it stands on.
+
+    A node of the whole graph is the template node's op on inputs of the same shapes
+    (:attr:`Fold.origin`), read from the copies of that node's inputs, so its candidate
+    strategies are the template node's with the inputs renamed. Where a middle layer's
+    candidates would differ from the one it stands on (an input whose candidates differ
+    between the first layer and a middle one), :func:`unfold_choice` finds no strategy to
+    carry over and says so with a ValueError.
+    """
+    fold = captured.fold
+    assert fold is not None
+    by_template = {n.name: n for n in fold.template.gm.graph.nodes}
+    out: dict[str, NodeStrategies] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        t = by_template[fold.origin[node.name]]
+        ns = template[t.name]
+        read = {}
+        mine = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
+        theirs = pytree.tree_leaves((t.args, dict(t.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
+        for a, b in zip(theirs, mine, strict=True):
+            if isinstance(a, fx.Node):
+                read[a.name] = b.name
+        out[node.name] = replace(ns, node=node.name, inputs=[read[x] for x in ns.inputs])
     return out
 
 

@@ -28,7 +28,7 @@ from autopar.plans.op_records import ChargedCollective
 from autopar.search.sharding.answer import describe_collectives, evaluate, read_placements
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.filters import keyed, node_key
-from autopar.search.sharding.fold import fold_problem, unfold_choice
+from autopar.search.sharding.fold import fold_problem, unfold_choice, unfold_strategies
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
@@ -62,6 +62,9 @@ class ShardingResult:
     # micro-batch counts proven not to fit (infeasible, or below the least peak): no restriction of the
     # same problem fits them either, so the seed layouts of the mesh skip them
     unfit: frozenset[int] = frozenset()
+    # an answer to a folded problem: the strategies of the template it was built from (unfold_result reads
+    # the whole graph's off them)
+    template_strategies: dict[str, NodeStrategies] | None = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class MeshProblem:
     links: list
     sp: ShardingProblem  # one micro-batch, repeated-layer groups set
     timings: dict[str, float] = field(default_factory=dict)
+    strategies: dict[str, NodeStrategies] = field(default_factory=dict)  # what sp was built from
 
     @property
     def captured(self) -> CapturedGraph:
@@ -118,7 +122,7 @@ def prepare_mesh(request: MeshRequest, strategies: dict[str, NodeStrategies] | N
     sp.problem.groups = repeated_layer_groups(request.captured.gm, sp)
     timings["build_s"] = time.perf_counter() - t
     timings["solve_s"] = 0.0
-    return MeshProblem(request, request.links, sp, timings)
+    return MeshProblem(request, request.links, sp, timings, strategies)
 
 
 def prepare_folded(request: MeshRequest) -> MeshProblem:
@@ -143,17 +147,31 @@ def unfold_result(res: ShardingResult, request: MeshRequest) -> ShardingResult:
     The whole graph's problem is built, each node takes the strategy of the template node it
     stands on, and the answer is costed there: the folded problem costs it alike (the fold's
     tests hold them equal), and what the plan records (placements, collectives) names the
-    whole graph's nodes. A result not folded is returned as it is.
+    whole graph's nodes. A result not folded is returned as it is. The whole graph's strategies
+    are read off the template's (:func:`~autopar.search.sharding.fold.unfold_strategies`) rather
+    than enumerated again.
     """
+    template_strategies = res.template_strategies
     fold = request.captured.fold
     if res.sp.template is None or fold is None:
         return res
     t = time.perf_counter()
-    mp = prepare_mesh(request)
-    sp = with_microbatches(mp.sp, res.microbatches)
+    mp = None
+    if template_strategies:
+        mp = prepare_mesh(request, unfold_strategies(request.captured, template_strategies))
     solution = res.solution
-    if solution.choice:
-        solution = replace(solution, choice=unfold_choice(sp, res.sp, solution.choice, fold))
+    try:
+        sp = with_microbatches(mp.sp, res.microbatches) if mp is not None else None
+        if sp is not None and solution.choice:
+            solution = replace(solution, choice=unfold_choice(sp, res.sp, solution.choice, fold))
+    except ValueError:  # a layer whose strategies the template's do not give: enumerated on the whole graph
+        mp = None
+    if mp is None:
+        mp = prepare_mesh(request)
+        sp = with_microbatches(mp.sp, res.microbatches)
+        solution = res.solution
+        if solution.choice:
+            solution = replace(solution, choice=unfold_choice(sp, res.sp, solution.choice, fold))
     limit = request.memory_limit if request.memory_limit is not None else math.inf
     shape = (res.mesh.dp, res.mesh.tp)
     estimate = evaluate(sp, solution, shape, mp.cluster, mp.captured.batch_size, limit, mp.links, mp.compute_dtype)
@@ -212,6 +230,8 @@ def solve_prepared(
         sp, solution, run.shape, mp.cluster, mp.captured.batch_size, mp.memory_limit, mp.links, mp.compute_dtype
     )
     res = ShardingResult(mp.mesh, m, sp, solution, estimate, timings={"solve_s": run.solve_s})
+    if mp.sp.template is not None:
+        res.template_strategies = mp.strategies
     res.unfit = frozenset(proven)
     if describe:
         describe_result(mp.captured, res)
