@@ -25,7 +25,8 @@ micro-batch's forward, and at least the first bucket
 Data-parallel collectives go in buckets, each paying the collective's latency
 and the last one left exposed after the backward: autopar's runtime (and the
 estimate's default) uses DDP's 25 MB; Megatron-Core sizes its buckets with the
-data-parallel group, ``max(40M, 1M × dp)`` parameters, so that each rank's chunk
+data-parallel group, ``max(40M, 1M × dp)`` parameters (of fp32 gradients under bf16:
+it reduces in fp32, ``grad_reduce_in_fp32``), so that each rank's chunk
 of a bucket stays bandwidth-bound (:func:`bucket_bytes`).
 
 A runtime also decides where a micro-batch's gradients go. autopar's own
