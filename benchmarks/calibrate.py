@@ -79,9 +79,16 @@ B. Megatron-Core r0.8.0 weak scaling on H100 (DGX H100, 8 x NDR 400 Gb/s per
    attention (below). MFU = TFLOP/s / 989, so the TFLOP/s are model FLOPs,
    taken as 72·B·s·l·h²·(1 + s/6h + V/12lh) per step. The model is
    ``examples/megatron.py``'s GPT with flash attention (one causal kernel).
-   Assumed: no activation recompute, micro-batch 1, 1F1B (an interleaved
+   Gradients held, accumulated and reduced in fp32: with ``--bf16``
+   Megatron-LM sets ``accumulate_allreduce_grads_in_fp32`` ("bfloat16 requires
+   gradient accumulation and all-reduce to be done in fp32",
+   ``megatron/training/arguments.py`` at core_r0.8.0), which becomes the DDP's
+   ``grad_reduce_in_fp32`` (``megatron/training/training.py``): one fp32 gradient
+   buffer a parameter, the micro-batches' gradients added into it
+   (``distributed_data_parallel.py``, ``grad_dtype = torch.float``), its buckets of
+   fp32. Assumed: no activation recompute, micro-batch 1, 1F1B (an interleaved
    schedule would only make the prediction faster), Megatron-LM's default
-   dropout 0.1, bf16 gradients.
+   dropout 0.1.
 
 C. torchtitan, FSDP2 (ZeRO 3), bf16, eager; HuggingFace's LLaMA with
    scaled-dot-product attention told the mask is causal, as torchtitan's
@@ -111,6 +118,12 @@ C. torchtitan, FSDP2 (ZeRO 3), bf16, eager; HuggingFace's LLaMA with
      false``, ``norm_type = "fused_rmsnorm"``, a Triton kernel a pass, costed
      as LayerNorm's one ATen kernel of the same bytes); Llama 3 70B with full
      activation checkpointing, 331 tokens/s/GPU (``norm_type = "rmsnorm"``).
+
+Every torchtitan run reduces its gradients in fp32, as autopar's runtime does by
+default: FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+(``torchtitan/parallelisms/parallelize_llama.py`` at 1ea476e; at 9dec370
+``--training.mixed_precision_reduce``, default and only choice "float32",
+``torchtitan/config_manager.py``).
 
 The kernel figures the devices hold (``autopar/hardware/devices.py``): a dense
 matmul's best, stas00/ml-engineering's "Maximum Achievable Matmul FLOPS";
@@ -192,13 +205,19 @@ H100_GRAND_TETON = dataclasses.replace(
 # 518 TFLOP/s against FlashAttention-2's 319 forward, causal, head dimension 128, sequence 4k, on an H100
 # (Dao-AILab/flash-attention, assets/flash3_fp16_fwd.png at 7ef24848cf2f855077cef88fe122775b727dcd74).
 # Its data-parallel buckets hold max(40M, 1M x dp) parameters (megatron/core/distributed/
-# distributed_data_parallel.py at core_r0.8.0, baf94af3c667248865f23df73b9fb8e2395e6fd0), bf16 gradients.
+# distributed_data_parallel.py at core_r0.8.0, baf94af3c667248865f23df73b9fb8e2395e6fd0), of fp32 gradients:
+# with --bf16 Megatron-LM sets accumulate_allreduce_grads_in_fp32, hence grad_reduce_in_fp32 (section B).
+# The same buckets gather bf16 parameters, half these bytes: only the first bucket's share, a few percent of
+# the gather, depends on it.
+# Each micro-batch's weight gradients are added into that fp32 buffer (param.main_grad) as the backward makes
+# them: held once over the step, not beside a running sum (autopar.cost_models.overlap).
 MEGATRON_CORE = overlap.Runtime(
     tp_comm_overlap=True,
     param_gather_overlap=True,
     attention_speedup=518 / 319,
-    bucket_bytes=40e6 * 2,
-    bucket_bytes_per_rank=1e6 * 2,
+    bucket_bytes=40e6 * 4,
+    bucket_bytes_per_rank=1e6 * 4,
+    grads_accumulate_in_place=True,
 )
 
 
@@ -218,6 +237,9 @@ class Run:
     runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
     memory_gib: float | None = None  # published peak memory per GPU (the allocator's reserved bytes), if any
     fused_norm: bool = False  # the LLaMA's RMSNorm one kernel a pass (torchtitan's fused_rmsnorm), not PyTorch's ops
+    # the dtype its gradients were reduced in: fp32 for every run here (Megatron-LM's bf16 forces it, torchtitan's
+    # FSDP2 policy asks it; the docstring's sources), not the bf16 they were computed in
+    reduce_dtype: str = "fp32"
     peak_bytes: float = 0.0  # the estimate's peak memory per device, set when the run is planned
 
     @property
@@ -367,7 +389,13 @@ def step_time(run: Run, model, inputs) -> float:
     overlap.RUNTIME = run.runtime
     try:
         plan = autopar.plan(
-            model, inputs, run.cluster, global_batch_size=run.batch, fixed=run.fixed, time_limit_s=30
+            model,
+            inputs,
+            run.cluster,
+            global_batch_size=run.batch,
+            fixed=run.fixed,
+            reduce_dtype=run.reduce_dtype,
+            time_limit_s=30,
         )
     finally:
         overlap.RUNTIME = overlap.AUTOPAR_RUNTIME

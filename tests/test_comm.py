@@ -115,3 +115,18 @@ def test_symbolic_size_stays_symbolic():
     assert float(t.subs(b, 1e9)) == pytest.approx(collective_time("all_gather", 4e9, 4, NVLINK))
     free = Link(bandwidth=math.inf, latency_s=0.0, name="local", intra_node=True)
     assert collective_time("all_gather", b, 4, free) == 0
+
+
+def test_a_group_with_several_ranks_a_node_runs_one_ring_per_nic():
+    """dp 16 over two DGX H100 nodes (8 ranks a node) reaches 8 NICs' bandwidth, capped by NVLink; dp over
+    one rank a node (tp 8 inside) reaches one NIC's; a point-to-point send always one NIC's."""
+    c = Cluster.preset("dgx-h100", nodes=2)
+    flat = c.axis_link(c.check_mesh(dp=16), "dp")
+    strided = c.axis_link(c.check_mesh(dp=2, tp=8), "dp")
+    assert comm.ring_bandwidth("all_reduce", flat) == min(8 * 50e9, 450e9)
+    assert comm.ring_bandwidth("reduce_scatter", strided) == 50e9
+    assert comm.ring_bandwidth("send_recv", flat) == 50e9
+    # the same bytes on 16 ranks over two nodes cost little more than on 8 inside one, far less than one NIC's
+    inside = collective_time("all_gather", 1e9, 8, c.intra_node_link)
+    across = collective_time("all_gather", 1e9, 16, flat)
+    assert inside < across < 1.5 * inside

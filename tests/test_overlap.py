@@ -71,3 +71,26 @@ def test_overlap_on_the_pipeline_path(overlapping):
     # overlap only lowers a layout's step, and the search takes the least: strictly less, since the
     # tensor-parallel layouts move activations over tp
     assert hidden.estimate.step_time_s < serial.estimate.step_time_s * (1 - 1e-3)
+
+
+def test_gradients_accumulated_in_place_are_held_once():
+    """Megatron-Core adds each micro-batch's gradients into one fp32 buffer as the backward makes them; autopar's
+    runtime returns them beside the running sum. Under the first the gradients at the peak are the rank's
+    fp32 gradients once; under the second twice (this micro-batch's and the sum), all else alike."""
+    model, inputs = gpt(2, 512, 8, vocab=4096, seq=256)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
+    fixed = {"dp": 4, "tp": 2, "zero": 1, "recompute": "none", "microbatches": 4}  # tp: the per-op path
+    held = {}
+    for in_place in (False, True):
+        overlap.RUNTIME = overlap.Runtime(grads_accumulate_in_place=in_place)
+        try:
+            plan = autopar.plan(model, inputs, cluster, global_batch_size=32, fixed=fixed)
+        finally:
+            overlap.RUNTIME = overlap.AUTOPAR_RUNTIME
+        held[in_place] = plan.estimate.memory
+    params = sum(p.numel() for p in model.parameters())
+    assert held[True].grads == held[False].grads > 2 * params / 2  # fp32 gradients, as much of them on a rank
+    assert held[True].at_peak["grads"] == pytest.approx(held[True].grads)
+    assert held[False].at_peak["grads"] == pytest.approx(2 * held[False].grads)
+    # the peak falls, by at most the copy no longer held (it may move to where activations are live)
+    assert 0 < held[False].peak - held[True].peak <= held[True].grads * 1.0001

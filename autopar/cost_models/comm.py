@@ -17,6 +17,8 @@ Conventions, shared by every function below:
   (default ``LINK_EFFICIENCY``) multiplies it: the fraction of the line rate
   NCCL's bus bandwidth reaches on large messages, calibrated by
   ``benchmarks/calibrate.py``.
+- A group across nodes with several ranks in a node runs one ring per NIC
+  (:func:`ring_bandwidth`): a DGX node has one NIC per GPU.
 - Gradients and ZeRO's gathers go in buckets (:func:`bucketed_time`): the
   latency term is paid per bucket, not per tensor.
 
@@ -114,8 +116,29 @@ def collective_time(
     if n == 1 or _is_zero(nbytes):
         return 0.0
     # Multiply by 1/bw (0 for an infinite link) rather than divide, so a symbolic size stays finite.
-    per_byte = 1.0 / (link.bandwidth * eff)
+    per_byte = 1.0 / (ring_bandwidth(kind, link) * eff)
     return latency(kind, n, link) + bus_bytes(kind, nbytes, n) * per_byte
+
+
+RINGS_PER_NIC_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def ring_bandwidth(kind: str, link: Link) -> float:
+    """Bytes/s per GPU a ``kind`` collective's bus bandwidth reaches on ``link``, before ``LINK_EFFICIENCY``.
+
+    A ring across nodes crosses the network once a node and direction; with
+    ``link.ranks_per_node`` = k of the group's ranks in each node, NCCL builds
+    one ring (channel) per NIC, each carrying 1/k of the buffer through its
+    own GPU's NIC, while every GPU's NVLink carries its share of all k rings:
+    the bus bandwidth is k times a GPU's NIC, up to the NVLink hops
+    (NCCL's tuning model, ``src/graph/tuning.cc``: ``busBw = nChannels · bw``).
+    A DGX node has one NIC per GPU, which the per-GPU inter-node bandwidth is.
+    A point-to-point send uses one NIC; an all-to-all sends each GPU's part
+    for other nodes through its own NIC: both at ``link.bandwidth``.
+    """
+    if link.intra_bandwidth is None or link.ranks_per_node <= 1 or kind not in RINGS_PER_NIC_KINDS:
+        return link.bandwidth
+    return min(link.ranks_per_node * link.bandwidth, link.intra_bandwidth)
 
 
 def latency(kind: str, n: int, link: Link) -> float:

@@ -25,8 +25,20 @@ micro-batch's forward, and at least the first bucket
 Data-parallel collectives go in buckets, each paying the collective's latency
 and the last one left exposed after the backward: autopar's runtime (and the
 estimate's default) uses DDP's 25 MB; Megatron-Core sizes its buckets with the
-data-parallel group, ``max(40M, 1M × dp)`` parameters, so that each rank's chunk
+data-parallel group, ``max(40M, 1M × dp)`` parameters (of fp32 gradients under bf16:
+it reduces in fp32, ``grad_reduce_in_fp32``), so that each rank's chunk
 of a bucket stays bandwidth-bound (:func:`bucket_bytes`).
+
+A runtime also decides where a micro-batch's gradients go. autopar's own
+returns each micro-batch's gradients from the graph, in the reduce dtype, and
+adds them into the optimizer's fp32 gradients once the graph has run: with
+several micro-batches both are held at the end of each backward. Megatron-Core
+keeps one gradient buffer a parameter (``param.main_grad``, fp32 under bf16:
+``grad_reduce_in_fp32``) and adds each micro-batch's weight gradient into it as
+the backward makes it (its fused weight-gradient GEMM writes into it; without
+the fusion a hook adds the bf16 ``.grad`` and frees it): the gradients are held
+once, in the buffer's dtype, over the whole step
+(``megatron/core/distributed/distributed_data_parallel.py`` at core_r0.8.0).
 
 A runtime also picks the attention kernel: autopar's runs PyTorch's
 scaled-dot-product attention, whose flash backend is FlashAttention-2, the
@@ -56,8 +68,12 @@ class Runtime:
     # the FLOP/s of its fused attention kernel against FlashAttention-2's on the same device
     attention_speedup: float = 1.0
     # data-parallel buckets (gradients reduced, ZeRO's shards gathered): max(bucket_bytes, per rank × dp ranks)
+    # (bytes of the gradients as the runtime reduces them)
     bucket_bytes: float = 25e6
     bucket_bytes_per_rank: float = 0.0
+    # each micro-batch's gradients added into one buffer as the backward makes them (Megatron-Core's main_grad),
+    # not returned beside the running sum (autopar's runtime)
+    grads_accumulate_in_place: bool = False
 
 
 AUTOPAR_RUNTIME = Runtime()

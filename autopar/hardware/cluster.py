@@ -72,6 +72,7 @@ class Link:
     base_latency_s: float = 0.0
     intra_latency_s: float | None = None
     ranks_per_node: int = 1
+    intra_bandwidth: float | None = None
 
 
 LOCAL_LINK = Link(bandwidth=math.inf, latency_s=0.0, name="local", intra_node=True)
@@ -369,10 +370,11 @@ class Cluster:
     def axis_link(self, mesh: MeshShape, axis: str) -> Link:
         """The link collectives on ``axis`` run over: NVLink if every group fits in a node, else InfiniBand.
 
-        A group that spans nodes is paced by its slowest hop, so it gets the
-        inter-node bandwidth per GPU even if most of its hops are NVLink; its
-        latency is paid hop by hop, the hops between its ranks in one node at
-        NVLink's (``Link.ranks_per_node``).
+        A group that spans nodes gets the inter-node bandwidth per GPU (each GPU's
+        own NIC); with several of its ranks in a node, the collectives run one ring
+        per NIC (:func:`autopar.cost_models.comm.ring_bandwidth`), capped by the
+        NVLink hops they share (``Link.intra_bandwidth``). Its latency is paid hop by
+        hop, the hops between its ranks in one node at NVLink's (``Link.ranks_per_node``).
         """
         self._check_mesh_size(mesh)
         if mesh.axis_size(axis) == 1:
@@ -382,7 +384,10 @@ class Cluster:
         n, stride = mesh.axis_size(axis), mesh.stride(axis)
         per_node = max(1, min(n, self.gpus_per_node // stride)) if stride < self.gpus_per_node else 1
         return dataclasses.replace(
-            self.inter_node_link, intra_latency_s=self.intra_node_link.latency_s, ranks_per_node=per_node
+            self.inter_node_link,
+            intra_latency_s=self.intra_node_link.latency_s,
+            ranks_per_node=per_node,
+            intra_bandwidth=self.intra_node_link.bandwidth,
         )
 
     def _check_mesh_size(self, mesh: MeshShape) -> None:

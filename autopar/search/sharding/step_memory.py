@@ -8,7 +8,10 @@ over the whole step.  The runtime (:mod:`autopar.runtime`) holds more:
   makes it to the optimizer step, at the size its placement and ZeRO stage
   leave on the rank (whole, its dp shard, or its flat chunk).  With several
   micro-batches the sum of the earlier ones is live over the whole step too
-  (:func:`accumulated`).  These are memory items of the parameters'
+  (:func:`accumulated`), unless the runtime adds each micro-batch's gradient
+  into one buffer as it is made (Megatron-Core's ``main_grad``:
+  :data:`autopar.cost_models.overlap.Runtime.grads_accumulate_in_place`), whose
+  gradients are then held once, over the whole step.  These are memory items of the parameters'
   strategies (:func:`parameter_items`), so that the MILP's limit sees them;
 * **a gradient being reduced** — the backward's gradient stays alive until
   its reduction has completed, and the runtime keeps one reduction in flight
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch.fx as fx
 
+from autopar.cost_models import overlap
 from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import MemoryEstimate
 from autopar.cost_models.reshard import collectives_between, grad_sync_steps, shard_factor
@@ -87,10 +91,18 @@ def parameter_items(
 def accumulated(items: list[Item], grad_items: list[int]) -> list[int]:
     """Add to ``items`` (several micro-batches) the gradients accumulated over the step; all gradient items.
 
-    The runtime adds each micro-batch's gradients, which the graph returns, into ``.grad``
+    autopar's runtime adds each micro-batch's gradients, which the graph returns, into ``.grad``
     (or ZeRO-1's whole gradient, ZeRO-2's chunk) after it ran: the sum of the earlier
     micro-batches is live over the whole step, beside the gradients this micro-batch makes.
+    A runtime that adds them into one buffer as the backward makes them
+    (:data:`autopar.cost_models.overlap.Runtime.grads_accumulate_in_place`) holds each
+    gradient once, over the whole step: its items are stretched, none added.
     """
+    if overlap.RUNTIME.grads_accumulate_in_place:
+        for k in grad_items:
+            v, iv, row = items[k]
+            items[k] = (v, (0, iv[1]), row)
+        return list(grad_items)
     first = len(items)
     items += [(v, (0, iv[1]), list(row)) for v, iv, row in (items[k] for k in grad_items)]
     return [*grad_items, *range(first, len(items))]
