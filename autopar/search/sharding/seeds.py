@@ -21,6 +21,7 @@ from autopar.search.sharding.strategies import Strategy
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
 ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
 VOCAB = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
+EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")  # HuggingFace's routed experts, (E, ., .)
 
 
 def megatron_tp(name: str, conv1d: bool) -> Placement:
@@ -53,7 +54,13 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
-        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3 or megatron")
+        if kind in ("ep", "ep_dp"):
+            # expert parallel over the second mesh axis ("ep", beside dp), or over the dp axis (ranks shared)
+            axis = 1 if kind == "ep" else 0
+            if EXPERTS.search(params[node]):
+                return out[axis].is_shard(0) and all(p.is_replicate() for a, p in enumerate(out) if a != axis)
+            return all(p.is_replicate() for p in out) and not strategy.zero
+        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3, megatron, ep or ep_dp")
 
     return allowed
 
