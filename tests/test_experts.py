@@ -116,3 +116,54 @@ def test_expert_parallel_trains_like_one_device() -> None:
     for c in checks:
         assert len(c.losses) == 3 and c.losses[0] != c.losses[2]
         assert c.collectives.get("all_to_all_single", 0) == 0  # the op's all-to-alls run inside it
+
+
+def test_fixed_ep_splits_the_experts_and_the_mesh_names_it() -> None:
+    """``fixed={"ep": n}`` as ``"tp"``: the experts split n ways over the ranks of dp or of the second axis,
+    and ``plan.mesh`` names the split (it adds no devices)."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    for fixed, axis in (({"ep": 2, "dp": 2, "tp": 2}, None), ({"ep": 4, "dp": 4, "tp": 1}, 0)):
+        plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
+        assert plan.mesh["ep"] == fixed["ep"] and "(ep=" in plan.mesh_str()
+        entries = [v for v in plan.placements.values() if v["op"] == EXPERTS]
+        split = {a for v in entries for a, p in enumerate(v["inputs"][3]) if p.is_shard(0)}
+        assert len(split) == 1 and (axis is None or split == {axis})
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 1, "dp": 4})
+    assert "ep" not in plan.mesh
+    with pytest.raises(autopar.PlanError, match="fix ep without pp"):
+        autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 2, "pp": 2})
+
+
+def test_load_balancing_loss_keeps_batches_whole() -> None:
+    """The load-balancing loss is a product of batch means: the search cuts no micro-batches for it."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32")
+    assert plan.microbatches == 1 and plan.mesh["pp"] == 1
+
+
+def test_all_to_all_and_imbalance_are_charged() -> None:
+    """Expert parallel costs two all-to-alls of the pairs' rows forward, four backward, at the busiest rank's
+    ``capacity_factor``; a larger factor makes the same expert-parallel plan slower, never faster."""
+    from autopar.cost_models.comm import collective_time
+    from autopar.cost_models.experts import all_to_all_seconds
+
+    link = autopar.Cluster.preset("dgx-h100", nodes=1).axis_link(
+        autopar.hardware.cluster.MeshShape(dp=8, tp=1, pp=1), "dp"
+    )
+    one = collective_time("all_to_all", 1.5e6, 8, link)
+    assert all_to_all_seconds(1e6, 8, link, backward=False, capacity_factor=1.5) == pytest.approx(2 * one)
+    assert all_to_all_seconds(1e6, 8, link, backward=True, capacity_factor=1.5) == pytest.approx(4 * one)
+    with pytest.raises(ValueError, match="below 1"):
+        all_to_all_seconds(1e6, 8, link, backward=False, capacity_factor=0.5)
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    fixed = {"ep": 2, "dp": 2, "tp": 2}
+    steps = [
+        autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed, capacity_factor=cf).estimate.step_time_s
+        for cf in (1.0, 2.0)
+    ]
+    assert steps[0] < steps[1]
+    with pytest.raises(autopar.PlanError, match="capacity_factor"):
+        autopar.plan(model, inputs, FOUR, fixed=fixed, capacity_factor=0.9)

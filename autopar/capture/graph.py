@@ -49,6 +49,8 @@ class CapturedGraph:
     batch_size: int
     model_name: str
     updated: list[int] = field(default_factory=list)
+    # the busiest expert-parallel rank's (token, choice) pairs over the mean (autopar.cost_models.experts)
+    capacity_factor: float = 1.25
 
 
 def graph_results(gm: fx.GraphModule | fx.Graph, params: int) -> tuple[Any, list[Any], list[Any]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from autopar.cost_models.comm import collective_time
 from autopar.hardware.cluster import Link
 
-CAPACITY_FACTOR = 1.25
+CAPACITY_FACTOR = 1.25  # the default of ``autopar.plan(capacity_factor=...)`` and CapturedGraph
 FORWARD_ALL_TO_ALLS = 2
 BACKWARD_ALL_TO_ALLS = 4
 

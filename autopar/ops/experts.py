@@ -235,6 +235,20 @@ def ep_axes(inputs: Any, backward: bool) -> list[int] | None:
     return axes
 
 
+def balancing_loss(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm``'s loss has a mixture's load-balancing term: a top-k over the routers' logits outside
+    every layer (HuggingFace's ``load_balancing_loss_func`` takes the top-k of all layers' logits again).
+
+    That term is the product of two means over the batch (each expert's share of the tokens and of the
+    router's probability): a micro-batch's term is not its share of the batch's, so, as with BatchNorm,
+    the search keeps one micro-batch unless a user fixes more.
+    """
+    if not any(str(n.target) in EXPERT_OP_NAMES for n in gm.graph.nodes):
+        return False
+    topk = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.topk.default)
+    return any(not n.meta.get("autopar_module") for n in topk)
+
+
 def supports(module: torch.nn.Module) -> bool:
     """Whether ``module`` (a HuggingFace experts class) is one the op computes: concatenated [gate; up]
     weights, no biases, no post-expert norm, the default gate and an activation of :data:`ACTIVATIONS`."""

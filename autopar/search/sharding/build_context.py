@@ -77,7 +77,7 @@ class BuildContext:
     # the gradient chain (:func:`autopar.capture.joint.gradient_chain`), where the reduce dtype differs
     # from the activations'; empty otherwise
     gradient_chain: set[str] = field(default_factory=set)
-    capacity_factor: float = CAPACITY_FACTOR  # the busiest expert-parallel rank's tokens over the mean
+    capacity_factor: float = CAPACITY_FACTOR  # the busiest expert-parallel rank's pairs over the mean
     memo: Memo = field(default_factory=Memo)
 
     def pieces(self, p: Placements) -> int:
@@ -178,4 +178,5 @@ def make_context(
             if precision.reduce_bytes != precision.activation_bytes
             else set()
         ),
+        capacity_factor=captured.capacity_factor,
     )

@@ -32,7 +32,7 @@ from autopar.search.sharding.mesh_solve import (
     zero_filter,
 )
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import seed_filter, seeds_for
+from autopar.search.sharding.seeds import ep_filter, ep_seeds, seed_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
@@ -102,6 +102,7 @@ def search_meshes(
     milp: bool = True,
     microbatches: int | None = None,
     notes: list[str] | None = None,
+    ep: int | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -118,7 +119,8 @@ def search_meshes(
     every parameter's ZeRO stage (:func:`zero_filter`); otherwise each parameter's is chosen.
     ``recompute=False`` keeps every activation for the backward. ``microbatches`` fixes the
     micro-batch count (meshes whose local batch it does not divide are left out). ``notes`` (when
-    given) collects why meshes were left out, as the log says it.
+    given) collects why meshes were left out, as the log says it. ``ep`` fixes the experts' split
+    (:func:`ep_filter`): meshes with no axis of that size are left out.
     """
     world = cluster.world_size
     sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
@@ -136,10 +138,12 @@ def search_meshes(
         if cluster.gpus_per_node % t and tp is None and _lost_across_nodes(results, cluster):
             note(log, notes, "meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
             break
+        if ep is not None and ep > 1 and ep not in (world // t, t):
+            continue
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         mp = prepare_mesh(request)
-        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches)
+        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, ep)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -172,7 +176,8 @@ def _lost_across_nodes(results: list[ShardingResult], cluster: Cluster) -> bool:
 
 
 def _best_on_mesh(
-    mp: MeshProblem, time_limit_s: float, zero: int | None, milp: bool, microbatches: int | None
+    mp: MeshProblem, time_limit_s: float, zero: int | None, milp: bool, microbatches: int | None,
+    ep: int | None = None,
 ) -> ShardingResult:
     """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
 
@@ -185,9 +190,14 @@ def _best_on_mesh(
     params = {p.placeholder: p.name for p in captured.params}
     conv1d = captured.model_name.startswith("GPT2")
     fixed = zero_filter(mp.sp, zero) if zero is not None else None
+    if ep is not None:
+        by_ep = ep_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), ep)
+        fixed = by_ep if fixed is None else both(mp.sp, fixed, by_ep)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
+    if ep is not None:  # the seeds that split the experts as fixed, or none
+        kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s

@@ -15,7 +15,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from autopar.capture.joint import CapturedGraph
 from autopar.core.placements import REPLICATE, Placement, shard
+from autopar.ops import experts as experts_op
 from autopar.search.sharding.strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
@@ -66,7 +68,37 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
 
 
 def seeds_for(tp: int, param_names: list[str]) -> list[str]:
-    """The seed layouts that make sense on a mesh with this tensor-parallel size."""
+    """The seed layouts that make sense on a mesh with this tensor-parallel size.
+
+    A mixture of experts adds expert parallelism: over the dp axis's ranks on a dp-only mesh
+    ("ep_dp", as DeepSpeed-MoE shares them), over the second axis beside dp otherwise ("ep").
+    """
+    experts = any(EXPERTS.search(n) for n in param_names)
     if tp == 1:
-        return ["dp", "zero3"]
-    return ["megatron"] if has_megatron_names(param_names) else []
+        return ["dp", "zero3"] + (["ep_dp"] if experts else [])
+    return (["megatron"] if has_megatron_names(param_names) else []) + (["ep"] if experts else [])
+
+
+def ep_seeds(ep: int, dp: int, tp: int) -> set[str]:
+    """The expert-parallel seeds that split the experts ``ep`` ways on a dp x tp mesh (none when ep is 1)."""
+    return {kind for kind, size in (("ep_dp", dp), ("ep", tp)) if ep > 1 and size == ep}
+
+
+def ep_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], ep: int) -> Callable[[str, Strategy], bool]:
+    """``fixed={"ep": ep}``: the experts ops split the experts over one mesh axis of size ``ep`` (1: not at
+    all); other nodes are free."""
+    ops = {
+        n.name: str(n.target) == experts_op.BACKWARD_NAME
+        for n in captured.gm.graph.nodes
+        if str(n.target) in experts_op.EXPERT_OP_NAMES
+    }
+
+    def allowed(node: str, strategy: Strategy) -> bool:
+        if node not in ops:
+            return True
+        axes = experts_op.ep_axes(strategy.inputs, ops[node])
+        if axes is None:
+            return False
+        return [mesh_shape[a] for a in axes] == ([ep] if ep > 1 else [])
+
+    return allowed
