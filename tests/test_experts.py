@@ -9,7 +9,8 @@ sharding rules offer expert parallelism for them.
 Four gloo processes (``-m slow``): tiny Mixtral and DeepSeek-V3-style under expert
 parallelism on a 2 x 2 mesh, experts split over the second axis (ep 2 x dp 2) and
 over the data-parallel axis itself (ep 2 sharing its ranks with dp 2, the second
-axis tensor parallel where the solver wants it), 3 AdamW steps within 1e-5 of eager
+axis tensor parallel where the solver wants it), and as the search plans ep with
+ZeRO-1, ZeRO-3 and a two-stage pipeline: 3 AdamW steps within 1e-5 of eager
 PyTorch on one device (the oracle gathers the parameters with ``full_state_dict``).
 """
 
@@ -102,14 +103,30 @@ def _expert_parallel(name: str, kind: str) -> autopar.Plan:
     return out
 
 
+def _searched(name: str, fixed: tuple) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=dict(fixed))
+    assert plan.mesh.get("ep") == 2, plan.mesh
+    return plan
+
+
+# expert parallelism composed with ZeRO and with a pipeline, as the search plans them under ``fixed``
+COMPOSED = [
+    ("mixtral", (("ep", 2), ("dp", 2), ("tp", 2), ("zero", 1))),
+    ("deepseek_v3", (("ep", 2), ("dp", 2), ("tp", 2), ("zero", 3))),
+    ("deepseek_v3", (("ep", 2), ("pp", 2), ("microbatches", 2))),
+]
+
+
 @pytest.mark.slow
 def test_expert_parallel_trains_like_one_device() -> None:
     names = ["mixtral", "deepseek_v3"]
     kinds = ["ep", "ep_dp"]  # ep 2 x dp 2; ep 2 over the dp axis's ranks
-    labels = [f"{n} {k}" for n in names for k in kinds]
+    labels = [f"{n} {k}" for n in names for k in kinds] + [f"{n} {dict(f)}" for n, f in COMPOSED]
     cases = [
         (families.FAMILIES[n], functools.partial(_expert_parallel, n, k)) for n in names for k in kinds
-    ]
+    ] + [(families.FAMILIES[n], functools.partial(_searched, n, f)) for n, f in COMPOSED]
     checks = check_plans(cases, FOUR, rng="exact")
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "expert-parallel plans that do not train like one device:\n" + "\n".join(bad)
@@ -120,7 +137,7 @@ def test_expert_parallel_trains_like_one_device() -> None:
 
 def test_fixed_ep_splits_the_experts_and_the_mesh_names_it() -> None:
     """``fixed={"ep": n}`` as ``"tp"``: the experts split n ways over the ranks of dp or of the second axis,
-    and ``plan.mesh`` names the split (it adds no devices)."""
+    with or without a pipeline, and ``plan.mesh`` names the split (it adds no devices)."""
     torch.manual_seed(0)
     model, inputs = families.mixtral()
     for fixed, axis in (({"ep": 2, "dp": 2, "tp": 2}, None), ({"ep": 4, "dp": 4, "tp": 1}, 0)):
@@ -131,8 +148,10 @@ def test_fixed_ep_splits_the_experts_and_the_mesh_names_it() -> None:
         assert len(split) == 1 and (axis is None or split == {axis})
     plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 1, "dp": 4})
     assert "ep" not in plan.mesh
-    with pytest.raises(autopar.PlanError, match="fix ep without pp"):
-        autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 2, "pp": 2})
+    torch.manual_seed(0)
+    model, inputs = families.deepseek_v3()  # two layers: a pipeline of two stages
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 2, "pp": 2, "microbatches": 2})
+    assert plan.mesh["pp"] == 2 and plan.mesh["ep"] == 2
 
 
 def test_load_balancing_loss_keeps_batches_whole() -> None:

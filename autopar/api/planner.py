@@ -226,13 +226,6 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             f"global batch {gbs} does not split over {fixed.dp} data-parallel ranks; choose a multiple"
         )
     pp = fixed.pp
-    if fixed.ep is not None:
-        if (pp or 1) > 1:
-            raise PlanError(
-                f"fixed ep={fixed.ep} with pp={pp}: the pipeline search does not fix the experts' split yet; "
-                "fix ep without pp (or pp without ep: each stage's search chooses the experts' split)"
-            )
-        pp = 1
     segments = len(forward_segments(captured))
     pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
     if pp is not None and pp > 1 and not pipe_meshes:
@@ -312,6 +305,7 @@ def _pipelines(
         recompute=fixed.recompute is None,  # op by op only when no setting is fixed
         preview=preview,
         notes=notes,
+        ep=fixed.ep,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
     if not found and (fixed.pp or 1) > 1:

@@ -24,7 +24,7 @@ from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import seed_filter
+from autopar.search.sharding.seeds import layout_filter
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 # The solver's time limit for a layout: the seed leaves it little to choose.
@@ -52,9 +52,8 @@ def layout_placements(
     moving activations instead of weights, which the analytic data-parallel
     model that costs such a plan does not count.
     """
-    params = {p.placeholder: p.name for p in captured.params}
     inputs = {i.placeholder for i in captured.inputs}
-    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    seed = layout_filter(kind, captured, (mesh.dp, mesh.tp))
     batched = _batch_carrying(captured) if batch_activations else set()
 
     def allowed(node: str, strategy: Strategy) -> bool:

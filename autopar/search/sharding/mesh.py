@@ -32,7 +32,7 @@ from autopar.search.sharding.mesh_solve import (
     zero_filter,
 )
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import ep_filter, ep_seeds, seed_filter, seeds_for
+from autopar.search.sharding.seeds import ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
@@ -188,7 +188,6 @@ def _best_on_mesh(
     """
     captured = mp.captured
     params = {p.placeholder: p.name for p in captured.params}
-    conv1d = captured.model_name.startswith("GPT2")
     fixed = zero_filter(mp.sp, zero) if zero is not None else None
     if ep is not None:
         by_ep = ep_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), ep)
@@ -202,7 +201,7 @@ def _best_on_mesh(
     seeded_best: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s
     for k, kind in enumerate(kinds):
-        seed = seed_filter(kind, params, conv1d)
+        seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
         # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
         share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
         allowed = seed if fixed is None else both(mp.sp, seed, fixed)

@@ -67,6 +67,17 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
     return allowed
 
 
+def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...]) -> Callable[[str, Strategy], bool]:
+    """:func:`seed_filter` on ``captured``; the expert-parallel seeds also have the experts ops read the experts
+    split (:func:`ep_filter`), not gathered."""
+    params = {p.placeholder: p.name for p in captured.params}
+    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    if kind not in ("ep", "ep_dp"):
+        return seed
+    by_ep = ep_filter(captured, mesh_shape, mesh_shape[1 if kind == "ep" else 0])
+    return lambda node, strategy: seed(node, strategy) and by_ep(node, strategy)
+
+
 def seeds_for(tp: int, param_names: list[str]) -> list[str]:
     """The seed layouts that make sense on a mesh with this tensor-parallel size.
 
