@@ -182,12 +182,16 @@ def falcon():
 
 
 # ------------------------------------------------------------------ mixture of experts
+# ``output_router_logits=True`` is how HuggingFace trains its mixtures with the router's load-balancing
+# loss added to the LM loss (the configs default it off, which drops the loss from training).
 
 
 def mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return _decoder(MixtralConfig, MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2)
+    return _decoder(
+        MixtralConfig, MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    )
 
 
 def qwen2_moe():
@@ -195,7 +199,31 @@ def qwen2_moe():
 
     return _decoder(
         Qwen2MoeConfig, Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=FFN,
-        shared_expert_intermediate_size=FFN,
+        shared_expert_intermediate_size=FFN, output_router_logits=True,
+    )
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _decoder(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, head_dim=HIDDEN // HEADS, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=FFN, output_router_logits=True,
+    )
+
+
+def deepseek_v3():
+    """DeepSeek-V3's layout shrunk: a dense first layer, then a layer of 8 routed experts (top-2 within the
+    best 2 of 4 groups, sigmoid scores, the bias that balances load without a loss) beside a shared expert;
+    multi-head latent attention with low-rank queries and keys/values. HuggingFace has no load-balancing
+    loss for it (DeepSeek-V3 balances by the bias)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return _decoder(
+        DeepseekV3Config, DeepseekV3ForCausalLM, num_hidden_layers=2, first_k_dense_replace=1,
+        num_key_value_heads=HEADS, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        moe_intermediate_size=FFN // 2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8, eos_token_id=VOCAB - 1,
     )
 
 
@@ -204,6 +232,7 @@ def olmoe():
 
     return _decoder(
         OlmoeConfig, OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2, eos_token_id=VOCAB - 1,
+        output_router_logits=True,
     )
 
 
@@ -315,7 +344,7 @@ FAMILIES = {
     f.__name__: f
     for f in (
         gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, phi, opt, gpt_neox, bloom, falcon,
-        mixtral, qwen2_moe, olmoe,
+        mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe,
         bert, roberta, distilbert, albert, electra, deberta_v2,
         t5, bart,
         vit, deit, swin, convnext,

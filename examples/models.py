@@ -91,6 +91,30 @@ def llama(
     return model, _ids(batch, seq, vocab, device)
 
 
+def mixtral(layers: int = 32, seq: int = 4096, batch: int = 1, device: str = "meta"):
+    """Mixtral-8x7B's shape (HuggingFace MixtralConfig's defaults: 32 layers, hidden 4096, 32 heads sharing
+    8 KV heads, 8 experts of intermediate 14336, top-2, vocab 32000) on sequences of ``seq``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=layers, max_position_embeddings=seq)
+    with torch.device(device):
+        model = MixtralForCausalLM(cfg)
+    return model, _ids(batch, seq, cfg.vocab_size, device)
+
+
+def deepseek_v3(layers: int = 61, seq: int = 4096, batch: int = 1, device: str = "meta"):
+    """DeepSeek-V3's shape (HuggingFace DeepseekV3Config's defaults: 61 layers, the first 3 dense, hidden
+    7168, 128 heads of multi-head latent attention, 256 routed experts of intermediate 2048, top-8 within
+    4 of 8 groups, one shared expert, vocab 129280) on sequences of ``seq``; the multi-token prediction
+    module is not built (HuggingFace builds none)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(num_hidden_layers=layers, max_position_embeddings=seq)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(cfg)
+    return model, _ids(batch, seq, cfg.vocab_size, device)
+
+
 def _register_causal_sdpa() -> None:
     """HuggingFace attention "causal": its SDPA function without a mask, so that it passes ``is_causal=True``
     (an implementation HuggingFace has no mask function for gets no mask built)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +27,7 @@ from autopar.codegen.shard import shard_graph
 from autopar.codegen.stage_split import split_stages
 from autopar.codegen.transfer import transfer_name, transfer_placements
 from autopar.core.errors import RuntimeMismatchError
-from autopar.core.mesh import SHARDING_AXES
+from autopar.core.mesh import SHARDING_AXES, world_size
 from autopar.cost_models.graph_cache import resize_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.cost_models.memory import precision_spec
@@ -68,7 +67,7 @@ def _agree_on_plan(make_plan: Callable[[], Plan]) -> Plan:
 
 def _check(plan: Plan, model: nn.Module, cluster: Cluster) -> None:
     world = dist.get_world_size()
-    planned = math.prod(plan.mesh.values())
+    planned = world_size(plan.mesh)
     if world != planned:
         raise RuntimeMismatchError(
             f"the plan is for {planned} devices but this job has {world} ranks; launch {planned} ranks or re-plan"

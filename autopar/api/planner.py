@@ -25,10 +25,12 @@ from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.capture.graph import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
+from autopar.cost_models.experts import CAPACITY_FACTOR
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster, MeshShape
+from autopar.ops import experts as experts_op
 from autopar.ops.batch_norm import coupling_modules
 from autopar.plans.data import param_zero_stage
 from autopar.plans.format import size_brief
@@ -60,6 +62,7 @@ def plan(
     fixed: dict[str, Any] | None = None,
     time_limit_s: float = 60.0,
     reduce_dtype: str | None = None,
+    capacity_factor: float = CAPACITY_FACTOR,
 ) -> Plan:
     """Plan parallel training of ``model`` on ``cluster``.
 
@@ -78,8 +81,13 @@ def plan(
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
     ``time_limit_s``: wall seconds for the whole call, capture included; the search gets what
     capture leaves, and at least ``SEARCH_AT_LEAST`` of it.
+    ``capacity_factor``: a mixture of experts' routing, assumed uniform, sends the busiest expert-parallel
+    rank this many times the mean of (token, choice) pairs; the estimate charges its all-to-alls and expert
+    FLOPs that much (:mod:`autopar.cost_models.experts`).  Routing stays dropless whatever it is.
     """
     t0 = time.perf_counter()
+    if not (isinstance(capacity_factor, (int, float)) and capacity_factor >= 1):
+        raise PlanError(f"capacity_factor must be a number >= 1 (1: perfectly balanced routing), not {capacity_factor!r}")
     prec, fixed, limit, gbs = _checked_request(
         cluster, example_inputs, optimizer, (precision, reduce_dtype), global_batch_size, memory_limit, fixed
     )
@@ -88,6 +96,7 @@ def plan(
     captured, stats = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
+    captured.capacity_factor = float(capacity_factor)
     t_capture = time.perf_counter() - t0
     fixed, coupling_note = _keep_batches_whole(captured, fixed)
     warnings = [coupling_note] if coupling_note else []
@@ -162,18 +171,23 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
 
 def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
     """``fixed`` with one micro-batch and no pipeline for a model whose forward couples the samples of a batch
-    (BatchNorm in training), unless the user fixed them; and a warning when the user did.
+    (BatchNorm in training, a mixture of experts' load-balancing loss), unless the user fixed them; and a
+    warning when the user did.
 
     Cut into micro-batches, such a model normalizes each by its own statistics: the
     function of gradient accumulation on one device, not of the global batch.
     """
     modules = coupling_modules(captured.gm)
-    if not modules:
+    balancing = experts_op.balancing_loss(captured.gm)
+    if not modules and not balancing:
         return fixed, ""
     if (fixed.microbatches or 1) > 1 or (fixed.pp or 1) > 1:
         note = (
             f"BatchNorm in {modules[0]}{f' and {len(modules) - 1} more' if len(modules) > 1 else ''} normalizes "
             "each micro-batch by its own statistics, as gradient accumulation on one device does"
+            if modules
+            else "the experts' load-balancing loss is taken per micro-batch, as gradient accumulation on one "
+            "device takes it"
         )
         log.warning(note)
         return fixed, note
@@ -296,6 +310,7 @@ def _pipelines(
         recompute=fixed.recompute is None,  # op by op only when no setting is fixed
         preview=preview,
         notes=notes,
+        ep=fixed.ep,
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
     if not found and (fixed.pp or 1) > 1:
@@ -387,6 +402,7 @@ def _plan_flat(
         milp=not optional,
         microbatches=fixed.microbatches,
         notes=notes,
+        ep=fixed.ep,
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
@@ -408,7 +424,7 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     the answer, the fastest plan of it with no limit, marked as not fitting and warned about."""
     need = min(_least_peak(r) for r in results)
     what = ", ".join(
-        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "zero", "microbatches", "recompute")
+        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "ep", "zero", "microbatches", "recompute")
     )
     if not what:
         raise PlanError(
@@ -428,6 +444,7 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
         fixed.zero,
         recompute=fixed.recompute is None,
         microbatches=fixed.microbatches,
+        ep=fixed.ep,
     )
     best.estimate.memory_limit, best.estimate.fits = limit, False
     msg = (
@@ -549,6 +566,15 @@ def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
     return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
 
 
+def expert_parallel_mesh(placements: dict[str, Any], dp: int, tp: int) -> dict[str, int]:
+    """``{"ep": n}`` when the plan's experts ops split the experts ``n`` ways (over dp's or tp's ranks), else {}."""
+    sizes, n = (dp, tp), 1
+    for entry in placements.values():
+        if entry.get("op") == "autopar.experts.default" and entry["inputs"][3]:
+            n = max(n, math.prod(sizes[a] for a, p in enumerate(entry["inputs"][3]) if p.is_shard(0)))
+    return {"ep": n} if n > 1 else {}
+
+
 def _make_plan(
     stats: GraphStats,
     cluster: Cluster,
@@ -568,7 +594,7 @@ def _make_plan(
         num_params=stats.num_params,
         cluster=cluster.to_dict(),
         cluster_description=cluster.describe(),
-        mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, **expert_parallel_mesh(placements or {}, cfg.dp, cfg.tp)},
         zero=cfg.zero,
         recompute=cfg.recompute,
         microbatches=cfg.microbatches,

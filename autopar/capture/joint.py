@@ -43,6 +43,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from autopar.capture.diagnostics import check_dtypes, export_error, one_line, quiet_torch_logs, track_modules
+from autopar.capture.experts import experts_as_op
 from autopar.capture.graph import (
     CapturedGraph,
     TensorInfo,
@@ -354,7 +355,13 @@ def _export(model: nn.Module, loss_fn: Callable[..., Any] | None, fakes: _Fakes)
     fargs, fkwargs = pytree.tree_unflatten(fakes.fake_leaves, fakes.in_spec)
     stack: list[str] = []
     try:
-        with _swapped_state(model, fakes.of_state), track_modules(model, stack), quiet_torch_logs(), _lean_tracing():
+        with (
+            _swapped_state(model, fakes.of_state),
+            track_modules(model, stack),
+            quiet_torch_logs(),
+            _lean_tracing(),
+            experts_as_op(model),
+        ):
             return torch.export.export(LossWrapper(model, loss_fn), fargs, fkwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one readable line
         log.debug("export of %s failed", type(model).__name__, exc_info=True)

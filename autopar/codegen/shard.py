@@ -51,6 +51,7 @@ from autopar.codegen.redistribute import (
 from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements, replicated, to_dtensor_all
+from autopar.ops import experts as experts_op
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, strategy_rules
 from autopar.search.sharding.dtensor_rules import decomposition
@@ -350,6 +351,15 @@ class _ShardInterpreter(fx.Interpreter):
         """Run ``n`` on local shards; its outputs are what the plan says they are."""
         self.local_only[str(n.target)] += 1
         local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        if n.target in experts_op.EXPERT_OPS:
+            axes = experts_op.ep_axes(
+                [tuple(p) if p else None for p in entry["inputs"]], n.target is torch.ops.autopar.experts_backward.default
+            )
+            if axes:  # expert parallel: the op that sends the tokens to their experts' ranks and back
+                group = self.mesh.get_group(axes[0]).group_name
+                size = self.mesh.shape[axes[0]]
+                out = experts_op.EP_VARIANT[n.target](*local_args, group, size)
+                return self._wrap(out, n.meta["val"], entry)
         return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
 
     def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:

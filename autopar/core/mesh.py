@@ -13,6 +13,16 @@ MESH_AXES = ("dp", "tp", "pp")
 SHARDING_AXES = ("dp", "tp")
 """The mesh axes a per-op placement list covers, in its order (a pipeline stage's mesh)."""
 
+SHARED_AXES = ("ep",)
+"""Names a plan's mesh gives to splits over the ranks of its axes, not axes of their own: ``ep``, the
+experts' split (over the ranks of dp, or of the second axis beside dp, as DeepSpeed-MoE and Megatron-Core
+share them). They add no devices."""
+
+
+def world_size(mesh: dict[str, int]) -> int:
+    """The devices a plan's mesh spans: the product of its axes (:data:`MESH_AXES`), shared names left out."""
+    return math.prod(int(mesh.get(a, 1)) for a in MESH_AXES)
+
 
 def fake_mesh(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
     """A DeviceMesh that is only a shape, for DTensor's rules.

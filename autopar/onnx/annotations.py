@@ -22,7 +22,7 @@ from typing import Any
 import onnx
 
 from autopar.core.errors import AutoparError, PlanFormatError
-from autopar.core.mesh import SHARDING_AXES
+from autopar.core.mesh import SHARDING_AXES, world_size
 from autopar.core.placements import REPLICATE, Placements, parse_all, shard, texts
 from autopar.plans.plan import Plan
 
@@ -79,7 +79,7 @@ def mesh_of(plan: Plan) -> tuple[int, ...]:
 
 
 def world_of(plan: Plan) -> int:
-    return math.prod(int(v) for v in plan.mesh.values())
+    return world_size(plan.mesh)
 
 
 def as_sharded(placements: Placements) -> Placements:

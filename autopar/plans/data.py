@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.core.errors import PlanFormatError
-from autopar.core.mesh import MESH_AXES, SHARDING_AXES
+from autopar.core.mesh import MESH_AXES, SHARDING_AXES, SHARED_AXES
 from autopar.core.placements import Placements, parse_all, texts
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.plans.format import GB, count, secs
@@ -130,7 +130,8 @@ class PlanData:
     # ---- reading ------------------------------------------------------------------------------
 
     def mesh_str(self) -> str:
-        return " x ".join(f"{k}={self.mesh[k]}" for k in MESH_AXES)
+        shared = [f"{k}={self.mesh[k]}" for k in SHARED_AXES if self.mesh.get(k, 1) > 1]
+        return " x ".join(f"{k}={self.mesh[k]}" for k in MESH_AXES) + "".join(f" ({s})" for s in shared)
 
     def stage_rows(self) -> list[dict[str, str]]:
         """Each pipeline stage as text: stage, device, what it holds, params, forward, backward, peak memory."""

@@ -183,6 +183,7 @@ class Fixed:
     recompute: str | None = None  # "none", "selective" or "full"; None: op by op
     microbatches: int | None = None
     schedule: str | None = None
+    ep: int | None = None  # experts split over this many ranks of the dp or the second (tp) axis
 
     def given(self) -> dict[str, Any]:
         """The keys the user fixed, with their values (for messages)."""

@@ -67,7 +67,7 @@ from autopar.search.sharding.mesh_solve import (
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import seed_filter, seeds_for
+from autopar.search.sharding.seeds import ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.solver import GAP_TARGET, solve_strategies
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class PipelineMesh:
     link: Any
     activation_scale: float
     memory_limit: float
+    ep: int | None = None  # the experts' split fixed (seeds.ep_filter); None: searched
 
     @property
     def solve_microbatches(self) -> int:
@@ -180,11 +181,16 @@ def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: t
     """(name, strategy filter) of each way to shard inside the stages: the MILP and the seed layouts."""
     captured = pm.solved
     fixed = zero_filter(pm.mp.sp, zero) if zero is not None else None
+    if pm.ep is not None:
+        by_ep = ep_filter(captured, (pm.mesh.dp, pm.mesh.tp), pm.ep)
+        fixed = by_ep if fixed is None else both(pm.mp.sp, fixed, by_ep)
     params = {p.placeholder: p.name for p in captured.params}
-    conv1d = captured.model_name.startswith("GPT2")
     out = [("milp", fixed)] if milp else []
-    for kind in layouts if layouts is not None else seeds_for(pm.mesh.tp, list(params.values())):
-        seed = seed_filter(kind, params, conv1d)
+    kinds = layouts if layouts is not None else seeds_for(pm.mesh.tp, list(params.values()))
+    if pm.ep is not None:
+        kinds = [k for k in kinds if k in ep_seeds(pm.ep, pm.mesh.dp, pm.mesh.tp)]
+    for kind in kinds:
+        seed = layout_filter(kind, captured, (pm.mesh.dp, pm.mesh.tp))
         out.append((kind, seed if fixed is None else both(pm.mp.sp, seed, fixed)))
     return out
 
@@ -273,7 +279,8 @@ def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | 
         if solution.choice:
             yield source, solution, counts
         if m_solve not in counts:
-            narrow = divides if allowed is None else both(sp, allowed, divides)
+            # a fixed experts' split binds over the micro-batch's divisibility (the counts it divides then follow)
+            narrow = divides if allowed is None else both(sp, divides, allowed) if pm.ep else both(sp, allowed, divides)
             narrowed = restrict(sp.problem, sp, narrow)
             solution = solve_strategies(narrowed, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
             if solution.choice:
@@ -336,6 +343,7 @@ def search_pipelines(
     recompute: bool = True,
     preview: Preview | None = None,
     notes: list[str] | None = None,
+    ep: int | None = None,
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
@@ -378,6 +386,7 @@ def search_pipelines(
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         pm = prepare_pipeline_mesh(request, microbatches=microbatches)
         if pm is not None:
+            pm.ep = ep
             costed += 1
             costing += time.perf_counter() - now
             # a share of what is left that lets a large mesh's solve find an answer: the limit ends
@@ -547,6 +556,8 @@ def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: Fixed) -
                 continue
             dp = world // (pp * tp)
             if batch % dp or (fixed.dp is not None and fixed.dp != dp):
+                continue
+            if (fixed.ep or 1) > 1 and fixed.ep not in (dp, tp):
                 continue
             out.append(cluster.check_mesh(dp=dp, tp=tp, pp=pp))
     return out

@@ -19,6 +19,7 @@ from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.core.placements import Placements
 from autopar.cost_models import compute as compute_model
 from autopar.cost_models.compute import ComputeEfficiency
+from autopar.cost_models.experts import CAPACITY_FACTOR
 from autopar.cost_models.memory import Precision, optimizer_bytes_per_param, partition_copy_bytes
 from autopar.cost_models.reshard import shard_factor
 from autopar.hardware.cluster import Link
@@ -76,6 +77,7 @@ class BuildContext:
     # the gradient chain (:func:`autopar.capture.joint.gradient_chain`), where the reduce dtype differs
     # from the activations'; empty otherwise
     gradient_chain: set[str] = field(default_factory=set)
+    capacity_factor: float = CAPACITY_FACTOR  # the busiest expert-parallel rank's pairs over the mean
     memo: Memo = field(default_factory=Memo)
 
     def pieces(self, p: Placements) -> int:
@@ -176,4 +178,5 @@ def make_context(
             if precision.reduce_bytes != precision.activation_bytes
             else set()
         ),
+        capacity_factor=captured.capacity_factor,
     )

@@ -22,10 +22,10 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
-from autopar.search.sharding.filters import keyed
+from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import seed_filter
+from autopar.search.sharding.seeds import layout_filter
 from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
 
 # The solver's time limit for a layout: the seed leaves it little to choose.
@@ -53,9 +53,8 @@ def layout_placements(
     moving activations instead of weights, which the analytic data-parallel
     model that costs such a plan does not count.
     """
-    params = {p.placeholder: p.name for p in captured.params}
     inputs = {i.placeholder for i in captured.inputs}
-    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    seed = layout_filter(kind, captured, (mesh.dp, mesh.tp))
     batched = _batch_carrying(captured) if batch_activations else set()
 
     def allowed(node: str, strategy: Strategy) -> bool:
@@ -65,7 +64,8 @@ def layout_placements(
             return False
         return seed(node, strategy)
 
-    allowed = keyed(allowed, lambda node: (node in inputs, node in batched, params.get(node)))
+    seed_key = node_key(seed)
+    allowed = keyed(allowed, lambda node: (node in inputs, node in batched, seed_key(node)))
     request = MeshRequest(captured, cluster, mesh, precision, optimizer, float("inf"))
     strategies = enumerate_strategies(captured.gm, request.shape, SHARDING_AXES)
     forced = forced_placements(captured, strategies, allowed)

@@ -34,7 +34,7 @@ from autopar.search.sharding.mesh_solve import (
     zero_filter,
 )
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import seed_filter, seeds_for
+from autopar.search.sharding.seeds import ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
@@ -112,6 +112,7 @@ def search_meshes(
     microbatches: int | None = None,
     notes: list[str] | None = None,
     fold: bool = True,
+    ep: int | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -132,7 +133,8 @@ def search_meshes(
     each mesh's problem is the four traced layers' folded to all of them
     (:func:`~autopar.search.sharding.mesh_solve.prepare_folded`), and the best answer is carried onto
     the whole graph (:func:`~autopar.search.sharding.mesh_solve.unfold_result`): the other results
-    read back onto the template (``ShardingResult.sp.template`` is set).
+    read back onto the template (``ShardingResult.sp.template`` is set). ``ep`` fixes the experts' split
+    (:func:`ep_filter`): meshes with no axis of that size are left out.
     """
     world = cluster.world_size
     fold = fold and captured.fold is not None
@@ -151,11 +153,13 @@ def search_meshes(
         if cluster.gpus_per_node % t and tp is None and _lost_across_nodes(results, cluster):
             note(log, notes, "meshes: tp across nodes loses at tp=%d; tp >= %d left out", results[-1].mesh.tp, t)
             break
+        if ep is not None and ep > 1 and ep not in (world // t, t):
+            continue
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         mp = prepare_folded(request) if fold else prepare_mesh(request)
         best_step = min((r.estimate.step_time_s for r in results if r.solution.choice and r.estimate.fits), default=None)
-        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step)
+        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step, ep)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -197,6 +201,7 @@ def _best_on_mesh(
     milp: bool,
     microbatches: int | None,
     best_step: float | None = None,
+    ep: int | None = None,
 ) -> ShardingResult:
     """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
 
@@ -210,16 +215,20 @@ def _best_on_mesh(
     """
     captured = mp.captured
     params = {p.placeholder: p.name for p in captured.params}
-    conv1d = captured.model_name.startswith("GPT2")
     fixed = zero_filter(mp.sp, zero) if zero is not None else None
+    if ep is not None:
+        by_ep = ep_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), ep)
+        fixed = by_ep if fixed is None else both(mp.sp, fixed, by_ep)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
+    if ep is not None:  # the seeds that split the experts as fixed, or none
+        kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s
     for k, kind in enumerate(kinds):
-        seed = seed_filter(kind, params, conv1d)
+        seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
         # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
         share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
         allowed = seed if fixed is None else both(mp.sp, seed, fixed)

@@ -136,7 +136,8 @@ def prepare_folded(request: MeshRequest) -> MeshProblem:
     fold = request.captured.fold
     if fold is None:
         return prepare_mesh(request)
-    mp = prepare_mesh(replace(request, captured=fold.template))
+    template = replace(fold.template, capacity_factor=request.captured.capacity_factor)  # what plan() set
+    mp = prepare_mesh(replace(request, captured=template))
     mp.sp = fold_problem(mp.sp, fold)
     return mp
 

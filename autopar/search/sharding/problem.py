@@ -99,8 +99,10 @@ from dataclasses import replace
 
 import torch.fx as fx
 
+from autopar.cost_models import experts as experts_cost
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.compute import roofline_time
+from autopar.ops import experts as experts_op
 from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.instance import ShardingProblem
@@ -217,9 +219,10 @@ def node_row(
     out_bytes = facts.out_bytes[name]
     in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
     attention = facts.attention.get(name, 0.0)
+    routed = ns.op if ns.op in experts_op.EXPERT_OP_NAMES else None
     key = (
         kind, ids, tuple(out_bytes), tuple(in_bytes), facts.flops[name], attention, facts.view[name],
-        facts.element_size.get(name),
+        facts.element_size.get(name), routed,
     )
     row = ctx.memo.rows.get(key)
     if row is None:
@@ -229,6 +232,8 @@ def node_row(
             row = input_row(ctx, options, out_bytes)
         else:
             row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name], attention)
+            if routed is not None:
+                expert_parallel_terms(ctx, row, options, in_bytes, routed, _top_k(ctx, ns))
         ctx.memo.rows[key] = row
     return row
 
@@ -289,6 +294,31 @@ def compute_row(
         row.memory.append(0.0 if view else sum(out_local) * scale / k)
         row.parts.append([0.0 if view else b * scale / k for b in out_local])
     return row
+
+
+def _top_k(ctx: BuildContext, ns: NodeStrategies) -> int:
+    """k of an experts op: its top-k index input is (tokens, k)."""
+    backward = ns.op == experts_op.BACKWARD_NAME
+    index = ns.inputs[2 if backward else 1]
+    node = next(n for n in ctx.captured.gm.graph.nodes if n.name == index)
+    return int(node.meta["val"].shape[-1])
+
+
+def expert_parallel_terms(
+    ctx: BuildContext, row: NodeRow, options: list[Strategy], in_bytes: list, op: str, k: int
+) -> None:
+    """An experts op's strategies that split the experts pay their all-to-alls, and the busiest rank's share
+    of the expert FLOPs (:mod:`autopar.cost_models.experts`: uniform routing, ``capacity_factor``)."""
+    backward = op == experts_op.BACKWARD_NAME
+    first = 1 if backward else 0
+    for i, s in enumerate(options):
+        axes = experts_op.ep_axes(s.inputs, backward) or []
+        if not axes:
+            continue
+        a = axes[0]
+        pairs = ctx.local([in_bytes[first]], [s.inputs[first]])[0] * ctx.scale * k
+        extra = experts_cost.all_to_all_seconds(pairs, ctx.mesh_shape[a], ctx.links[a], backward, ctx.capacity_factor)
+        row.costs[i] = row.costs[i] * ctx.capacity_factor + extra
 
 
 def activation_items(ctx: BuildContext, t: Terms) -> None:

@@ -15,13 +15,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from autopar.capture.joint import CapturedGraph
 from autopar.core.placements import REPLICATE, Placement, shard
+from autopar.ops import experts as experts_op
 from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
 ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
 VOCAB = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
+EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")  # HuggingFace's routed experts, (E, ., .)
 
 
 def megatron_tp(name: str, conv1d: bool) -> Placement:
@@ -54,13 +57,68 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
-        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3 or megatron")
+        if kind == "experts_whole":
+            return True  # the parameters free: only the experts ops are held (layout_filter)
+        if kind in ("ep", "ep_dp"):
+            # expert parallel over the second mesh axis ("ep", beside dp), or over the dp axis (ranks shared)
+            axis = 1 if kind == "ep" else 0
+            if EXPERTS.search(params[node]):
+                return out[axis].is_shard(0) and all(p.is_replicate() for a, p in enumerate(out) if a != axis)
+            return all(p.is_replicate() for p in out) and not strategy.zero
+        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3, megatron, ep, ep_dp or experts_whole")
 
     return keyed(allowed, params.get)  # a parameter by its name; every other node alike
 
 
+def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...]) -> Callable[[str, Strategy], bool]:
+    """:func:`seed_filter` on ``captured``; the expert-parallel seeds also have the experts ops read the experts
+    split (:func:`ep_filter`), not gathered."""
+    params = {p.placeholder: p.name for p in captured.params}
+    seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    if kind not in ("ep", "ep_dp", "experts_whole"):
+        return seed
+    size = 1 if kind == "experts_whole" else mesh_shape[1 if kind == "ep" else 0]
+    by_ep = ep_filter(captured, mesh_shape, size)
+    return lambda node, strategy: seed(node, strategy) and by_ep(node, strategy)
+
+
 def seeds_for(tp: int, param_names: list[str]) -> list[str]:
-    """The seed layouts that make sense on a mesh with this tensor-parallel size."""
+    """The seed layouts that make sense on a mesh with this tensor-parallel size.
+
+    A mixture of experts adds expert parallelism: over the dp axis's ranks on a dp-only mesh
+    ("ep_dp", as DeepSpeed-MoE shares them), over the second axis beside dp otherwise ("ep"); and
+    beside a tp axis, the search with the experts whole on every rank of their layout ("experts_whole",
+    every other choice free: the expert-parallel answer the MILP starts from otherwise keeps it there).
+    """
+    experts = any(EXPERTS.search(n) for n in param_names)
     if tp == 1:
-        return ["dp", "zero3"]
-    return ["megatron"] if has_megatron_names(param_names) else []
+        return ["dp", "zero3"] + (["ep_dp"] if experts else [])
+    megatron = ["megatron"] if has_megatron_names(param_names) else []
+    return megatron + (["ep", "experts_whole"] if experts else [])
+
+
+def ep_seeds(ep: int, dp: int, tp: int) -> set[str]:
+    """The seeds that split the experts ``ep`` ways on a dp x tp mesh (1: the one that keeps them whole)."""
+    if ep == 1:
+        return {"experts_whole"}
+    return {kind for kind, size in (("ep_dp", dp), ("ep", tp)) if size == ep}
+
+
+def ep_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], ep: int) -> Callable[[str, Strategy], bool]:
+    """``fixed={"ep": ep}``: the experts ops split the experts over one mesh axis of size ``ep`` (1: not at
+    all); other nodes are free."""
+    ops = {
+        n.name: str(n.target) == experts_op.BACKWARD_NAME
+        for n in captured.gm.graph.nodes
+        if str(n.target) in experts_op.EXPERT_OP_NAMES
+    }
+
+    def allowed(node: str, strategy: Strategy) -> bool:
+        if node not in ops:
+            return True
+        axes = experts_op.ep_axes(strategy.inputs, ops[node])
+        if axes is None:
+            return False
+        return [mesh_shape[a] for a in axes] == ([ep] if ep > 1 else [])
+
+    return allowed

@@ -65,6 +65,7 @@ from autopar.core.placements import (
     replicated,
     to_dtensor_all,
 )
+from autopar.ops import experts as experts_op
 from autopar.search.sharding import strategy_rules
 from autopar.search.sharding.dtensor_rules import costs_off, decomposition_rows, with_rule
 from autopar.search.sharding.node_keys import (
@@ -285,6 +286,8 @@ class _Enumerator:
         if own is not None:
             single = own(node)
             strats = self._expand_plain(single, len(outs), in_shapes, out_shapes)
+            if op in experts_op.EXPERT_OPS:
+                strats = [s for s in strats if experts_op.ep_axes(s.inputs, op is torch.ops.autopar.experts_backward.default) is not None]
             return "autopar", self._prune(strats, inputs, in_shapes, out_shapes)
         if not inputs:
             # Factory ops (arange, full, zeros, scalar_tensor...): every rank makes the whole tensor.

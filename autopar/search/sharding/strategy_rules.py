@@ -21,6 +21,7 @@ from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import Placement, Row
 from autopar.core.placements import shard as S
 from autopar.ops import batch_norm  # noqa: F401  (registers torch.ops.autopar.batch_norm_*)
+from autopar.ops import experts as experts_op  # noqa: F401  (registers torch.ops.autopar.experts*)
 from autopar.search.sharding import random_ops
 
 aten = torch.ops.aten
@@ -208,7 +209,41 @@ def grouped_mm_backward(node: fx.Node) -> list[Row]:
     ]
 
 
+def experts(node: fx.Node) -> list[Row]:
+    """``autopar::experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k), gate_up (E, 2I, H),
+    down (E, H, I)) -> (T, H)``: each token through its top-k experts, dropless.
+
+    Tokens are independent: split them (data parallel, the experts whole on every
+    rank), or split them *and* the experts on the same mesh axis: expert
+    parallelism, each rank computing its experts for every rank's tokens, which
+    the op's expert-parallel form sends and brings back by all-to-all
+    (:mod:`autopar.ops.experts`).  Linear in the routing weights: a partial sum of them.
+    The experts' intermediate dim is not split: [gate; up] are concatenated on it.
+    """
+    return [
+        [R, R, R, R, R, R],
+        [S(0), S(0), S(0), S(0), R, R],
+        [S(0), S(0), S(0), S(0), S(0), S(0)],
+        [P, R, R, P, R, R],
+    ]
+
+
+def experts_backward(node: fx.Node) -> list[Row]:
+    """``(grad, hidden, top_k_index, top_k_weights, gate_up, down) -> (grad_hidden, grad_weights,
+    grad_gate_up, grad_down)`` of :func:`experts`: the tokens' split splits the token gradients and makes
+    the experts' gradients partial sums; expert parallel, each rank's experts' gradients are whole
+    (every token of the axis that chose them came to it); linear in ``grad``."""
+    return [
+        [R, R, R, R, R, R, R, R, R, R],
+        [S(0), S(0), P, P, S(0), S(0), S(0), S(0), R, R],
+        [S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0)],
+        [P, P, P, P, P, R, R, R, R, R],
+    ]
+
+
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
+    torch.ops.autopar.experts.default: experts,
+    torch.ops.autopar.experts_backward.default: experts_backward,
     aten.copy.default: copy,
     torch.ops.autopar.batch_norm_sums.default: batch_norm_sums,
     torch.ops.autopar.batch_norm_apply.default: batch_norm_apply,

@@ -1,0 +1,91 @@
+"""Mixtures of experts at scale, default options, against hand-set layouts costed by the same model.
+
+    .venv/bin/python benchmarks/plan_moe.py                       (both models)
+    .venv/bin/python benchmarks/plan_moe.py --model mixtral --time-limit 60
+
+Mixtral-8x7B (HuggingFace MixtralConfig's defaults: 32 layers, 8 experts, top-2) on
+64 H100s (8 DGX nodes) at 512 sequences of 4096 tokens, and a DeepSeek-V3-shaped model
+(DeepseekV3Config's defaults: 61 layers, the first 3 dense, hidden 7168, 256 routed
+experts, top-8, one shared expert) on 2,048 H100s (256 nodes) at 15,360 sequences of
+4096 tokens (DeepSeek-V3's final batch), on the meta device, bf16-mixed AdamW, 80 GB.
+Each model is planned with the default search, then its reference layouts are costed
+with ``fixed`` (the search chooses what they leave open):
+
+- Mixtral: the experts not split (``ep`` 1: every expert on every rank of its stage,
+  tensor parallelism inside them impossible with [gate; up] concatenated), and ep 8;
+- DeepSeek-V3: its published layout (DeepSeek-V3 Technical Report, 2024, section 3.2:
+  PP 16, EP 64 across 8 nodes, ZeRO-1 data parallelism), here pp 16 x dp 64 x tp 2 with
+  the experts split over the 64 ranks of dp (the second axis of 2 splits the batch
+  unless the search finds better).
+
+Routing is assumed uniform with ``capacity_factor`` 1.25 (:mod:`autopar.cost_models.experts`).
+``ref / plan`` is the reference's step time over the plan's: above 1, the plan is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import autopar  # noqa: E402
+from examples.models import deepseek_v3, mixtral  # noqa: E402
+
+MODELS = {
+    "mixtral": dict(
+        make=mixtral, nodes=8, batch=512, refs={"ep 1": {"ep": 1}, "ep 8": {"ep": 8}}
+    ),
+    "deepseek_v3": dict(
+        make=deepseek_v3,
+        nodes=256,
+        batch=15360,
+        refs={"DeepSeek-V3 (PP 16 x EP 64, ZeRO-1)": {"pp": 16, "dp": 64, "tp": 2, "ep": 64, "zero": 1}},
+    ),
+}
+
+
+def _mesh(plan: autopar.Plan) -> str:
+    m = plan.mesh
+    ep = f" (ep {m['ep']})" if m.get("ep", 1) > 1 else ""
+    return f"dp {m['dp']} x tp {m['tp']} x pp {m['pp']}{ep}, ZeRO-{plan.zero}, {plan.microbatches} mb"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--time-limit", type=float, default=60.0, help="the plan's time_limit_s (default: the API's)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    rows = []
+    for name in args.model:
+        spec = MODELS[name]
+        cluster = autopar.Cluster.preset("dgx-h100", nodes=spec["nodes"])
+        start = time.perf_counter()
+        model, inputs = spec["make"]()
+        plan = autopar.plan(model, inputs, cluster, global_batch_size=spec["batch"], time_limit_s=args.time_limit)
+        took = time.perf_counter() - start
+        print(plan.summary(width=120))
+        rows.append((name, cluster.world_size, "plan", plan, took, plan))
+        for label, fixed in spec["refs"].items():
+            ref = autopar.plan(
+                model, inputs, cluster, global_batch_size=spec["batch"], fixed=fixed, time_limit_s=args.time_limit
+            )
+            rows.append((name, cluster.world_size, label, ref, None, plan))
+    print()
+    print("| model | GPUs | layout | mesh | step s | fits | planning s | ref / plan |")
+    print("|---|--:|---|---|--:|---|--:|--:|")
+    for name, gpus, label, p, took, plan in rows:
+        ratio = p.estimate.step_time_s / plan.estimate.step_time_s
+        planning = f"{took:.0f}" if took is not None else ""
+        print(
+            f"| {name} | {gpus} | {label} | {_mesh(p)} | {p.estimate.step_time_s:.2f} | {p.estimate.fits} "
+            f"| {planning} | {ratio:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Mixtures of experts: routing captured as one op, and expert parallelism trained like one device.
+
+One process: HuggingFace's mixtures (Mixtral, Qwen3-MoE, DeepSeek-V3-style with a
+shared expert and group-limited top-k) capture their routed experts as
+``autopar::experts`` (dropless: every token reaches its top-k experts) with the
+router's load-balancing loss in the loss where the family has one, and the
+sharding rules offer expert parallelism for them.
+
+Four gloo processes (``-m slow``): tiny Mixtral and DeepSeek-V3-style under expert
+parallelism on a 2 x 2 mesh, experts split over the second axis (ep 2 x dp 2) and
+over the data-parallel axis itself (ep 2 sharing its ranks with dp 2, the second
+axis tensor parallel where the solver wants it), and as the search plans ep with
+ZeRO-1, ZeRO-3 and a two-stage pipeline: 3 AdamW steps within 1e-5 of eager
+PyTorch on one device (the oracle gathers the parameters with ``full_state_dict``);
+and a checkpoint round trip between one device and ep 2 x dp 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import autopar
+from autopar.capture.joint import capture
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, plan_with_layout
+from examples import families
+
+pytest.importorskip("transformers")
+
+EXPERTS = "autopar.experts.default"
+MOE = {"mixtral": 1, "qwen3_moe": 1, "deepseek_v3": 1}  # routed-experts layers of each tiny model
+FOUR = autopar.Cluster.local(4)
+
+
+def _ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_routed_experts_capture_as_one_op(name: str) -> None:
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    ops = _ops(capture(model, inputs).gm)
+    assert ops.count(EXPERTS) == MOE[name]
+    assert ops.count("autopar.experts_backward.default") == MOE[name]
+    assert not any("grouped_mm" in op or op == "aten.sort.default" for op in ops), "HF's dispatch left in"
+    # the router's top-k per layer, and Mixtral's and Qwen's load-balancing loss takes its own over all layers
+    aux = 1 if model.config.output_router_logits and name != "deepseek_v3" else 0
+    topk_per_router = 3 if name == "deepseek_v3" else 1  # group scores, groups, experts
+    assert ops.count("aten.topk.default") == MOE[name] * topk_per_router + aux
+
+
+def test_experts_op_matches_huggingface() -> None:
+    """The op's forward and gradients against HuggingFace's own experts implementation, in fp32."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    block = model.model.layers[0].mlp
+    x = torch.randn(families.BATCH * families.SEQ, families.HIDDEN, requires_grad=True)
+    _, weights, index = block.gate(x)
+    from autopar.ops.experts import experts
+
+    ours = experts(x, index, weights, block.experts.gate_up_proj, block.experts.down_proj, "silu")
+    theirs = block.experts(x, index, weights)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    params = [x, block.experts.gate_up_proj, block.gate.weight]
+    g1 = torch.autograd.grad(ours.square().sum(), params, retain_graph=True)
+    g2 = torch.autograd.grad(theirs.square().sum(), params)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_parallel_strategies_are_offered() -> None:
+    """On a 2 x 2 mesh the experts op can split the experts over either axis, tokens split with them."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    gm = capture(model, inputs).gm
+    node = next(n.name for n in gm.graph.nodes if str(n.target) == EXPERTS)
+    strategies = enumerate_strategies(gm, (2, 2))[node].strategies
+    ep_axes = {
+        tuple(a for a, p in enumerate(s.inputs[3]) if p.is_shard(0)) for s in strategies
+    }
+    assert {(0,), (1,), ()} <= ep_axes and (0, 1) not in ep_axes
+
+
+@functools.cache
+def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1})
+    return model, inputs, plan
+
+
+def _expert_parallel(name: str, kind: str) -> autopar.Plan:
+    model, inputs, plan = _planned(name)
+    plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
+    out = plan_with_layout(plan, model, inputs, FOUR, kind)
+    split = [v for v in out.placements.values() if v["op"] == EXPERTS]
+    axis = 1 if kind == "ep" else 0
+    assert split and all(v["inputs"][3][axis].is_shard(0) for v in split), "the layout is not expert parallel"
+    return out
+
+
+def _searched(name: str, fixed: tuple) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=dict(fixed))
+    assert plan.mesh.get("ep") == 2, plan.mesh
+    return plan
+
+
+# expert parallelism composed with ZeRO and with a pipeline, as the search plans them under ``fixed``
+COMPOSED = [
+    ("mixtral", (("ep", 2), ("dp", 2), ("tp", 2), ("zero", 1))),
+    ("deepseek_v3", (("ep", 2), ("dp", 2), ("tp", 2), ("zero", 3))),
+    ("deepseek_v3", (("ep", 2), ("pp", 2), ("microbatches", 2))),
+]
+
+
+@pytest.mark.slow
+def test_expert_parallel_trains_like_one_device() -> None:
+    names = ["mixtral", "deepseek_v3"]
+    kinds = ["ep", "ep_dp"]  # ep 2 x dp 2; ep 2 over the dp axis's ranks
+    labels = [f"{n} {k}" for n in names for k in kinds] + [f"{n} {dict(f)}" for n, f in COMPOSED]
+    cases = [
+        (families.FAMILIES[n], functools.partial(_expert_parallel, n, k)) for n in names for k in kinds
+    ] + [(families.FAMILIES[n], functools.partial(_searched, n, f)) for n, f in COMPOSED]
+    checks = check_plans(cases, FOUR, rng="exact")
+    bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
+    assert not bad, "expert-parallel plans that do not train like one device:\n" + "\n".join(bad)
+    for c in checks:
+        assert len(c.losses) == 3 and c.losses[0] != c.losses[2]
+        assert c.collectives.get("all_to_all_single", 0) == 0  # the op's all-to-alls run inside it
+
+
+def test_fixed_ep_splits_the_experts_and_the_mesh_names_it() -> None:
+    """``fixed={"ep": n}`` as ``"tp"``: the experts split n ways over the ranks of dp or of the second axis,
+    with or without a pipeline, and ``plan.mesh`` names the split (it adds no devices)."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    for fixed, axis in (({"ep": 2, "dp": 2, "tp": 2}, None), ({"ep": 4, "dp": 4, "tp": 1}, 0)):
+        plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
+        assert plan.mesh["ep"] == fixed["ep"] and "(ep=" in plan.mesh_str()
+        entries = [v for v in plan.placements.values() if v["op"] == EXPERTS]
+        split = {a for v in entries for a, p in enumerate(v["inputs"][3]) if p.is_shard(0)}
+        assert len(split) == 1 and (axis is None or split == {axis})
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 1, "dp": 4})
+    assert "ep" not in plan.mesh
+    torch.manual_seed(0)
+    model, inputs = families.deepseek_v3()  # two layers: a pipeline of two stages
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"ep": 2, "pp": 2, "microbatches": 2})
+    assert plan.mesh["pp"] == 2 and plan.mesh["ep"] == 2
+
+
+def test_load_balancing_loss_keeps_batches_whole() -> None:
+    """The load-balancing loss is a product of batch means: the search cuts no micro-batches for it."""
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32")
+    assert plan.microbatches == 1 and plan.mesh["pp"] == 1
+
+
+def test_all_to_all_and_imbalance_are_charged() -> None:
+    """Expert parallel costs two all-to-alls of the pairs' rows forward, four backward, at the busiest rank's
+    ``capacity_factor``; a larger factor makes the same expert-parallel plan slower, never faster."""
+    from autopar.cost_models.comm import collective_time
+    from autopar.cost_models.experts import all_to_all_seconds
+
+    link = autopar.Cluster.preset("dgx-h100", nodes=1).axis_link(
+        autopar.hardware.cluster.MeshShape(dp=8, tp=1, pp=1), "dp"
+    )
+    one = collective_time("all_to_all", 1.5e6, 8, link)
+    assert all_to_all_seconds(1e6, 8, link, backward=False, capacity_factor=1.5) == pytest.approx(2 * one)
+    assert all_to_all_seconds(1e6, 8, link, backward=True, capacity_factor=1.5) == pytest.approx(4 * one)
+    with pytest.raises(ValueError, match="below 1"):
+        all_to_all_seconds(1e6, 8, link, backward=False, capacity_factor=0.5)
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    fixed = {"ep": 2, "dp": 2, "tp": 2}
+    steps = [
+        autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed, capacity_factor=cf).estimate.step_time_s
+        for cf in (1.0, 2.0)
+    ]
+    assert steps[0] < steps[1]
+    with pytest.raises(autopar.PlanError, match="capacity_factor"):
+        autopar.plan(model, inputs, FOUR, fixed=fixed, capacity_factor=0.9)
+
+
+def _ep_resume(plan: dict, src: str, dst: str) -> tuple | None:
+    """On each rank: load ``src`` (saved on one device) into the expert-parallel plan, step once, save ``dst``."""
+    import torch.distributed as dist
+
+    from autopar.plans.plan import Plan
+
+    torch.manual_seed(0)
+    _, batch = families.mixtral()
+    torch.manual_seed(1)  # other weights than the checkpoint's: the load must replace them
+    model, _ = families.mixtral()
+    pm = autopar.parallelize(model, FOUR, batch, plan=Plan.from_dict(plan))
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    pm.load(src, opt)
+    loaded = pm.full_state_dict()
+    pm.train_step(batch)
+    opt.step()
+    opt.zero_grad()
+    pm.save(dst, opt)
+    stepped = pm.full_state_dict()
+    return (loaded, stepped) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoints_round_trip(tmp_path) -> None:
+    """One device saves, an ep 2 x dp 2 plan loads it bit for bit, steps as one device does and saves; one
+    device loads that bit for bit (experts split over a mesh axis, in the checkpoint's whole-tensor form)."""
+    from autopar.capture.joint import model_loss
+    from autopar.runtime.checkpoint import load_single, save_single
+    from autopar.verify.oracle import group_error
+
+    src, dst = str(tmp_path / "single"), str(tmp_path / "ep")
+    torch.manual_seed(0)
+    _, batch = families.mixtral()
+    model, _ = families.mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model_loss(model, batch, None).backward()
+    opt.step()
+    opt.zero_grad()
+    save_single(model, src, opt)
+    held = {n: t.detach().clone() for n, t in model.named_parameters()}
+    model_loss(model, batch, None).backward()
+    opt.step()
+    after = {n: t.detach().clone() for n, t in model.named_parameters()}
+
+    plan = _expert_parallel("mixtral", "ep")
+    loaded, stepped = autopar.launch(_ep_resume, FOUR, plan.to_dict(), src, dst)[0]
+    assert all(torch.equal(loaded[n], held[n]) for n in held), "the ep plan did not load what one device saved"
+    err, worst = group_error(stepped, after)
+    assert err <= 1e-5, f"the step after loading: {err:.1e} ({worst})"
+    torch.manual_seed(2)
+    fresh, _ = families.mixtral()
+    load_single(fresh, dst, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert all(torch.equal(t, stepped[n]) for n, t in fresh.named_parameters()), "one device did not load ep's save"
