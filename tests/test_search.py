@@ -164,8 +164,8 @@ def test_a_hopeless_first_pipeline_of_a_tp_leaves_the_meshes_behind_it_in_the_se
         flat_best=1.0,
     )
     costed = []
-    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", lambda request, **k: request.mesh)
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: costed.append(pm))
+    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", lambda request, **k: SimpleNamespace(mesh=request.mesh))
+    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: costed.append(pm.mesh))
     notes: list[str] = []
     args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [lead, close, far], 60.0)
     pipeline_mesh.search_pipelines(*args, preview=preview, notes=notes)
@@ -303,13 +303,13 @@ def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch
 
     def prepare(request, **k):
         clock[0] += 1.0
-        return request.mesh
+        return SimpleNamespace(mesh=request.mesh)
 
     calls = []
 
     def solve(pm, left, **k):
         clock[0] += 4.0
-        calls.append((pm, "polish" if k.get("layouts") == () else "seeds"))
+        calls.append((pm.mesh, "polish" if k.get("layouts") == () else "seeds"))
         solution = SimpleNamespace(choice=[0])
         return SimpleNamespace(estimate=SimpleNamespace(step_time_s=1.0), sharding=SimpleNamespace(solution=solution))
 
