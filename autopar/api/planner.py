@@ -247,9 +247,11 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
 
     def search_flat(deadline: float, optional: bool) -> None:
         nonlocal flat, none_fits
+        # costed with their seed layouts only when a pipeline fits already: a quarter of their share
+        budget = time_limit_s * share * (OPTIONAL_FLAT if optional else 1.0)
         try:
             flat = _plan_flat(
-                captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s * share, deadline, optional, notes
+                captured, cluster, gbs, prec, optimizer, limit, fixed, budget, deadline, optional, notes
             )
         except PlanError as err:  # a pipeline may still fit: its stages hold less
             if not pipe_meshes:
