@@ -59,8 +59,8 @@ def main() -> None:
     for gpus, plan, took, meta in rows:
         a, b = plan.estimate.step_time_s, meta.estimate.step_time_s
         print(
-            f"| {gpus} | {_mesh(plan)} | {a:.2f} | {plan.zero} | {plan.microbatches} | {took:.1f} | "
-            f"{_mesh(meta)} (zero {meta.zero}, {meta.microbatches} mb) | {b:.2f} | {b / a:.3f} |"
+            f"| {gpus} | {_mesh(plan)} | {a:.3f} | {plan.zero} | {plan.microbatches} | {took:.1f} | "
+            f"{_mesh(meta)} (zero {meta.zero}, {meta.microbatches} mb) | {b:.3f} | {b / a:.4f} |"
         )
 
 

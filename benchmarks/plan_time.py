@@ -5,9 +5,9 @@
     .venv/bin/python benchmarks/plan_time.py --flat          (dp x tp meshes only, fixed={"pp": 1})
 
 LLaMA-7B-shaped layers (hidden 4096, intermediate 11008, 32 heads, sequence
-2048, vocab 32000) on DGX H100 nodes, global batch 512. Phases: capture
-(export + joint trace), then per mesh summed over all meshes (dp × tp, and
-pp × dp × tp where the search tries pipelines): strategy enumeration, MILP
+2048, vocab 32000) on DGX H100 nodes, global batch 256 (``--batch``). Phases:
+capture (export + joint trace), then per mesh summed over all meshes (dp × tp,
+and pp × dp × tp where the search tries pipelines): strategy enumeration, MILP
 build, solve (the unrestricted problem and the seed layouts on it; for a
 pipeline, also the placement of its stage cuts). "per mesh" is those three
 divided by the number of meshes: what each further mesh shape adds to a
@@ -29,13 +29,13 @@ import autopar  # noqa: E402
 from examples.models import llama  # noqa: E402
 
 
-def run(layers: int, gpus: int, time_limit: float, flat: bool = False) -> dict:
+def run(layers: int, gpus: int, time_limit: float, flat: bool = False, batch: int = 256) -> dict:
     """Plan one case; ``flat``: dp × tp meshes only (``fixed={"pp": 1}``), no pipelines."""
     model, inputs = llama(layers, 4096, 32, 11008, seq=2048)
     cluster = autopar.Cluster.preset("dgx-h100", nodes=max(gpus // 8, 1))
     t = time.perf_counter()
     fixed = {"pp": 1} if flat else None
-    plan = autopar.plan(model, inputs, cluster, global_batch_size=512, time_limit_s=time_limit, fixed=fixed)
+    plan = autopar.plan(model, inputs, cluster, global_batch_size=batch, time_limit_s=time_limit, fixed=fixed)
     total = time.perf_counter() - t
     meshes = plan.solver.meshes
     return {
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per plan (all meshes)")
     parser.add_argument("--flat", action="store_true", help="dp x tp meshes only: no pipeline configurations")
+    parser.add_argument("--batch", type=int, default=256, help="global batch, in sequences of 2048 tokens")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.quick:
@@ -72,7 +73,7 @@ def main() -> None:
         flush=True,
     )
     for layers, gpus in grid:
-        r = run(layers, gpus, args.time_limit, args.flat)
+        r = run(layers, gpus, args.time_limit, args.flat, args.batch)
         gap = "-" if r["gap"] is None else f"{r['gap'] * 100:.1f}%"
         per_mesh = (r["strategies"] + r["build"] + r["solve"]) / max(r["meshes"], 1)
         print(
