@@ -86,9 +86,15 @@ B. Megatron-Core r0.8.0 weak scaling on H100 (DGX H100, 8 x NDR 400 Gb/s per
    ``grad_reduce_in_fp32`` (``megatron/training/training.py``): one fp32 gradient
    buffer a parameter, the micro-batches' gradients added into it
    (``distributed_data_parallel.py``, ``grad_dtype = torch.float``), its buckets of
-   fp32. Assumed: no activation recompute, micro-batch 1, 1F1B (an interleaved
-   schedule would only make the prediction faster), Megatron-LM's default
-   dropout 0.1.
+   fp32. The pipelined runs (pp > 1) are costed with the interleaved schedule:
+   the README overlaps "pipeline-parallel communication (enabled by default)",
+   which is ``--overlap-p2p-communication``, on by default, and which
+   Megatron-LM keeps only under the interleaved schedule (``arguments.py`` at
+   core_r0.8.0: "Overlap P2P communication is disabled if not using the
+   interleaved schedule"; ``schedules.py``'s non-interleaved 1F1B refuses it).
+   The number of virtual stages is not stated; autopar's interleaved schedule
+   deals two chunks to a rank (more would only shorten the bubble). Assumed: no
+   activation recompute, micro-batch 1, Megatron-LM's default dropout 0.1.
 
 C. torchtitan, FSDP2 (ZeRO 3), bf16, eager; HuggingFace's LLaMA with
    scaled-dot-product attention told the mask is causal, as torchtitan's
@@ -298,8 +304,8 @@ def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tf
     seq, vocab = 4096, 131072
     flops_per_token = 72 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
     fixed = {"dp": dp, "tp": tp, "pp": pp, "zero": 1, "recompute": "none", "microbatches": batch // dp}
-    if pp > 1:
-        fixed["schedule"] = "1F1B"
+    if pp > 1:  # the pipeline-parallel overlap the README names exists only in the interleaved schedule
+        fixed["schedule"] = "interleaved"
     assert dp * tp * pp == gpus
     return Run(
         f"Megatron-Core GPT {size} H100",
