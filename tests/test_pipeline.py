@@ -331,3 +331,29 @@ def test_pipelines_on_4_processes_train_like_one_device():
     assert {p.mesh["dp"] for _, p in cases} == {1, 2}
     local_batch = [False] * (len(cases) - 1) + [True]
     _assert_all_match(cases, check_plans(cases, autopar.Cluster.local(4), local_batch=local_batch))
+
+
+def test_the_seed_round_solves_each_layout_once_with_placements_that_divide_every_micro_batch(monkeypatch):
+    """The pipeline search's seed round ranks meshes: each seed layout is solved once, with only the
+    placements that divide a micro-batch at the most micro-batches (its answer holds at every count),
+    not first without them and then again narrowed (LLaMA-2-70B on 64 H100s: 27.6 s -> 23 s, the same plan)."""
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny4()
+    captured = capture(model, inputs)
+    cluster = autopar.Cluster.local(4)
+    mesh = MeshShape(dp=1, tp=2, pp=2)
+    request = MeshRequest(captured, cluster, mesh, precision_spec("fp32"), "adamw", math.inf, recompute=True)
+    pm = pipeline_mesh.prepare_pipeline_mesh(request)
+    solves = []
+    real = pipeline_mesh.solve_strategies
+    monkeypatch.setattr(pipeline_mesh, "solve_strategies", lambda *a, **k: solves.append(1) or real(*a, **k))
+    one = pipeline_mesh.solve_pipeline(pm, 5.0, milp=False, layouts=("megatron",), dividing_only=True)
+    assert len(solves) == 1
+    sharding = one.sharding
+    shape = (mesh.dp, mesh.tp)
+    assert all(microbatch_divides(pm.solved, pm.sp, sharding.solution.choice, shape, m) for m in pm.counts)
+    both = pipeline_mesh.solve_pipeline(pm, 5.0, milp=False, layouts=("megatron",))
+    assert len(solves) >= 2  # the layout without the restriction first (and narrowed where it does not divide)
+    assert both.estimate.step_time_s <= one.estimate.step_time_s * (1 + 1e-9)

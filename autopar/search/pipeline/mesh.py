@@ -206,6 +206,7 @@ def solve_pipeline(
     even_cuts: bool = False,
     start: list[int] | None = None,
     target_gap: float = GAP_TARGET,
+    dividing_only: bool = False,
 ) -> PipelineResult | None:
     """The fastest pipeline on ``pm``'s mesh that fits, or None.
 
@@ -217,7 +218,9 @@ def solve_pipeline(
     before the layers, the last what comes after), as Megatron-LM does: with
     ``milp=False, layouts=("megatron",)`` that costs a hand-set configuration.
     ``start``: a known answer to the stage problem (a seed layout's) the MILP starts from;
-    ``target_gap``: each solve stops once proven this close to its bound.
+    ``target_gap``: each solve stops once proven this close to its bound. ``dividing_only``: each
+    candidate is solved once, with only the placements that divide a micro-batch at the most
+    micro-batches (a pipeline's answer at every count), not first without that restriction.
     """
     t0 = time.perf_counter()
     candidates = layout_candidates(pm, zero, milp, layouts)
@@ -227,7 +230,7 @@ def solve_pipeline(
     mesh, mp, m_solve = pm.mesh, pm.mp, pm.solve_microbatches
     shape = (mesh.dp, mesh.tp)
     best: tuple | None = None  # (step, m, schedule, chunks, choice, segments, solution, source)
-    for source, solution, counts in _stage_answers(pm, candidates, per, start, target_gap):
+    for source, solution, counts in _stage_answers(pm, candidates, per, start, target_gap, dividing_only):
         sp_solve = with_microbatches(mp.sp, m_solve)
         base = layer_figures(
             pm.captured, sp_solve, solution.choice, pm.graph_segments, shape, m_solve, pm.activation_scale, mp.links
@@ -262,7 +265,9 @@ def solve_pipeline(
     return result
 
 
-def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | None, target_gap: float):
+def _stage_answers(
+    pm: PipelineMesh, candidates, per: float, start: list[int] | None, target_gap: float, dividing_only: bool = False
+):
     """(source, solution, micro-batch counts it divides at) of each candidate way to shard inside the stages.
 
     An answer whose placements split a batch dim finer than a micro-batch holds is solved
@@ -272,12 +277,14 @@ def _stage_answers(pm: PipelineMesh, candidates, per: float, start: list[int] | 
     sp, m_solve = pm.sp, pm.solve_microbatches
     divides = microbatch_filter(pm.solved, (pm.mesh.dp, pm.mesh.tp), m_solve)
     for source, allowed in candidates:
-        problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
         known = start if source == "milp" else None
-        solution = solve_strategies(problem, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
-        counts = _splittable(pm, sp, solution.choice) if solution.choice else []
-        if solution.choice:
-            yield source, solution, counts
+        counts: list[int] = []
+        if not dividing_only:
+            problem = sp.problem if allowed is None else restrict(sp.problem, sp, allowed)
+            solution = solve_strategies(problem, time_limit_s=per, bound=False, start=known, target_gap=target_gap)
+            counts = _splittable(pm, sp, solution.choice) if solution.choice else []
+            if solution.choice:
+                yield source, solution, counts
         if m_solve not in counts:
             # a fixed experts' split binds over the micro-batch's divisibility (the counts it divides then follow)
             narrow = divides if allowed is None else both(sp, divides, allowed) if pm.ep else both(sp, allowed, divides)
@@ -320,8 +327,9 @@ def unfold_pipeline(result: PipelineResult, request: MeshRequest) -> PipelineRes
 
 # The pipeline meshes whose stages get a MILP of their own, after every mesh was costed with the seed layouts.
 MILP_MESHES = 2
-# A MILP round on a mesh takes at most this many times what solving its seed layouts took (its problem is built).
-MILP_ROUND_OF = 2
+# A MILP round on a mesh takes at most this many times what solving its seed layouts took (its problem is built):
+# the seed round solves each layout once, the MILP without the micro-batch restriction and then with it.
+MILP_ROUND_OF = 4
 # The share of the time limit for costing meshes with the seed layouts; the MILP rounds get the rest.
 SEED_ROUND = 0.75
 # Each mesh of the seed round may take up to 1/SHARE_OF of the round's time left.
@@ -348,7 +356,9 @@ def search_pipelines(
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
     Every mesh is first costed with its seed layouts inside the stages (restricted
-    solves, quick), most promising first, until SEED_ROUND of the time limit is
+    solves, quick, each once with only the placements that divide a micro-batch at the most
+    micro-batches: an answer at every count, where solving first without them and then narrowed
+    took twice as long on LLaMA-2-70B's memory-bound stages), most promising first, until SEED_ROUND of the time limit is
     spent (the rest are left out, and the log says how many): in the order given,
     or, with a ``preview``, in the order of its previewed step times, which every
     costed mesh refines for the meshes of its tp; the meshes the preview finds hopeless
@@ -393,7 +403,9 @@ def search_pipelines(
             # the round long before every mesh of a large cluster is costed
             left = max(seeds_end - time.perf_counter(), 0.0) / min(max(len(meshes) - k, 1), SHARE_OF)
             began = time.perf_counter()
-            res = solve_pipeline(pm, left, schedules=schedules, zero=zero, milp=False, target_gap=SEED_GAP)
+            res = solve_pipeline(
+                pm, left, schedules=schedules, zero=zero, milp=False, target_gap=SEED_GAP, dividing_only=True
+            )
             solving += time.perf_counter() - began
             seeded.append((pm, res))
             if preview is not None:
