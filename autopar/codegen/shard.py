@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, gradient_chain
+from autopar.codegen import sequence_attention
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.codegen.redistribute import (
     from_whole,
@@ -360,6 +361,13 @@ class _ShardInterpreter(fx.Interpreter):
                 size = self.mesh.shape[axes[0]]
                 out = experts_op.EP_VARIANT[n.target](*local_args, group, size)
                 return self._wrap(out, n.meta["val"], entry)
+        if n.target in sequence_attention.CAUSAL_FLAG:  # a causal kernel on a query shard: its rows of the mask
+            q_at = sequence_attention.CAUSAL_FLAG[n.target][0]
+            whole = (n.args[q_at].meta["val"].shape, n.args[q_at + 1].meta["val"].shape)
+            local_args, local_kwargs = sequence_attention.at_offset(
+                n.target, local_args, local_kwargs, whole, to_dtensor_all(entry["inputs"][q_at]),
+                self.mesh.get_coordinate(), self.mesh.shape,
+            )
         return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
 
     def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:
