@@ -100,6 +100,35 @@ def test_causal_kernels_keep_the_whole_mask_on_a_query_shard() -> None:
     assert not torch.allclose(unshifted, out[:, :, 4:]), "the second shard's mask needs its offset"
 
 
+def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
+    """Queries cut in n contiguous shards of a causal kernel: the last shard's work, (2n - 1) / n times the
+    mean, is what the sharding problem charges (1.5 at cp 2); other strategies and kernels are unchanged."""
+    from autopar.cost_models.compute import causal_imbalance
+    from autopar.cost_models.memory import precision_spec
+    from autopar.search.sharding import problem
+    from autopar.search.sharding.mesh_solve import prepare_mesh
+    from autopar.search.sharding.request import MeshRequest
+
+    assert [causal_imbalance(n) for n in (1, 2, 4)] == [1.0, 1.5, 1.75]
+    torch.manual_seed(0)
+    model, inputs = llama_causal()
+    captured = capture(model, inputs)
+    mesh = FOUR.check_mesh(dp=2, tp=2, pp=1)
+
+    def costs() -> tuple[dict[str, list[float]], object]:
+        sp = prepare_mesh(MeshRequest(captured, FOUR, mesh, precision_spec("fp32"), "adamw", float("inf"))).sp
+        return {n: sp.problem.node_costs[i] for i, n in enumerate(sp.nodes)}, sp
+
+    charged, sp = costs()
+    monkeypatch.setattr(problem, "causal_imbalance", lambda n: 1.0)
+    even, _ = costs()
+    name = next(n.name for n in captured.gm.graph.nodes if n.target is FLASH)
+    i = sp.nodes.index(name)
+    for k, s in enumerate(sp.strategies[i]):
+        split = sum(p.is_shard(2) for p in s.inputs[0])
+        assert charged[name][k] == pytest.approx(even[name][k] * (1.5 if split == 1 else 1.75 if split else 1.0))
+
+
 def _kernel_axes(plan: autopar.Plan) -> set[tuple[int, ...]]:
     """The mesh axes each attention kernel splits its queries' sequence over."""
     return {
