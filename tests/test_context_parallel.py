@@ -140,10 +140,12 @@ def _kernel_axes(plan: autopar.Plan) -> set[tuple[int, ...]]:
 
 def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
     """``fixed={"cp": 2}`` as ``"tp"``: the attention kernels split their queries over an axis of 2 ranks
-    (beside a fixed tp, the dp axis's), and ``plan.mesh`` names the split (it adds no devices)."""
+    (beside a fixed tp, the dp axis's; beside a fixed dp alone, the second axis's), and ``plan.mesh`` names
+    the split (it adds no devices)."""
     torch.manual_seed(0)
     model, inputs = models.llama_tiny()
-    for fixed, axes in (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 4, "dp": 4}, {(0,)})):
+    cases = (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 2, "dp": 2}, {(1,)}), ({"cp": 4, "dp": 4}, {(0,)}))
+    for fixed, axes in cases:
         plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
         assert plan.mesh["cp"] == fixed["cp"] and f"(cp={fixed['cp']})" in plan.mesh_str()
         found = _kernel_axes(plan)

@@ -141,7 +141,8 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
     prec = precision_spec(*precision)
     optimizer_states(optimizer)
     fixed = check_fixed(fixed)
-    cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
+    beside = fixed.tp or (cluster.world_size // fixed.dp if fixed.cp and fixed.dp and fixed.tp is None else 1)
+    cluster.check_mesh(dp=fixed.dp, tp=beside, pp=fixed.pp or 1)  # before any capture (cp: its axis beside dp)
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
@@ -413,7 +414,7 @@ def _plan_flat(
         notes=notes,
         ep=fixed.ep,
         cp=fixed.cp,
-        cp_axis=cp_axis_of(fixed.tp),
+        cp_axis=cp_axis_of(fixed, cluster.world_size),
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
@@ -457,7 +458,7 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
         microbatches=fixed.microbatches,
         ep=fixed.ep,
         cp=fixed.cp,
-        cp_axis=cp_axis_of(fixed.tp),
+        cp_axis=cp_axis_of(fixed, cluster.world_size),
     )
     best.estimate.memory_limit, best.estimate.fits = limit, False
     msg = (

@@ -22,6 +22,7 @@ import torch.fx as fx
 from autopar.capture.joint import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.ops import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
+from autopar.plans.records import Fixed
 from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.strategies import Strategy
 
@@ -72,11 +73,14 @@ def cp_axis_sizes(cp: int, dp: int, tp: int, axis: int | None = None) -> bool:
     return cp == 1 or (cp in (dp, tp) if axis is None else (dp, tp)[axis] == cp)
 
 
-def cp_axis_of(fixed_tp: int | None) -> int | None:
+def cp_axis_of(fixed: Fixed, world: int) -> int | None:
     """The mesh axis a fixed cp splits the sequence over: with a tensor-parallel size fixed too, the dp
     axis's ranks (Megatron-LM's ``--context-parallel-size`` beside ``--tensor-model-parallel-size``: the
-    second axis keeps the tensor split); otherwise either axis, as the search finds cheaper."""
-    return 0 if (fixed_tp or 1) > 1 else None
+    second axis keeps the tensor split); with dp fixed and tp not, the second axis (dp x cp, torchtitan's
+    FSDP beside context parallelism) where dp leaves one; otherwise either axis, as the search finds cheaper."""
+    if (fixed.tp or 1) > 1:
+        return 0
+    return 1 if fixed.dp is not None and fixed.tp is None and world > fixed.dp else None
 
 
 def context_parallel_mesh(placements: dict[str, Any], dp: int, tp: int) -> dict[str, int]:
