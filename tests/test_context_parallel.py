@@ -41,12 +41,23 @@ FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_back
 KERNELS = ("aten._scaled_dot_product_flash_attention_for_cpu.default", "autopar.dropout_attention.default")
 
 
+def llama_pairs():
+    """llama_tiny causal at batch 2: on cp 2 x dp 2 a rank holds one sequence, so the loss's flatten of the
+    sequence-split logits stays local (:mod:`autopar.search.sharding.reshape_shards`)."""
+    return models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=2, device="cpu", attention="causal")
+
+
 def llama_causal():
     """llama_tiny calling SDPA with ``is_causal=True`` and no mask tensor (torchtitan's call)."""
     return models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu", attention="causal")
 
 
-FACTORIES = {"llama": models.llama_tiny, "llama_causal": llama_causal, "gpt2": models.gpt2_tiny4_dropout}
+FACTORIES = {
+    "llama": models.llama_tiny,
+    "llama_causal": llama_causal,
+    "llama_pairs": llama_pairs,
+    "gpt2": models.gpt2_tiny4_dropout,
+}
 
 
 def test_attention_offers_the_sequence_split() -> None:
@@ -129,6 +140,20 @@ def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
         assert charged[name][k] == pytest.approx(even[name][k] * (1.5 if split == 1 else 1.75 if split else 1.0))
 
 
+def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence() -> None:
+    """(batch, seq, vocab) -> (batch·seq, vocab), the loss's flatten: the batch split over the first axis
+    down to one sequence a rank and the sequence over the second keep each rank's rows contiguous, a plain
+    split of the merged dim (and back); with two sequences a rank, or the sequence split first, they do not."""
+    from autopar.search.sharding.reshape_shards import reshaped_placements, same_elements
+
+    seq, batch = (shard(0), shard(1)), (shard(0), shard(0))
+    assert reshaped_placements((8, 16, 5), seq, (128, 5), (8, 4)) == [batch]
+    assert reshaped_placements((128, 5), batch, (8, 16, 5), (8, 4)) == [seq]
+    assert reshaped_placements((1, 16, 5), (REPLICATE, shard(1)), (16, 5), (4, 4)) == [(REPLICATE, shard(0))]
+    assert reshaped_placements((8, 16, 5), seq, (128, 5), (4, 4)) == []
+    assert not same_elements((8, 16, 5), (shard(1), shard(0)), (128, 5), batch, (4, 8))
+
+
 def _kernel_axes(plan: autopar.Plan) -> set[tuple[int, ...]]:
     """The mesh axes each attention kernel splits its queries' sequence over."""
     return {
@@ -186,6 +211,10 @@ def _layout(name: str, kind: str) -> autopar.Plan:
     out = plan_with_layout(plan, model, inputs, FOUR, kind)
     assert _kernel_axes(out) == {(1,) if kind == "cp" else (0,)}, "the layout does not split the sequence"
     assert out.mesh.get("cp") is None or out.mesh["cp"] == 2
+    if name == "llama_pairs":  # the loss's flatten of the sequence split, run on each rank's rows
+        flat = ((shard(0), shard(1)), (shard(0), shard(0)))
+        views = [v for v in out.placements.values() if v["op"] in ("aten.view.default", "aten._unsafe_view.default")]
+        assert any((tuple(v["inputs"][0] or ()), tuple(v["outputs"][0] or ())) == flat for v in views)
     return out
 
 
@@ -198,7 +227,7 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
 
 
 # LLaMA's mask tensor is split with the queries like GPT-2's (the searched LLaMA plan below runs it)
-LAYOUTS = [(n, k) for n in ("llama_causal", "gpt2") for k in ("cp", "cp_dp")]
+LAYOUTS = [(n, k) for n in ("llama_causal", "gpt2") for k in ("cp", "cp_dp")] + [("llama_pairs", "cp")]
 SEARCHED = [
     ("llama_causal", (("cp", 2),)),
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),

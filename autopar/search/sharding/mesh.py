@@ -22,7 +22,7 @@ from autopar.core.heap import long_lived_heap
 from autopar.core.notes import note
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster
-from autopar.search.sharding.context_parallel import cp_axis_sizes, cp_filter
+from autopar.search.sharding.context_parallel import attention_kernels, cp_axis_sizes, cp_filter
 from autopar.search.sharding.mesh_solve import (
     MeshProblem,
     ShardingResult,
@@ -239,18 +239,29 @@ def _best_on_mesh(
         kinds = cp_seeds(cp, mp.mesh.dp, mp.mesh.tp, cp_axis) if cp > 1 else [k for k in kinds if not k.startswith("cp")]
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
+    seeded: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s
-    for k, kind in enumerate(kinds):
-        seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
-        # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
-        share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
-        allowed = seed if fixed is None else both(mp.sp, seed, fixed)
-        seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
-        seeded.source = kind
-        if seeded.solution.choice and seeded.estimate.fits and (
-            seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
-        ):
-            seeded_best = seeded
+
+    def run_seeds(kinds: list[str]) -> None:
+        nonlocal seeded, seeded_best
+        for k, kind in enumerate(kinds):
+            seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
+            # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
+            share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
+            allowed = seed if fixed is None else both(mp.sp, seed, fixed)
+            seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
+            seeded.source = kind
+            if seeded.solution.choice and seeded.estimate.fits and (
+                seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
+            ):
+                seeded_best = seeded
+
+    run_seeds(kinds)
+    if seeded_best is None and cp is None and ep is None and attention_kernels(captured.gm):
+        # no other layout fits: the activations may, split on the sequence over either axis
+        more = cp_seeds(mp.mesh.dp, mp.mesh.dp, 1) + cp_seeds(mp.mesh.tp, 1, mp.mesh.tp)
+        kinds = kinds + more
+        run_seeds(more)
     plain = None
     if milp or not kinds:  # no seed layout on this mesh: the MILP it is
         start = seeded_best.solution.choice if seeded_best is not None else None
