@@ -175,6 +175,8 @@ def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
         assert plan.mesh["cp"] == fixed["cp"] and f"(cp={fixed['cp']})" in plan.mesh_str()
         found = _kernel_axes(plan)
         assert len(found) == 1 and (axes is None or found == axes), found
+        axis = ("dp", "tp")[next(iter(found))[0]]
+        assert f"split {fixed['cp']} ways on the sequence over {axis} (context parallel" in plan.summary(width=300)
     plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"cp": 1, "dp": 4})
     assert "cp" not in plan.mesh and _kernel_axes(plan) == {()}
 
