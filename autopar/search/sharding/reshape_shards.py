@@ -114,4 +114,16 @@ def reshaped_placements(a: Sequence[int], a_spec: Placements, b: Sequence[int], 
             options.append([p])
             continue
         options.append([shard(d) for d in group_of[p.dim][1]])
-    return [tuple(o) for o in itertools.product(*options) if same_elements(a, a_spec, b, tuple(o), mesh)]
+    inner_a = _splits_inner(a_spec, [g[0] for g in groups])
+    return [
+        tuple(o)
+        for o in itertools.product(*options)
+        if (inner_a or _splits_inner(o, [g[1] for g in groups])) and same_elements(a, a_spec, b, tuple(o), mesh)
+    ]
+
+
+def _splits_inner(spec: Sequence[Placement], groups: list[list[int]]) -> bool:
+    """Whether ``spec`` splits a dim that is not the first of its group: what DTensor calls strided (a split
+    of the first dim alone is DTensor's own reshape rule, left to it)."""
+    first = {g[0] for g in groups}
+    return any(p.is_shard() and p.dim not in first for p in spec)
