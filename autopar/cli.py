@@ -134,7 +134,7 @@ def _cmd_plan(args) -> int:
     cluster = _cluster(args)  # cheap checks first, before the model is built
     fixed = {
         k: getattr(args, k)
-        for k in ("dp", "tp", "pp", "ep", "zero", "recompute", "microbatches", "schedule")
+        for k in ("dp", "tp", "pp", "ep", "cp", "zero", "recompute", "microbatches", "schedule")
         if getattr(args, k) is not None
     }
     with _progress("building the model", args.verbose) as phase:
@@ -302,6 +302,7 @@ def _add_fixed_options(p: argparse.ArgumentParser) -> None:
     fix.add_argument("--tp", type=int, help="tensor-parallel size")
     fix.add_argument("--pp", type=int, help="pipeline-parallel size: the number of pipeline stages")
     fix.add_argument("--ep", type=int, help="expert-parallel size: the experts split over the ranks of dp or tp")
+    fix.add_argument("--cp", type=int, help="context-parallel size: attention's sequence split over the ranks of dp or tp")
     fix.add_argument("--schedule", help="pipeline schedule: 1F1B, GPipe or interleaved")
     fix.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     fix.add_argument("--microbatches", type=int, help="gradient-accumulation steps per optimizer step")

@@ -1,7 +1,8 @@
 """What ``autopar.plan(..., fixed=...)`` takes: its keys, their checks, and which search plans a request.
 
 The keys are what a Megatron-LM or DeepSpeed configuration says: the mesh
-(``dp``, ``tp``, ``pp``; ``ep`` the experts' split, over the ranks of dp or of the second axis), the ZeRO stage, micro-batches (gradient
+(``dp``, ``tp``, ``pp``; ``ep`` the experts' split and ``cp`` the sequence's in attention, each over the
+ranks of dp or of the second axis), the ZeRO stage, micro-batches (gradient
 accumulation), the pipeline schedule and the recompute setting
 (:mod:`autopar.search.sharding.recompute_settings`).  Any combination is planned as
 asked; refused, in one line, is only what cannot be built (a schedule without
@@ -20,7 +21,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.plans.records import Fixed
 from autopar.search.sharding.recompute_settings import NONE, OP_LEVEL, SETTINGS
 
-FIXED_KEYS = ("dp", "tp", "pp", "ep", "zero", "recompute", "microbatches", "schedule")
+FIXED_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero", "recompute", "microbatches", "schedule")
 
 
 def check_fixed(fixed: dict[str, Any] | None) -> Fixed:
@@ -35,7 +36,7 @@ def check_fixed(fixed: dict[str, Any] | None) -> Fixed:
         raise PlanError(
             f"unknown key(s) in fixed: {', '.join(unknown)}; known keys are {', '.join(FIXED_KEYS)}"
         )
-    for key in ("dp", "tp", "pp", "ep", "microbatches"):
+    for key in ("dp", "tp", "pp", "ep", "cp", "microbatches"):
         if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
             raise PlanError(f"fixed[{key!r}] must be a positive integer, not {fixed[key]!r}")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
@@ -68,7 +69,7 @@ def searches_sharding(cluster: Cluster, fixed: Fixed) -> bool:
     than "none" (costed on the graph that runs it), is the MILP's, with the micro-batch
     count fixed where ``fixed`` says.
     """
-    if (fixed.recompute or NONE) != NONE or (fixed.ep or 1) > 1:
+    if (fixed.recompute or NONE) != NONE or (fixed.ep or 1) > 1 or (fixed.cp or 1) > 1:
         return True
     if cluster.world_size == 1:
         return False

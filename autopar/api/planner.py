@@ -40,6 +40,7 @@ from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines, unfold_pipeline
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
+from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
 from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
 from autopar.search.sharding.recompute import recomputed
@@ -140,7 +141,8 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
     prec = precision_spec(*precision)
     optimizer_states(optimizer)
     fixed = check_fixed(fixed)
-    cluster.check_mesh(dp=fixed.dp, tp=fixed.tp or 1, pp=fixed.pp or 1)  # before any capture
+    beside = fixed.tp or (cluster.world_size // fixed.dp if fixed.cp and fixed.dp and fixed.tp is None else 1)
+    cluster.check_mesh(dp=fixed.dp, tp=beside, pp=fixed.pp or 1)  # before any capture (cp: its axis beside dp)
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, not {memory_limit!r}")
@@ -227,6 +229,14 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             f"global batch {gbs} does not split over {fixed.dp} data-parallel ranks; choose a multiple"
         )
     pp = fixed.pp
+    if (fixed.cp or 1) > 1:
+        check_cp(fixed.cp, captured, cluster.world_size)
+        if (pp or 1) > 1:
+            raise PlanError(
+                f"fixed cp={fixed.cp} with pp={pp}: the pipeline search does not split the sequence yet; "
+                "fix cp without pp"
+            )
+        pp = 1
     segments = len(forward_segments(captured))
     pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
     if pp is not None and pp > 1 and not pipe_meshes:
@@ -405,6 +415,8 @@ def _plan_flat(
         microbatches=fixed.microbatches,
         notes=notes,
         ep=fixed.ep,
+        cp=fixed.cp,
+        cp_axis=cp_axis_of(fixed, cluster.world_size),
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
@@ -426,7 +438,7 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     the answer, the fastest plan of it with no limit, marked as not fitting and warned about."""
     need = min(_least_peak(r) for r in results)
     what = ", ".join(
-        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "ep", "zero", "microbatches", "recompute")
+        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "ep", "cp", "zero", "microbatches", "recompute")
     )
     if not what:
         raise PlanError(
@@ -447,6 +459,8 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
         recompute=fixed.recompute is None,
         microbatches=fixed.microbatches,
         ep=fixed.ep,
+        cp=fixed.cp,
+        cp_axis=cp_axis_of(fixed, cluster.world_size),
     )
     best.estimate.memory_limit, best.estimate.fits = limit, False
     msg = (
@@ -596,7 +610,13 @@ def _make_plan(
         num_params=stats.num_params,
         cluster=cluster.to_dict(),
         cluster_description=cluster.describe(),
-        mesh={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, **expert_parallel_mesh(placements or {}, cfg.dp, cfg.tp)},
+        mesh={
+            "dp": cfg.dp,
+            "tp": cfg.tp,
+            "pp": cfg.pp,
+            **expert_parallel_mesh(placements or {}, cfg.dp, cfg.tp),
+            **context_parallel_mesh(placements or {}, cfg.dp, cfg.tp),
+        },
         zero=cfg.zero,
         recompute=cfg.recompute,
         microbatches=cfg.microbatches,

@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, gradient_chain
+from autopar.codegen import sequence_attention
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.codegen.redistribute import (
     from_whole,
@@ -53,7 +54,7 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements, replicated, to_dtensor_all
 from autopar.ops import experts as experts_op
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
-from autopar.search.sharding import random_ops, strategy_rules
+from autopar.search.sharding import random_ops, reshape_shards, strategy_rules
 from autopar.search.sharding.dtensor_rules import decomposition
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,8 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and any(p.is_shard(0) for p in entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
+        if n.target in reshape_shards.RESHAPES and self._contiguous(n, entry):
+            return self._declare(self._local_reshape(n, args, entry), entry, n)
         if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
             # autopar's own rule, or DTensor's single-dim strategy: exact on local shards by construction
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
@@ -347,6 +350,21 @@ class _ShardInterpreter(fx.Interpreter):
             stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
         )
 
+    def _contiguous(self, n: fx.Node, entry: dict) -> bool:
+        """Whether ``n`` (a reshape) is planned as one DTensor calls strided that keeps each rank's elements."""
+        src, out = entry["inputs"][0], entry["outputs"][0]
+        if not src or not out:
+            return False
+        a, b = tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape)
+        return tuple(out) in reshape_shards.reshaped_placements(a, tuple(src), b, tuple(self.mesh.shape))
+
+    def _local_reshape(self, n: fx.Node, args: Any, entry: dict) -> Any:
+        """A reshape on this rank's elements, which the planned placements hold on both sides."""
+        local = args[0].to_local()
+        shape, _ = local_box(n.meta["val"].shape, to_dtensor_all(entry["outputs"][0]), self.mesh.get_coordinate(), self.mesh.shape)
+        self.local_only[str(n.target)] += 1
+        return self._wrap(aten.reshape.default(local, shape), n.meta["val"], entry)
+
     def _local(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
         """Run ``n`` on local shards; its outputs are what the plan says they are."""
         self.local_only[str(n.target)] += 1
@@ -360,6 +378,13 @@ class _ShardInterpreter(fx.Interpreter):
                 size = self.mesh.shape[axes[0]]
                 out = experts_op.EP_VARIANT[n.target](*local_args, group, size)
                 return self._wrap(out, n.meta["val"], entry)
+        if n.target in sequence_attention.CAUSAL_FLAG:  # a causal kernel on a query shard: its rows of the mask
+            q_at = sequence_attention.CAUSAL_FLAG[n.target][0]
+            whole = (n.args[q_at].meta["val"].shape, n.args[q_at + 1].meta["val"].shape)
+            local_args, local_kwargs = sequence_attention.at_offset(
+                n.target, local_args, local_kwargs, whole, to_dtensor_all(entry["inputs"][q_at]),
+                self.mesh.get_coordinate(), self.mesh.shape,
+            )
         return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
 
     def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:

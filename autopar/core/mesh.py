@@ -13,10 +13,11 @@ MESH_AXES = ("dp", "tp", "pp")
 SHARDING_AXES = ("dp", "tp")
 """The mesh axes a per-op placement list covers, in its order (a pipeline stage's mesh)."""
 
-SHARED_AXES = ("ep",)
+SHARED_AXES = ("ep", "cp")
 """Names a plan's mesh gives to splits over the ranks of its axes, not axes of their own: ``ep``, the
 experts' split (over the ranks of dp, or of the second axis beside dp, as DeepSpeed-MoE and Megatron-Core
-share them). They add no devices."""
+share them); ``cp``, the sequence's split in attention (context parallelism, over the same ranks).
+They add no devices."""
 
 
 def world_size(mesh: dict[str, int]) -> int:

@@ -294,6 +294,9 @@ def is_attention_kernel(node: fx.Node) -> bool:
     return "scaled_dot_product" in name or name.startswith("autopar::dropout_attention")
 
 
+CAUSAL_WORK = 0.5  # the share of the counted FLOPs a causal kernel runs
+
+
 def attention_work(node: fx.Node) -> float:
     """The fraction of a fused attention kernel's counted FLOPs it runs; 0 for any other op.
 
@@ -304,7 +307,20 @@ def attention_work(node: fx.Node) -> float:
     """
     if not is_attention_kernel(node):
         return 0.0
-    return 0.5 if _argument(node, "is_causal") is True else 1.0
+    return CAUSAL_WORK if _argument(node, "is_causal") is True else 1.0
+
+
+def causal_imbalance(pieces: int) -> float:
+    """The busiest query shard's work over the mean, a causal kernel's queries cut in ``pieces`` contiguous
+    shards of the sequence (context parallelism without load balancing).
+
+    Shard ``r`` of ``n`` holds queries ``r·s/n .. (r+1)·s/n``, each attending the keys
+    up to its own position: ``(2r + 1) / n²`` of the kernel's work. The last shard
+    holds ``(2n - 1) / n²``, ``(2n - 1) / n`` times the mean ``1 / n``, and every
+    rank waits for it at the next collective (Megatron-LM and torch balance it by
+    giving rank ``r`` chunks ``r`` and ``2n - 1 - r`` of ``2n``; autopar does not yet).
+    """
+    return (2 * pieces - 1) / pieces if pieces > 1 else 1.0
 
 
 # --------------------------------------------------------------------------- bytes

@@ -41,12 +41,26 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor, enable_gqa: bool) -> torch.Tens
     return t
 
 
-def _scores(q, k, attn_mask, is_causal, scale) -> torch.Tensor:
+def causal_diagonal(sq: int, sk: int, global_shape: list[int], offset: list[int]) -> int:
+    """The diagonal of ``tril`` that keeps a causal mask's part for a shard of the score tensor.
+
+    The whole mask keeps key ``j`` for query ``i`` where ``j <= i + SK - SQ``
+    (SDPA's alignment to the bottom right); a shard starting at query ``o_q`` and
+    key ``o_k`` keeps local ``(i, j)`` where ``j <= i + o_q - o_k + SK - SQ``.  Without
+    a key (``global_shape`` empty) the shard is the whole tensor.
+    """
+    if not global_shape:
+        return sk - sq
+    return int(offset[-2]) - int(offset[-1]) + int(global_shape[-1]) - int(global_shape[-2])
+
+
+def _scores(q, k, attn_mask, is_causal, scale, global_shape=(), offset=()) -> torch.Tensor:
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * s
     sq, sk = scores.shape[-2], scores.shape[-1]
     if is_causal:
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        diagonal = causal_diagonal(sq, sk, list(global_shape), list(offset))
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal)
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -86,7 +100,7 @@ def dropout_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp of the scores) of attention whose probabilities are dropped with ``dropout_p``."""
     k, v = _expand_kv(query, key, enable_gqa), _expand_kv(query, value, enable_gqa)
-    scores = _scores(query, k, attn_mask, is_causal, scale)
+    scores = _scores(query, k, attn_mask, is_causal, scale, global_shape, offset)
     lse = torch.logsumexp(scores, dim=-1)
     keep = _keep_mask(scores.shape, dropout_p, query.device, op, global_shape, offset, stream)
     probs = _probs(scores, lse) * keep / (1.0 - dropout_p)
@@ -120,7 +134,7 @@ def dropout_attention_backward(
     """(dq, dk, dv) of :func:`dropout_attention`: probabilities from the log-sum-exp, the mask drawn again."""
     k, v = _expand_kv(query, key, enable_gqa), _expand_kv(query, value, enable_gqa)
     s = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    scores = _scores(query, k, attn_mask, is_causal, scale)
+    scores = _scores(query, k, attn_mask, is_causal, scale, global_shape, offset)
     probs = _probs(scores, logsumexp)
     keep = _keep_mask(scores.shape, dropout_p, query.device, op, global_shape, offset, stream)
     dropped = probs * keep / (1.0 - dropout_p)

@@ -184,6 +184,7 @@ class Fixed:
     microbatches: int | None = None
     schedule: str | None = None
     ep: int | None = None  # experts split over this many ranks of the dp or the second (tp) axis
+    cp: int | None = None  # attention's queries split on the sequence over this many ranks of dp or tp
 
     def given(self) -> dict[str, Any]:
         """The keys the user fixed, with their values (for messages)."""

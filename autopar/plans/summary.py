@@ -66,6 +66,17 @@ def sharding_facts(
     return ShardingFacts(param_elements=total, zero_elements=dict(zero), split_elements=dict(split))
 
 
+def context_parallel_axes(placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES) -> list[str]:
+    """The mesh axes over which the plan's attention kernels split their queries' sequence (dim 2 of the
+    query, their first input forward)."""
+    found: set[str] = set()
+    for entry in placements.values():
+        op = entry.get("op", "")
+        if ("scaled_dot_product" in op or "dropout_attention" in op) and "backward" not in op and entry["inputs"]:
+            found |= {a for a, p in zip(axes, entry["inputs"][0] or (), strict=False) if p.is_shard(2)}
+    return [a for a in axes if a in found]
+
+
 def recompute_facts(placements: dict[str, dict[str, Any]]) -> dict:
     """The recompute marks: how many ops, of which kinds, in how many of the layers."""
     marks = [e for e in placements.values() if e.get("recompute")]
@@ -109,7 +120,13 @@ def summary_rows(plan) -> list[tuple[str, str]]:
             ways = math.prod(mesh.get(a, 1) for a in axes.split("+"))
             parts.append(f"{_share(n, total)} split {ways} ways over {axes}")
     parts = [f"parameter elements: {', '.join(parts)}"]
-    if dp > 1:
+    cp_axes = context_parallel_axes(plan.placements)
+    if mesh.get("cp", 1) > 1 and cp_axes:
+        parts.insert(0, (
+            f"attention's queries split {mesh['cp']} ways on the sequence over {'+'.join(cp_axes)} (context "
+            "parallel: keys and values gathered, their gradients reduce-scattered)"
+        ))
+    if dp > 1 and "dp" not in cp_axes:
         parts.insert(0, f"batch split {dp} ways over dp")
     if mesh.get("pp", 1) > 1:
         parts.insert(0, f"layers cut into {len(plan.stages) or mesh['pp']} pipeline stages over pp={mesh['pp']}")

@@ -45,7 +45,8 @@ def layout_placements(
     """Placements of a hand-set layout ("dp", "zero3", "megatron") on a dp × tp ``mesh``, the rest solved.
 
     ``split_batch`` also splits every input by batch over the data-parallel
-    axis, as DDP and FSDP do, even where the cost model would rather not.
+    axis, as DDP and FSDP do, even where the cost model would rather not (save
+    where the layout splits the sequence over that axis: "cp_dp").
     ``batch_activations`` keeps every activation that carries the batch (its
     leading dim a multiple of the batch) from being replicated over the
     data-parallel axis, as DDP and FSDP run: without it a ZeRO-3 layout may
@@ -58,7 +59,7 @@ def layout_placements(
     batched = _batch_carrying(captured) if batch_activations else set()
 
     def allowed(node: str, strategy: Strategy) -> bool:
-        if split_batch and node in inputs and not strategy.outputs[0][0].is_shard(0):
+        if split_batch and node in inputs and kind != "cp_dp" and not strategy.outputs[0][0].is_shard(0):
             return False
         if node in batched and strategy.outputs[0][0].is_replicate():
             return False

@@ -22,6 +22,7 @@ from autopar.core.heap import long_lived_heap
 from autopar.core.notes import note
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster
+from autopar.search.sharding.context_parallel import attention_kernels, cp_axis_sizes, cp_filter
 from autopar.search.sharding.mesh_solve import (
     MeshProblem,
     ShardingResult,
@@ -34,7 +35,7 @@ from autopar.search.sharding.mesh_solve import (
     zero_filter,
 )
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import ep_filter, ep_seeds, layout_filter, seeds_for
+from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
@@ -113,6 +114,8 @@ def search_meshes(
     notes: list[str] | None = None,
     fold: bool = True,
     ep: int | None = None,
+    cp: int | None = None,
+    cp_axis: int | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -134,7 +137,8 @@ def search_meshes(
     (:func:`~autopar.search.sharding.mesh_solve.prepare_folded`), and the best answer is carried onto
     the whole graph (:func:`~autopar.search.sharding.mesh_solve.unfold_result`): the other results
     read back onto the template (``ShardingResult.sp.template`` is set). ``ep`` fixes the experts' split
-    (:func:`ep_filter`): meshes with no axis of that size are left out.
+    (:func:`ep_filter`), ``cp`` attention's split of the sequence (:func:`cp_filter`): meshes with no axis
+    of that size are left out; ``cp_axis`` (0 or 1) names the axis the sequence is split over.
     """
     world = cluster.world_size
     fold = fold and captured.fold is not None
@@ -155,11 +159,13 @@ def search_meshes(
             break
         if ep is not None and ep > 1 and ep not in (world // t, t):
             continue
+        if cp is not None and not cp_axis_sizes(cp, world // t, t, cp_axis):
+            continue
         mesh = cluster.check_mesh(dp=world // t, tp=t, pp=1)
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         mp = prepare_folded(request) if fold else prepare_mesh(request)
         best_step = min((r.estimate.step_time_s for r in results if r.solution.choice and r.estimate.fits), default=None)
-        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step, ep)
+        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step, ep, cp, cp_axis)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -202,6 +208,8 @@ def _best_on_mesh(
     microbatches: int | None,
     best_step: float | None = None,
     ep: int | None = None,
+    cp: int | None = None,
+    cp_axis: int | None = None,
 ) -> ShardingResult:
     """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
 
@@ -219,25 +227,41 @@ def _best_on_mesh(
     if ep is not None:
         by_ep = ep_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), ep)
         fixed = by_ep if fixed is None else both(mp.sp, fixed, by_ep)
+    if cp is not None:
+        by_cp = cp_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), cp, cp_axis)
+        fixed = by_cp if fixed is None else both(mp.sp, fixed, by_cp)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
+    if cp is not None:  # the seeds that split the sequence as fixed
+        kinds = cp_seeds(cp, mp.mesh.dp, mp.mesh.tp, cp_axis) if cp > 1 else [k for k in kinds if not k.startswith("cp")]
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
+    seeded: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s
-    for k, kind in enumerate(kinds):
-        seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
-        # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
-        share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
-        allowed = seed if fixed is None else both(mp.sp, seed, fixed)
-        seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
-        seeded.source = kind
-        if seeded.solution.choice and seeded.estimate.fits and (
-            seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
-        ):
-            seeded_best = seeded
+
+    def run_seeds(kinds: list[str]) -> None:
+        nonlocal seeded, seeded_best
+        for k, kind in enumerate(kinds):
+            seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
+            # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
+            share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
+            allowed = seed if fixed is None else both(mp.sp, seed, fixed)
+            seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
+            seeded.source = kind
+            if seeded.solution.choice and seeded.estimate.fits and (
+                seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
+            ):
+                seeded_best = seeded
+
+    run_seeds(kinds)
+    if seeded_best is None and cp is None and ep is None and attention_kernels(captured.gm):
+        # no other layout fits: the activations may, split on the sequence over either axis
+        more = cp_seeds(mp.mesh.dp, mp.mesh.dp, 1) + cp_seeds(mp.mesh.tp, 1, mp.mesh.tp)
+        kinds = kinds + more
+        run_seeds(more)
     plain = None
     if milp or not kinds:  # no seed layout on this mesh: the MILP it is
         start = seeded_best.solution.choice if seeded_best is not None else None

@@ -95,16 +95,18 @@ to node names and placements.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch.fx as fx
 
 from autopar.cost_models import experts as experts_cost
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import roofline_time
+from autopar.cost_models.compute import CAUSAL_WORK, causal_imbalance, roofline_time
 from autopar.ops import experts as experts_op
 from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
+from autopar.search.sharding.context_parallel import QUERY_AT, query_axes
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.request import MeshRequest
@@ -220,9 +222,10 @@ def node_row(
     in_bytes = [facts.whole_bytes.get(inp) for inp in ns.inputs] if kind == "op" else []
     attention = facts.attention.get(name, 0.0)
     routed = ns.op if ns.op in experts_op.EXPERT_OP_NAMES else None
+    causal_q = QUERY_AT.get(ns.op) if attention == CAUSAL_WORK else None
     key = (
         kind, ids, tuple(out_bytes), tuple(in_bytes), facts.flops[name], attention, facts.view[name],
-        facts.element_size.get(name), routed,
+        facts.element_size.get(name), routed, causal_q,
     )
     row = ctx.memo.rows.get(key)
     if row is None:
@@ -234,6 +237,8 @@ def node_row(
             row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name], attention)
             if routed is not None:
                 expert_parallel_terms(ctx, row, options, in_bytes, routed, _top_k(ctx, ns))
+            if causal_q is not None:
+                causal_shard_terms(ctx, row, options, causal_q)
         ctx.memo.rows[key] = row
     return row
 
@@ -319,6 +324,14 @@ def expert_parallel_terms(
         pairs = ctx.local([in_bytes[first]], [s.inputs[first]])[0] * ctx.scale * k
         extra = experts_cost.all_to_all_seconds(pairs, ctx.mesh_shape[a], ctx.links[a], backward, ctx.capacity_factor)
         row.costs[i] = row.costs[i] * ctx.capacity_factor + extra
+
+
+def causal_shard_terms(ctx: BuildContext, row: NodeRow, options: list[Strategy], q_at: int) -> None:
+    """A causal attention kernel whose queries are split on the sequence (context parallelism) takes as long
+    as its busiest shard, the last (:func:`autopar.cost_models.compute.causal_imbalance`)."""
+    for i, s in enumerate(options):
+        pieces = math.prod(ctx.mesh_shape[a] for a in query_axes(s.inputs, q_at))
+        row.costs[i] *= causal_imbalance(pieces)
 
 
 def activation_items(ctx: BuildContext, t: Terms) -> None:

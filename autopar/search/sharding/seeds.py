@@ -18,7 +18,8 @@ from collections.abc import Callable
 from autopar.capture.joint import CapturedGraph
 from autopar.core.placements import REPLICATE, Placement, shard
 from autopar.ops import experts as experts_op
-from autopar.search.sharding.filters import keyed
+from autopar.search.sharding.context_parallel import cp_filter
+from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
@@ -57,6 +58,8 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
+        if kind in ("cp", "cp_dp"):
+            return True  # context parallel: its parameters' placements are set by layout_filter
         if kind == "experts_whole":
             return True  # the parameters free: only the experts ops are held (layout_filter)
         if kind in ("ep", "ep_dp"):
@@ -65,7 +68,7 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             if EXPERTS.search(params[node]):
                 return out[axis].is_shard(0) and all(p.is_replicate() for a, p in enumerate(out) if a != axis)
             return all(p.is_replicate() for p in out) and not strategy.zero
-        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3, megatron, ep, ep_dp or experts_whole")
+        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3, megatron, ep, ep_dp, cp, cp_dp or experts_whole")
 
     return keyed(allowed, params.get)  # a parameter by its name; every other node alike
 
@@ -74,12 +77,39 @@ def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...
     """:func:`seed_filter` on ``captured``; the expert-parallel seeds also have the experts ops read the experts
     split (:func:`ep_filter`), not gathered."""
     params = {p.placeholder: p.name for p in captured.params}
+    if kind in ("cp", "cp_dp"):
+        return _cp_layout(kind, captured, mesh_shape, params)
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
     if kind not in ("ep", "ep_dp", "experts_whole"):
         return seed
     size = 1 if kind == "experts_whole" else mesh_shape[1 if kind == "ep" else 0]
     by_ep = ep_filter(captured, mesh_shape, size)
     return lambda node, strategy: seed(node, strategy) and by_ep(node, strategy)
+
+
+def _cp_layout(
+    kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...], params: dict[str, str]
+) -> Callable[[str, Strategy], bool]:
+    """Context parallel over the second axis ("cp", data parallel beside it) or over the dp axis's ranks
+    ("cp_dp", Megatron's tensor parallelism beside it where the mesh has a tp axis and the model its names):
+    the inputs' sequence (dim 1) and the attention kernels' queries split over that axis, the parameters
+    whole on it (their gradients reduced over it, as data parallelism's are); the rest solved."""
+    axis = 1 if kind == "cp" else 0
+    beside = "megatron" if axis == 0 and mesh_shape[1] > 1 and has_megatron_names(list(params.values())) else "dp"
+    seed = seed_filter(beside, params, captured.model_name.startswith("GPT2"))
+    by_cp = cp_filter(captured, mesh_shape, mesh_shape[axis], axis)
+    inputs = {i.placeholder for i in captured.inputs}
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+
+    def allowed(node: str, strategy: Strategy) -> bool:
+        if node in inputs and by_name[node].meta["val"].dim() >= 2 and not strategy.outputs[0][axis].is_shard(1):
+            return False
+        if node in params and not strategy.outputs[0][axis].is_replicate():
+            return False
+        return seed(node, strategy) and by_cp(node, strategy)
+
+    cp_key = node_key(by_cp)
+    return keyed(allowed, lambda node: (node if node in inputs else None, params.get(node), cp_key(node)))
 
 
 def seeds_for(tp: int, param_names: list[str]) -> list[str]:
@@ -102,6 +132,13 @@ def ep_seeds(ep: int, dp: int, tp: int) -> set[str]:
     if ep == 1:
         return {"experts_whole"}
     return {kind for kind, size in (("ep_dp", dp), ("ep", tp)) if size == ep}
+
+
+def cp_seeds(cp: int, dp: int, tp: int, axis: int | None = None) -> list[str]:
+    """The seeds that split the sequence ``cp`` ways in attention on a dp x tp mesh: over the dp axis's ranks
+    ("cp_dp") or over the second axis ("cp"); only over mesh axis ``axis`` where given."""
+    kinds = (("cp_dp", dp, 0), ("cp", tp, 1))
+    return [kind for kind, size, a in kinds if size == cp > 1 and axis in (None, a)]
 
 
 def ep_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], ep: int) -> Callable[[str, Strategy], bool]:

@@ -66,7 +66,7 @@ from autopar.core.placements import (
     to_dtensor_all,
 )
 from autopar.ops import experts as experts_op
-from autopar.search.sharding import strategy_rules
+from autopar.search.sharding import reshape_shards, strategy_rules
 from autopar.search.sharding.dtensor_rules import costs_off, decomposition_rows, with_rule
 from autopar.search.sharding.node_keys import (
     NodeKey,
@@ -300,7 +300,26 @@ class _Enumerator:
         except Exception as e:  # a rule that chokes on our inputs is a missing rule, not a crash
             log.debug("DTensor strategy for %s (%s) failed: %s: %s", node.name, op, type(e).__name__, e)
             return "replicated-fallback", []
-        return "dtensor", self._prune(strats, inputs, in_shapes, out_shapes)
+        strats = self._prune(strats, inputs, in_shapes, out_shapes)
+        if op in reshape_shards.RESHAPES:
+            more = self._contiguous_reshapes(inputs[0], strats, in_shapes[0], out_shapes[0])
+            strats = self._prune(strats + more, inputs, in_shapes, out_shapes) if more else strats
+        return "dtensor", strats
+
+    def _contiguous_reshapes(
+        self, source: fx.Node, strats: list[Strategy], in_shape: tuple[int, ...], out_shape: tuple[int, ...] | None
+    ) -> list[Strategy]:
+        """A reshape's strategies for the producer's placements DTensor's rule calls strided but that keep
+        every rank's elements (:mod:`autopar.search.sharding.reshape_shards`): run locally."""
+        if out_shape is None:
+            return []
+        offered = {s.inputs[0] for s in strats}
+        return [
+            Strategy((out,), (c,))
+            for c in self.candidates(source)
+            if c not in offered
+            for out in reshape_shards.reshaped_placements(in_shape, c, out_shape, self.mesh_shape)
+        ]
 
     # -- DTensor ------------------------------------------------------------------
 

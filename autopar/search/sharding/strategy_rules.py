@@ -52,14 +52,15 @@ def sdpa_flash_cpu(node: fx.Node) -> list[Row]:
     q/k/v/out are (batch, heads, seq, head_dim) and logsumexp (batch, heads, seq):
     attention is independent per batch element and per head, so both shard on
     dim 0 or dim 1 with no communication (heads on dim 1 is Megatron's attention
-    split).  Sharding seq would break the causal mask, so it is not offered.
+    split); and per query, so the queries' sequence shards with the keys and
+    values whole (context parallelism: :func:`sequence_rows`).
     """
     masks = _masks(node)
     rows: list[Row] = [[R, R, R, R, R] + [R] * len(masks)]
     for d in (0, 1):
         s = S(d)
         rows.append([s, s, s, s, s] + [_mask_placement(m, d) for m in masks])
-    return rows
+    return rows + sequence_rows(2, 0, 3, masks)
 
 
 def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
@@ -72,7 +73,29 @@ def sdpa_flash_cpu_backward(node: fx.Node) -> list[Row]:
     for d in (0, 1):
         s = S(d)
         rows.append([s] * 9 + [_mask_placement(m, d) for m in masks])
-    return rows
+    return rows + sequence_rows(3, 1, 6, masks)
+
+
+def sequence_rows(outputs: int, grad_outs: int, inputs: int, masks: list[object]) -> list[Row]:
+    """Context parallelism's row of an attention kernel: the queries split on the sequence (dim 2), the keys
+    and values whole (every rank gathers them), and the mask's rows of this rank's queries.
+
+    Exact on local shards: each query attends every key, so a query shard's output,
+    log-sum-exp and gradient are those of its rows.  The forward is ``(out, lse, q, k, v)``;
+    the backward ``(dq, dk, dv, grad_out, q, k, v, out, lse)``, whose key and value
+    gradients sum over the queries: partial sums (reduce-scattered to the keys' shards,
+    as torch's all-gather context parallelism does).  A causal mask passed as a flag
+    (``is_causal``) is applied at the shard's offset by the sharding pass
+    (:mod:`autopar.codegen.sequence_attention`); a mask tensor is split with the queries.
+    ``outputs`` counts the kernel's outputs, ``grad_outs`` its leading gradient inputs and
+    ``inputs`` its tensor inputs before the mask.
+    """
+    seq = S(2)
+    if outputs == 2:  # forward: out, lse | q, k, v
+        row: Row = [seq, seq, seq, R, R]
+    else:  # backward: dq, dk, dv | grad_out, q, k, v, out, lse
+        row = [seq, P, P] + [seq] * grad_outs + [seq, R, R, seq, seq]
+    return [row + [_mask_placement(m, 2) for m in masks]]
 
 
 def _positional_mask(node: fx.Node, index: int) -> list[object]:
@@ -86,7 +109,8 @@ def _batch_or_heads(node: fx.Node, tensors: int, mask_at: int) -> list[Row]:
     rows: list[Row] = [[R] * (tensors + len(masks))]
     for d in (0, 1):
         rows.append([S(d)] * tensors + [_mask_placement(m, d) for m in masks])
-    return rows
+    backward = tensors == 9
+    return rows + sequence_rows(3 if backward else 2, int(backward), 6 if backward else 3, masks)
 
 
 def dropout_attention(node: fx.Node) -> list[Row]:

@@ -1,0 +1,129 @@
+"""Reshapes that keep every rank's elements where DTensor's view rule sees a strided shard.
+
+Flattening ``(batch, sequence, ...)`` into ``(batch·sequence, ...)``, as a language
+model's loss does with its logits, turns a sequence split (context or sequence
+parallelism) into a strided shard: DTensor's view rule says so, and autopar drops
+strided shards.  Yet where the dims before the split one are 1 on every rank (the
+batch split down to one sequence per rank, or a batch of one) each rank's elements
+of the merged dim are one contiguous run, the very run a plain shard of the merged
+dim gives the rank: the reshape is local, with no communication.  This module finds
+such pairs of placements (:func:`reshaped_placements`); the strategy pass offers
+them and the sharding pass runs them on the local tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from autopar.core.placements import Placement, Placements, shard
+
+Groups = list[tuple[list[int], list[int]]]
+
+RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+"""The reshapes of the joint graph (``reshape`` is traced as a view, or a copy and a view)."""
+
+
+def merge_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
+    """The dims of shapes ``a`` and ``b`` paired into groups of equal size, in order (a contiguous reshape
+    merges or splits within a group only); None when no such pairing exists."""
+    if math.prod(a) != math.prod(b) or not a or not b:
+        return None
+    groups: Groups = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        ga, gb = [i], [j]
+        pa, pb = a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+                ga.append(i - 1)
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+                gb.append(j - 1)
+            else:
+                return None
+        groups.append((ga, gb))
+    groups[-1][0].extend(range(i, len(a)))  # trailing dims of size 1
+    groups[-1][1].extend(range(j, len(b)))
+    return groups
+
+
+def _box(shape: Sequence[int], spec: Placements, coord: Sequence[int], mesh: Sequence[int]) -> tuple[list, list]:
+    """This rank's (local sizes, offsets) of a tensor of ``shape`` placed ``spec`` (mesh dims split in order)."""
+    local, offset = list(shape), [0] * len(shape)
+    for p, c, n in zip(spec, coord, mesh, strict=True):
+        if p.is_shard():
+            local[p.dim] //= n
+            offset[p.dim] += c * local[p.dim]
+    return local, offset
+
+
+def _run(shape: Sequence[int], local: list, offset: list, dims: list[int]) -> tuple[int, int] | None:
+    """The rank's elements of ``dims`` flattened, as (start, length) when they are one run, else None."""
+    k = len(dims) - 1
+    while k >= 0 and local[dims[k]] == shape[dims[k]]:
+        k -= 1
+    if any(local[d] != 1 for d in dims[:max(k, 0)]):
+        return None
+    start, stride = 0, 1
+    for d in reversed(dims):
+        start += offset[d] * stride
+        stride *= shape[d]
+    return start, math.prod(local[d] for d in dims)
+
+
+def same_elements(
+    a: Sequence[int], a_spec: Placements, b: Sequence[int], b_spec: Placements, mesh: Sequence[int]
+) -> bool:
+    """Whether every rank holds the same elements of a tensor of shape ``a`` placed ``a_spec`` and of its
+    reshape to ``b`` placed ``b_spec``."""
+    groups = merge_groups(a, b)
+    if groups is None or any(
+        pa.is_partial() != pb.is_partial() or (pa.is_shard() and a[pa.dim] % n) or (pb.is_shard() and b[pb.dim] % n)
+        for pa, pb, n in zip(a_spec, b_spec, mesh, strict=True)
+    ):
+        return False
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        la, oa = _box(a, a_spec, coord, mesh)
+        lb, ob = _box(b, b_spec, coord, mesh)
+        for ga, gb in groups:
+            ra = _run(a, la, oa, ga)
+            if ra is None or ra != _run(b, lb, ob, gb):
+                return False
+    return True
+
+
+def reshaped_placements(a: Sequence[int], a_spec: Placements, b: Sequence[int], mesh: Sequence[int]) -> list[Placements]:
+    """The placements of the reshape of ``a`` to ``b`` that hold, on every rank, the elements ``a_spec`` holds
+    there, for an ``a_spec`` that splits a dim merged with others or split into others (the case DTensor
+    calls strided); [] for any other."""
+    groups = merge_groups(a, b)
+    if groups is None:
+        return []
+    group_of = {d: g for g in groups for d in g[0]}
+    if not any(p.is_shard() and (len(group_of[p.dim][0]) > 1 or len(group_of[p.dim][1]) > 1) for p in a_spec):
+        return []
+    options: list[list[Placement]] = []
+    for p in a_spec:
+        if not p.is_shard():
+            options.append([p])
+            continue
+        options.append([shard(d) for d in group_of[p.dim][1]])
+    inner_a = _splits_inner(a_spec, [g[0] for g in groups])
+    return [
+        tuple(o)
+        for o in itertools.product(*options)
+        if (inner_a or _splits_inner(o, [g[1] for g in groups])) and same_elements(a, a_spec, b, tuple(o), mesh)
+    ]
+
+
+def _splits_inner(spec: Sequence[Placement], groups: list[list[int]]) -> bool:
+    """Whether ``spec`` splits a dim that is not the first of its group: what DTensor calls strided (a split
+    of the first dim alone is DTensor's own reshape rule, left to it)."""
+    first = {g[0] for g in groups}
+    return any(p.is_shard() and p.dim not in first for p in spec)

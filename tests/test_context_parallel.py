@@ -1,0 +1,306 @@
+"""Context parallelism: attention's queries split on the sequence, keys and values gathered, trained like one device.
+
+One process: the attention kernels offer the sequence split (queries split, keys and
+values whole, their gradients partial sums); a causal kernel on a query shard
+keeps the whole mask's rows of that shard; ``fixed={"cp": n}`` splits the sequence
+n ways over the ranks of dp or of the second axis, ``plan.mesh`` names it, and what
+cannot be built is refused in one line.
+
+Four gloo processes (``-m slow``): tiny LLaMA (HuggingFace's mask tensor, and SDPA's
+``is_causal`` flag as torchtitan calls it) and GPT-2 with its default dropout (0.1 on
+embeddings, attention and residuals, drawn under ``rng="exact"``) under cp 2 x dp 2
+and cp 2 x tp 2 (Megatron's tensor split on the second axis), and as the search plans
+``fixed`` cp with and without tp and ZeRO: 3 AdamW steps within 1e-5 of one device,
+parameters gathered by ``full_state_dict``; and a checkpoint round trip between one
+device and cp 2 x tp 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+import autopar
+from autopar.capture.joint import capture
+from autopar.codegen.sequence_attention import at_offset
+from autopar.core.placements import REPLICATE, shard
+from autopar.ops.dropout_attention import dropout_attention
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, plan_with_layout
+from examples import models
+
+pytest.importorskip("transformers")
+
+FOUR = autopar.Cluster.local(4)
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+KERNELS = ("aten._scaled_dot_product_flash_attention_for_cpu.default", "autopar.dropout_attention.default")
+
+
+def llama_pairs():
+    """llama_tiny causal at batch 2: on cp 2 x dp 2 a rank holds one sequence, so the loss's flatten of the
+    sequence-split logits stays local (:mod:`autopar.search.sharding.reshape_shards`)."""
+    return models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=2, device="cpu", attention="causal")
+
+
+def llama_causal():
+    """llama_tiny calling SDPA with ``is_causal=True`` and no mask tensor (torchtitan's call)."""
+    return models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu", attention="causal")
+
+
+FACTORIES = {
+    "llama": models.llama_tiny,
+    "llama_causal": llama_causal,
+    "llama_pairs": llama_pairs,
+    "gpt2": models.gpt2_tiny4_dropout,
+}
+
+
+def test_attention_offers_the_sequence_split() -> None:
+    """Queries split on the sequence with keys and values whole, forward and backward (dk, dv partial)."""
+    torch.manual_seed(0)
+    model, inputs = llama_causal()
+    gm = capture(model, inputs).gm
+    strategies = enumerate_strategies(gm, (2, 2))
+    seq, whole = (shard(2), REPLICATE), (REPLICATE, REPLICATE)
+    for node in gm.graph.nodes:
+        if node.target is FLASH:
+            assert any(tuple(s.inputs[:3]) == (seq, whole, whole) for s in strategies[node.name].strategies)
+        if node.target is FLASH_BACKWARD:
+            rows = [s for s in strategies[node.name].strategies if s.inputs[1] == seq and s.inputs[2] == whole]
+            assert rows and all(s.outputs[1][0].is_partial() for s in rows)
+
+
+def _shards(q: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor]]:
+    size = q.shape[2] // n
+    return [(r, q[:, :, r * size : (r + 1) * size]) for r in range(n)]
+
+
+def test_causal_kernels_keep_the_whole_mask_on_a_query_shard() -> None:
+    """A causal kernel on query shard r of n (keys and values whole) computes rows r of the whole kernel's
+    output and gradients: the CPU flash kernel given its rows of the mask, and autopar's dropout attention
+    from its key's offset. Without the offset, the shards would mask from their own first row."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(3))
+    g = torch.randn(2, 3, 8, 4, dtype=torch.float64)
+    out, lse = FLASH(q, k, v, 0.0, True)[:2]
+    dq, dk, dv = FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True)
+    q_spec = (Shard(2),)
+    parts = []
+    for r, qr in _shards(q, 2):
+        rows = slice(r * 4, (r + 1) * 4)
+        args, kwargs = at_offset(FLASH, (qr, k, v, 0.0, True), {}, (q.shape, k.shape), q_spec, (r,), (2,))
+        o, lr = FLASH(*args, **kwargs)[:2]
+        torch.testing.assert_close(o, out[:, :, rows])
+        args, kwargs = at_offset(
+            FLASH_BACKWARD, (g[:, :, rows], qr, k, v, o, lr, 0.0, True), {}, (q.shape, k.shape), q_spec, (r,), (2,)
+        )
+        dqr, dkr, dvr = FLASH_BACKWARD(*args, **kwargs)
+        torch.testing.assert_close(dqr, dq[:, :, rows])
+        parts.append((dkr, dvr))
+        # autopar's kernel, keyed as the sharding pass keys it: the score tensor's shape, this shard's offset
+        ours = dropout_attention(qr, k, v, None, 0.0, True, None, False, 0, [2, 3, 8, 8], [0, 0, r * 4, 0], [r])
+        torch.testing.assert_close(ours[0], out[:, :, rows], rtol=1e-5, atol=1e-6)  # it computes in fp32
+    torch.testing.assert_close(sum(p[0] for p in parts), dk)  # the keys' gradient: a sum over the shards
+    torch.testing.assert_close(sum(p[1] for p in parts), dv)
+    unshifted = FLASH(q[:, :, 4:], k, v, 0.0, True)[0]
+    assert not torch.allclose(unshifted, out[:, :, 4:]), "the second shard's mask needs its offset"
+
+
+def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
+    """Queries cut in n contiguous shards of a causal kernel: the last shard's work, (2n - 1) / n times the
+    mean, is what the sharding problem charges (1.5 at cp 2); other strategies and kernels are unchanged."""
+    from autopar.cost_models.compute import causal_imbalance
+    from autopar.cost_models.memory import precision_spec
+    from autopar.search.sharding import problem
+    from autopar.search.sharding.mesh_solve import prepare_mesh
+    from autopar.search.sharding.request import MeshRequest
+
+    assert [causal_imbalance(n) for n in (1, 2, 4)] == [1.0, 1.5, 1.75]
+    torch.manual_seed(0)
+    model, inputs = llama_causal()
+    captured = capture(model, inputs)
+    mesh = FOUR.check_mesh(dp=2, tp=2, pp=1)
+
+    def costs() -> tuple[dict[str, list[float]], object]:
+        sp = prepare_mesh(MeshRequest(captured, FOUR, mesh, precision_spec("fp32"), "adamw", float("inf"))).sp
+        return {n: sp.problem.node_costs[i] for i, n in enumerate(sp.nodes)}, sp
+
+    charged, sp = costs()
+    monkeypatch.setattr(problem, "causal_imbalance", lambda n: 1.0)
+    even, _ = costs()
+    name = next(n.name for n in captured.gm.graph.nodes if n.target is FLASH)
+    i = sp.nodes.index(name)
+    for k, s in enumerate(sp.strategies[i]):
+        split = sum(p.is_shard(2) for p in s.inputs[0])
+        assert charged[name][k] == pytest.approx(even[name][k] * (1.5 if split == 1 else 1.75 if split else 1.0))
+
+
+def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence() -> None:
+    """(batch, seq, vocab) -> (batch·seq, vocab), the loss's flatten: the batch split over the first axis
+    down to one sequence a rank and the sequence over the second keep each rank's rows contiguous, a plain
+    split of the merged dim (and back); with two sequences a rank, or the sequence split first, they do not."""
+    from autopar.search.sharding.reshape_shards import reshaped_placements, same_elements
+
+    seq, batch = (shard(0), shard(1)), (shard(0), shard(0))
+    assert reshaped_placements((8, 16, 5), seq, (128, 5), (8, 4)) == [batch]
+    assert reshaped_placements((128, 5), batch, (8, 16, 5), (8, 4)) == [seq]
+    assert reshaped_placements((1, 16, 5), (REPLICATE, shard(1)), (16, 5), (4, 4)) == [(REPLICATE, shard(0))]
+    assert reshaped_placements((8, 16, 5), seq, (128, 5), (4, 4)) == []
+    assert not same_elements((8, 16, 5), (shard(1), shard(0)), (128, 5), batch, (4, 8))
+
+
+def _kernel_axes(plan: autopar.Plan) -> set[tuple[int, ...]]:
+    """The mesh axes each attention kernel splits its queries' sequence over."""
+    return {
+        tuple(a for a, p in enumerate(v["inputs"][0]) if p.is_shard(2))
+        for v in plan.placements.values()
+        if v["op"] in KERNELS
+    }
+
+
+def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
+    """``fixed={"cp": 2}`` as ``"tp"``: the attention kernels split their queries over an axis of 2 ranks
+    (beside a fixed tp, the dp axis's; beside a fixed dp alone, the second axis's), and ``plan.mesh`` names
+    the split (it adds no devices)."""
+    torch.manual_seed(0)
+    model, inputs = models.llama_tiny()
+    cases = (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 2, "dp": 2}, {(1,)}), ({"cp": 4, "dp": 4}, {(0,)}))
+    for fixed, axes in cases:
+        plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
+        assert plan.mesh["cp"] == fixed["cp"] and f"(cp={fixed['cp']})" in plan.mesh_str()
+        found = _kernel_axes(plan)
+        assert len(found) == 1 and (axes is None or found == axes), found
+        axis = ("dp", "tp")[next(iter(found))[0]]
+        assert f"split {fixed['cp']} ways on the sequence over {axis} (context parallel" in plan.summary(width=300)
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"cp": 1, "dp": 4})
+    assert "cp" not in plan.mesh and _kernel_axes(plan) == {()}
+
+
+@pytest.mark.parametrize(
+    ("fixed", "seq", "message"),
+    [
+        ({"cp": 3}, 16, "does not divide the cluster's 4 devices"),
+        ({"cp": 4}, 6, "does not divide the sequence of 6 tokens"),
+        ({"cp": 2, "pp": 2}, 16, "fix cp without pp"),
+        ({"cp": 0}, 16, "must be a positive integer"),
+    ],
+)
+def test_fixed_cp_refuses_what_cannot_be_built(fixed: dict, seq: int, message: str) -> None:
+    torch.manual_seed(0)
+    model, inputs = models.llama(2, 64, 4, 128, vocab=128, seq=seq, batch=8, device="cpu")
+    with pytest.raises(autopar.PlanError, match=message):
+        autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
+
+
+@functools.cache
+def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
+    torch.manual_seed(0)
+    model, inputs = FACTORIES[name]()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1})
+    return model, inputs, plan
+
+
+def _layout(name: str, kind: str) -> autopar.Plan:
+    """The model under a context-parallel seed layout: "cp" (cp 2 over the second axis, dp 2 beside it) or
+    "cp_dp" (cp 2 over the dp axis's ranks, Megatron's tensor split on the second axis)."""
+    model, inputs, plan = _planned(name)
+    plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
+    out = plan_with_layout(plan, model, inputs, FOUR, kind)
+    assert _kernel_axes(out) == {(1,) if kind == "cp" else (0,)}, "the layout does not split the sequence"
+    assert out.mesh.get("cp") is None or out.mesh["cp"] == 2
+    if name == "llama_pairs":  # the loss's flatten of the sequence split, run on each rank's rows
+        flat = ((shard(0), shard(1)), (shard(0), shard(0)))
+        views = [v for v in out.placements.values() if v["op"] in ("aten.view.default", "aten._unsafe_view.default")]
+        assert any((tuple(v["inputs"][0] or ()), tuple(v["outputs"][0] or ())) == flat for v in views)
+    return out
+
+
+def _searched(name: str, fixed: tuple) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = FACTORIES[name]()
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=dict(fixed))
+    assert plan.mesh.get("cp") == 2, plan.mesh
+    return plan
+
+
+# LLaMA's mask tensor is split with the queries like GPT-2's (the searched LLaMA plan below runs it)
+LAYOUTS = [(n, k) for n in ("llama_causal", "gpt2") for k in ("cp", "cp_dp")] + [("llama_pairs", "cp")]
+SEARCHED = [
+    ("llama_causal", (("cp", 2),)),
+    ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
+    ("llama", (("cp", 2), ("tp", 2), ("zero", 3))),
+]
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_like_one_device() -> None:
+    labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED]
+    cases = [(FACTORIES[n], functools.partial(_layout, n, k)) for n, k in LAYOUTS] + [
+        (FACTORIES[n], functools.partial(_searched, n, f)) for n, f in SEARCHED
+    ]
+    checks = check_plans(cases, FOUR, rng="exact")
+    bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
+    assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)
+    for c in checks:
+        assert len(c.losses) == 3 and c.losses[0] != c.losses[2]
+        assert c.collectives.get("all_gather_into_tensor", 0) > 0  # the keys and values, gathered
+
+
+def _cp_resume(plan: dict, src: str, dst: str) -> tuple | None:
+    """On each rank: load ``src`` (saved on one device) into the context-parallel plan, step once, save ``dst``."""
+    import torch.distributed as dist
+
+    from autopar.plans.plan import Plan
+
+    torch.manual_seed(0)
+    _, batch = llama_causal()
+    torch.manual_seed(1)  # other weights than the checkpoint's: the load must replace them
+    model, _ = llama_causal()
+    pm = autopar.parallelize(model, FOUR, batch, plan=Plan.from_dict(plan))
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    pm.load(src, opt)
+    loaded = pm.full_state_dict()
+    pm.train_step(batch)
+    opt.step()
+    opt.zero_grad()
+    pm.save(dst, opt)
+    stepped = pm.full_state_dict()
+    return (loaded, stepped) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoints_round_trip(tmp_path) -> None:
+    """One device saves, a cp 2 x tp 2 plan (causal LLaMA) loads it bit for bit, steps as one device does and
+    saves; one device loads that bit for bit."""
+    from autopar.capture.joint import model_loss
+    from autopar.runtime.checkpoint import load_single, save_single
+    from autopar.verify.oracle import group_error
+
+    src, dst = str(tmp_path / "single"), str(tmp_path / "cp")
+    torch.manual_seed(0)
+    _, batch = llama_causal()
+    model, _ = llama_causal()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model_loss(model, batch, None).backward()
+    opt.step()
+    opt.zero_grad()
+    save_single(model, src, opt)
+    held = {n: t.detach().clone() for n, t in model.named_parameters()}
+    model_loss(model, batch, None).backward()
+    opt.step()
+    after = {n: t.detach().clone() for n, t in model.named_parameters()}
+
+    plan = _layout("llama_causal", "cp_dp")
+    loaded, stepped = autopar.launch(_cp_resume, FOUR, plan.to_dict(), src, dst)[0]
+    assert all(torch.equal(loaded[n], held[n]) for n in held), "the cp plan did not load what one device saved"
+    err, worst = group_error(stepped, after)
+    assert err <= 1e-5, f"the step after loading: {err:.1e} ({worst})"
+    torch.manual_seed(2)
+    fresh, _ = llama_causal()
+    load_single(fresh, dst, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert all(torch.equal(t, stepped[n]) for n, t in fresh.named_parameters()), "one device did not load cp's save"
