@@ -251,56 +251,13 @@ def test_context_parallel_trains_like_one_device() -> None:
         assert c.collectives.get("all_gather_into_tensor", 0) > 0  # the keys and values, gathered
 
 
-def _cp_resume(plan: dict, src: str, dst: str) -> tuple | None:
-    """On each rank: load ``src`` (saved on one device) into the context-parallel plan, step once, save ``dst``."""
-    import torch.distributed as dist
-
-    from autopar.plans.plan import Plan
-
-    torch.manual_seed(0)
-    _, batch = llama_causal()
-    torch.manual_seed(1)  # other weights than the checkpoint's: the load must replace them
-    model, _ = llama_causal()
-    pm = autopar.parallelize(model, FOUR, batch, plan=Plan.from_dict(plan))
-    opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
-    pm.load(src, opt)
-    loaded = pm.full_state_dict()
-    pm.train_step(batch)
-    opt.step()
-    opt.zero_grad()
-    pm.save(dst, opt)
-    stepped = pm.full_state_dict()
-    return (loaded, stepped) if dist.get_rank() == 0 else None
-
-
 @pytest.mark.slow
 def test_context_parallel_checkpoints_round_trip(tmp_path) -> None:
     """One device saves, a cp 2 x tp 2 plan (causal LLaMA) loads it bit for bit, steps as one device does and
     saves; one device loads that bit for bit."""
-    from autopar.capture.joint import model_loss
-    from autopar.runtime.checkpoint import load_single, save_single
-    from autopar.verify.oracle import group_error
+    from autopar.verify.round_trip import check_round_trip
 
-    src, dst = str(tmp_path / "single"), str(tmp_path / "cp")
-    torch.manual_seed(0)
-    _, batch = llama_causal()
-    model, _ = llama_causal()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model_loss(model, batch, None).backward()
-    opt.step()
-    opt.zero_grad()
-    save_single(model, src, opt)
-    held = {n: t.detach().clone() for n, t in model.named_parameters()}
-    model_loss(model, batch, None).backward()
-    opt.step()
-    after = {n: t.detach().clone() for n, t in model.named_parameters()}
-
-    plan = _layout("llama_causal", "cp_dp")
-    loaded, stepped = autopar.launch(_cp_resume, FOUR, plan.to_dict(), src, dst)[0]
-    assert all(torch.equal(loaded[n], held[n]) for n in held), "the cp plan did not load what one device saved"
-    err, worst = group_error(stepped, after)
-    assert err <= 1e-5, f"the step after loading: {err:.1e} ({worst})"
-    torch.manual_seed(2)
-    fresh, _ = llama_causal()
-    load_single(fresh, dst, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
-    assert all(torch.equal(t, stepped[n]) for n, t in fresh.named_parameters()), "one device did not load cp's save"
+    trip = check_round_trip(llama_causal, FOUR, _layout("llama_causal", "cp_dp"), tmp_path)
+    assert trip.loaded_exactly, "the cp plan did not load what one device saved"
+    assert trip.step_error <= 1e-5, f"the step after loading: {trip.step_error:.1e} ({trip.worst})"
+    assert trip.reloaded_exactly, "one device did not load cp's save"

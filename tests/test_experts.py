@@ -189,56 +189,13 @@ def test_all_to_all_and_imbalance_are_charged() -> None:
         autopar.plan(model, inputs, FOUR, fixed=fixed, capacity_factor=0.9)
 
 
-def _ep_resume(plan: dict, src: str, dst: str) -> tuple | None:
-    """On each rank: load ``src`` (saved on one device) into the expert-parallel plan, step once, save ``dst``."""
-    import torch.distributed as dist
-
-    from autopar.plans.plan import Plan
-
-    torch.manual_seed(0)
-    _, batch = families.mixtral()
-    torch.manual_seed(1)  # other weights than the checkpoint's: the load must replace them
-    model, _ = families.mixtral()
-    pm = autopar.parallelize(model, FOUR, batch, plan=Plan.from_dict(plan))
-    opt = pm.make_optimizer(torch.optim.AdamW, lr=1e-3)
-    pm.load(src, opt)
-    loaded = pm.full_state_dict()
-    pm.train_step(batch)
-    opt.step()
-    opt.zero_grad()
-    pm.save(dst, opt)
-    stepped = pm.full_state_dict()
-    return (loaded, stepped) if dist.get_rank() == 0 else None
-
-
 @pytest.mark.slow
 def test_expert_parallel_checkpoints_round_trip(tmp_path) -> None:
     """One device saves, an ep 2 x dp 2 plan loads it bit for bit, steps as one device does and saves; one
     device loads that bit for bit (experts split over a mesh axis, in the checkpoint's whole-tensor form)."""
-    from autopar.capture.joint import model_loss
-    from autopar.runtime.checkpoint import load_single, save_single
-    from autopar.verify.oracle import group_error
+    from autopar.verify.round_trip import check_round_trip
 
-    src, dst = str(tmp_path / "single"), str(tmp_path / "ep")
-    torch.manual_seed(0)
-    _, batch = families.mixtral()
-    model, _ = families.mixtral()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model_loss(model, batch, None).backward()
-    opt.step()
-    opt.zero_grad()
-    save_single(model, src, opt)
-    held = {n: t.detach().clone() for n, t in model.named_parameters()}
-    model_loss(model, batch, None).backward()
-    opt.step()
-    after = {n: t.detach().clone() for n, t in model.named_parameters()}
-
-    plan = _expert_parallel("mixtral", "ep")
-    loaded, stepped = autopar.launch(_ep_resume, FOUR, plan.to_dict(), src, dst)[0]
-    assert all(torch.equal(loaded[n], held[n]) for n in held), "the ep plan did not load what one device saved"
-    err, worst = group_error(stepped, after)
-    assert err <= 1e-5, f"the step after loading: {err:.1e} ({worst})"
-    torch.manual_seed(2)
-    fresh, _ = families.mixtral()
-    load_single(fresh, dst, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
-    assert all(torch.equal(t, stepped[n]) for n, t in fresh.named_parameters()), "one device did not load ep's save"
+    trip = check_round_trip(families.mixtral, FOUR, _expert_parallel("mixtral", "ep"), tmp_path)
+    assert trip.loaded_exactly, "the ep plan did not load what one device saved"
+    assert trip.step_error <= 1e-5, f"the step after loading: {trip.step_error:.1e} ({trip.worst})"
+    assert trip.reloaded_exactly, "one device did not load ep's save"
