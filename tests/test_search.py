@@ -9,7 +9,6 @@ import torch
 
 import autopar
 from autopar import Cluster
-from autopar.api.planner import ROOMY_STATES, _stage_states, pipeline_order
 from autopar.capture.graph import node_module, node_phase
 from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
@@ -19,6 +18,7 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.mesh import pipeline_meshes
+from autopar.search.pipeline.order import ROOMY_STATES, pipeline_order, stage_states
 from autopar.search.pipeline.preview import CARRIED_SLOW, HOPELESS, Preview
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.coarsen import repeated_groups
@@ -199,7 +199,7 @@ def test_pipelines_whose_stages_hold_their_states_with_room_are_costed_first() -
     cluster = Cluster.preset("dgx-h100", nodes=8)
     meshes = pipeline_meshes(cluster, 512, len(forward_segments(c)), Fixed())
     prec = precision_spec("bf16-mixed")
-    stage = {m: _stage_states(c, prec, "adamw", m) for m in meshes}
+    stage = {m: stage_states(c, prec, "adamw", m) for m in meshes}
     limit = stage[min((m for m in meshes if m.tp == 8), key=lambda m: m.pp)] * 0.6 / ROOMY_STATES
     order = pipeline_order(c, prec, "adamw", limit, meshes, tp_ref=8)
     roomy = [m for m in order if stage[m] <= ROOMY_STATES * limit]
@@ -340,7 +340,7 @@ def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline
     cluster = Cluster.preset("dgx-h100", nodes=1)
     fits = SimpleNamespace(estimate=SimpleNamespace(fits=True, step_time_s=1.0), mesh=MeshShape(dp=2, tp=2, pp=2))
     budgets = []
-    monkeypatch.setattr(planner, "_state_bytes", lambda *a: math.inf)  # the states outgrow the node
+    monkeypatch.setattr(planner, "total_state_bytes", lambda *a: math.inf)  # the states outgrow the node
     monkeypatch.setattr(planner, "_pipelines", lambda *a, **k: [fits])
     monkeypatch.setattr(planner, "_plan_flat", lambda *a, **k: budgets.append((a[7], a[9])))
     monkeypatch.setattr(planner, "unfold_pipeline", lambda pipe, request: pipe)

@@ -22,12 +22,11 @@ from typing import Any
 
 from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_placements, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
-from autopar.capture.graph import CapturedGraph
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.experts import CAPACITY_FACTOR
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
-from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_states, precision_spec
+from autopar.cost_models.memory import Precision, optimizer_states, precision_spec
 from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.ops import experts as experts_op
@@ -38,6 +37,7 @@ from autopar.plans.plan import Plan
 from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines, unfold_pipeline
+from autopar.search.pipeline.order import pipeline_order, total_state_bytes
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
@@ -249,7 +249,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     share = 0.4 if flat_allowed and pipe_meshes else 1.0  # of the time limit, for meshes without a pipeline
     # a model whose states outgrow a node is pipelined in practice (Megatron-LM: tp inside a node, pp
     # across): its pipelines are searched first, and meshes without one in the time left
-    pipelines_first = bool(pipe_meshes) and flat_allowed and _state_bytes(captured, prec, optimizer) > (
+    pipelines_first = bool(pipe_meshes) and flat_allowed and total_state_bytes(captured, prec, optimizer) > (
         cluster.gpus_per_node * limit
     )
     preview = Preview(captured, cluster, prec, limit)
@@ -518,44 +518,6 @@ def _mesh_record(result, mesh: dict[str, int], status: str, schedule: str = "") 
         fits=result.estimate.fits,
         timings={k: round(v, 3) for k, v in result.timings.items()},
     )
-
-
-def _state_bytes(captured, prec, optimizer: str) -> float:
-    """The model's parameters, gradients and optimizer state in bytes, unsharded."""
-    params = sum(math.prod(p.shape) for p in captured.params)
-    states = model_state_bytes(params, prec, optimizer, 0, 1)
-    return states.params + states.grads + states.optimizer
-
-
-ROOMY_STATES = 0.5
-"""Pipeline meshes whose stages hold their parameters, gradients and ZeRO-1 optimizer state in
-at most this share of the memory limit are costed first: the others need ZeRO-3 or heavy
-recompute to fit, and are rarely the fastest (LLaMA-3-405B on 16,384 H100s: fewest stages
-first spent the search's time on pp = 2 and 4, which fit only that way, and returned dp 512 x
-tp 8 x pp 4 at 15.8 s a step against 7.4 s for Meta's pp = 16 layout)."""
-
-
-def pipeline_order(
-    captured: CapturedGraph, prec: Precision, optimizer: str, limit: float, meshes: list[MeshShape], tp_ref: int
-) -> list[MeshShape]:
-    """Pipeline meshes in the order the search costs them when nothing was previewed.
-
-    Those whose stages hold their states in ``ROOMY_STATES`` of the limit first, then by
-    tensor-parallel size nearest ``tp_ref``, fewest stages, smallest tp.
-    """
-
-    def key(m: MeshShape) -> tuple:
-        cramped = _stage_states(captured, prec, optimizer, m) > ROOMY_STATES * limit
-        return (cramped, abs(math.log2(m.tp / tp_ref)), m.pp, m.tp)
-
-    return sorted(meshes, key=key)
-
-
-def _stage_states(captured, prec, optimizer: str, mesh: MeshShape) -> float:
-    """Per-device bytes of a stage's parameter states on ``mesh`` with tp sharding them all and ZeRO-1 over dp."""
-    params = sum(math.prod(p.shape) for p in captured.params) / (mesh.pp * mesh.tp)
-    states = model_state_bytes(params, prec, optimizer, 1, mesh.dp)
-    return states.params + states.grads + states.optimizer
 
 
 def _least_peak(res) -> float:

@@ -14,7 +14,6 @@ the plan or the graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -106,24 +105,6 @@ def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -
         elif isinstance(p, Partial) and coord[i] != 0:
             local = torch.zeros_like(local)
     return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
-
-
-def local_box(
-    shape: Sequence[int], spec: Sequence[Placement], coord: Sequence[int], mesh_shape: Sequence[int]
-) -> tuple[list[int], list[int]]:
-    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
-
-    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh
-    dims 0 and 1 is cut in ``n0`` chunks, each cut in ``n1``).  Shards divide
-    evenly (the strategy pass offers no other).  Plain integers: DTensor's own
-    helper computes the offset with tensors, which a trace cannot read back.
-    """
-    local, offset = [int(s) for s in shape], [0] * len(shape)
-    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            local[p.dim] //= n
-            offset[p.dim] += c * local[p.dim]
-    return local, offset
 
 
 def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor.placement_types import Placement, Shard
 
-from autopar.codegen.redistribute import local_box
+from autopar.core.placements import local_box
 from autopar.ops.dropout_attention import causal_diagonal
 
 aten = torch.ops.aten

@@ -43,7 +43,6 @@ from autopar.codegen import sequence_attention
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.codegen.redistribute import (
     from_whole,
-    local_box,
     match_layout,
     redistribute,
     to_planned,
@@ -51,7 +50,7 @@ from autopar.codegen.redistribute import (
 )
 from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import Placements, replicated, to_dtensor_all
+from autopar.core.placements import Placements, local_box, replicated, to_dtensor_all
 from autopar.ops import experts as experts_op
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, reshape_shards, strategy_rules

@@ -18,7 +18,7 @@ converts back (:func:`to_dtensor`) only where DTensor runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.tensor import placement_types as dt
@@ -168,3 +168,22 @@ def from_dtensor(p: dt.Placement, is_input: bool = False) -> Placement | None:
     if isinstance(p, dt.Partial):
         return partial(p.reduce_op)
     return None
+
+
+def local_box(
+    shape: Sequence[int], spec: Sequence, coord: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """This rank's part of a tensor of ``shape`` placed ``spec``: its shape and where it starts.
+
+    ``spec`` holds autopar's placements or DTensor's (both answer ``is_shard()`` and ``.dim``).
+    Mesh dims split in order, as DTensor does (a tensor dim sharded by mesh dims 0 and 1 is
+    cut in ``n0`` chunks, each cut in ``n1``).  Shards divide evenly (the strategy pass offers
+    no other).  Plain integers: DTensor's own helper computes the offset with tensors, which a
+    trace cannot read back.
+    """
+    local, offset = [int(s) for s in shape], [0] * len(shape)
+    for p, c, n in zip(spec, coord, mesh_shape, strict=True):
+        if p.is_shard():
+            local[p.dim] //= n
+            offset[p.dim] += c * local[p.dim]
+    return local, offset

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.core.placements import Placement, Placements, shard
+from autopar.core.placements import Placement, Placements, local_box, shard
 
 Groups = list[tuple[list[int], list[int]]]
 
@@ -53,16 +53,6 @@ def merge_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
     return groups
 
 
-def _box(shape: Sequence[int], spec: Placements, coord: Sequence[int], mesh: Sequence[int]) -> tuple[list, list]:
-    """This rank's (local sizes, offsets) of a tensor of ``shape`` placed ``spec`` (mesh dims split in order)."""
-    local, offset = list(shape), [0] * len(shape)
-    for p, c, n in zip(spec, coord, mesh, strict=True):
-        if p.is_shard():
-            local[p.dim] //= n
-            offset[p.dim] += c * local[p.dim]
-    return local, offset
-
-
 def _run(shape: Sequence[int], local: list, offset: list, dims: list[int]) -> tuple[int, int] | None:
     """The rank's elements of ``dims`` flattened, as (start, length) when they are one run, else None."""
     k = len(dims) - 1
@@ -89,8 +79,8 @@ def same_elements(
     ):
         return False
     for coord in itertools.product(*(range(n) for n in mesh)):
-        la, oa = _box(a, a_spec, coord, mesh)
-        lb, ob = _box(b, b_spec, coord, mesh)
+        la, oa = local_box(a, a_spec, coord, mesh)
+        lb, ob = local_box(b, b_spec, coord, mesh)
         for ga, gb in groups:
             ra = _run(a, la, oa, ga)
             if ra is None or ra != _run(b, lb, ob, gb):
