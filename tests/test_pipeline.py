@@ -357,3 +357,33 @@ def test_the_seed_round_solves_each_layout_once_with_placements_that_divide_ever
     both = pipeline_mesh.solve_pipeline(pm, 5.0, milp=False, layouts=("megatron",))
     assert len(solves) >= 2  # the layout without the restriction first (and narrowed where it does not divide)
     assert both.estimate.step_time_s <= one.estimate.step_time_s * (1 + 1e-9)
+
+
+def test_the_milp_round_polishes_its_meshes_side_by_side_and_keeps_what_is_faster(monkeypatch):
+    """The MILP round's meshes are independent and their solves run in HiGHS, outside the GIL: they are
+    polished on threads side by side (each would wait forever at the barrier alone), each given the
+    whole round's time; a polish replaces its mesh's seeded answer only when faster."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    def result(step):
+        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(
+            solution=SimpleNamespace(choice=[0])))
+
+    seeded = [("pm-a", result(2.0)), ("pm-b", result(1.0)), ("pm-c", result(3.0))]
+    together = threading.Barrier(2, timeout=30)
+    given = {}
+
+    def polish(pm, left, **kwargs):
+        together.wait()
+        given[pm] = left
+        return result({"pm-a": 1.5, "pm-b": 1.2}[pm])
+
+    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", polish)
+    pipeline_mesh._milp_round(seeded, time.perf_counter() + 100.0, 2.0, ("1F1B",), None)
+    assert sorted(given) == ["pm-a", "pm-b"]  # the MILP_MESHES fastest
+    assert all(left == pytest.approx(pipeline_mesh.MILP_ROUND_OF * 2.0) for left in given.values())
+    assert [r.estimate.step_time_s for _, r in seeded] == [1.5, 1.0, 3.0]

@@ -348,3 +348,37 @@ def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline
     prec = precision_spec("bf16-mixed")
     assert planner._plan_sharded(c, cluster, 8, prec, "adamw", 80e9, Fixed(), 60.0) == "pipelined"
     assert budgets == [(pytest.approx(60.0 * 0.4 * planner.OPTIONAL_FLAT), True)]
+
+
+def test_meshes_without_a_pipeline_are_costed_beside_the_pipeline_search_and_in_full_if_none_fits(monkeypatch) -> None:
+    """The seed-layout costing of the meshes without a pipeline runs on a second thread while the pipelines
+    are searched (HiGHS solves outside the GIL: on two cores they overlap); if no pipeline fits, those meshes
+    are then searched in full, with their whole share."""
+    import threading
+    from types import SimpleNamespace
+
+    from autopar.api import planner
+
+    model, inputs = llama(8, 64, 4, 128, seq=16)
+    c = capture(model, inputs)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    unfit = SimpleNamespace(estimate=SimpleNamespace(fits=False, step_time_s=1.0), mesh=MeshShape(dp=2, tp=2, pp=2))
+    flat_started, calls, overlapped = threading.Event(), [], []
+
+    def pipelines(*a, **k):
+        overlapped.append(flat_started.wait(timeout=30))  # the flat search started while this one runs
+        return [unfit]
+
+    def plan_flat(*a, **k):
+        calls.append((a[7], a[9]))
+        flat_started.set()
+
+    monkeypatch.setattr(planner, "total_state_bytes", lambda *a: math.inf)  # the states outgrow the node
+    monkeypatch.setattr(planner, "_pipelines", pipelines)
+    monkeypatch.setattr(planner, "_plan_flat", plan_flat)
+    monkeypatch.setattr(planner, "unfold_pipeline", lambda pipe, request: pipe)
+    monkeypatch.setattr(planner, "_pipelined", lambda *a, **k: "pipelined")
+    prec = precision_spec("bf16-mixed")
+    assert planner._plan_sharded(c, cluster, 8, prec, "adamw", 80e9, Fixed(), 60.0) == "pipelined"
+    assert overlapped == [True]
+    assert calls == [(pytest.approx(60.0 * 0.4 * planner.OPTIONAL_FLAT), True), (pytest.approx(60.0 * 0.4), False)]

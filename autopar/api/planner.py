@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,8 @@ from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
-from autopar.search.sharding.mesh import flat_tp_sizes, search_meshes
+from autopar.search.sharding.mesh import finish_best, flat_tp_sizes, search_meshes
+from autopar.search.sharding.mesh_solve import ShardingResult
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
 from autopar.search.sharding.request import MeshRequest
@@ -213,7 +215,18 @@ class _Sharded:
     warnings: list[str]
     stages: list[dict[str, Any]] = field(default_factory=list)
     schedule: str = ""
-    results: list = field(default_factory=list)  # every mesh's ShardingResult, for the pipeline search
+
+
+@dataclass
+class _FlatFound:
+    """What the search of the meshes without a pipeline found: the best answer (one over the memory limit
+    only where ``fixed`` asked for it, warned about), every mesh's result, and the time limit it had. The
+    best is finished (carried onto the whole graph, its placements read) only once it wins."""
+
+    best: ShardingResult
+    results: list[ShardingResult]
+    warnings: list[str]
+    time_limit_s: float
 
 
 def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None) -> _Sharded:
@@ -268,26 +281,33 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
                 raise
             none_fits = err
 
-    def search_pipes(budget: float) -> None:
+    def search_pipes(budget: float, tp_ref: int) -> None:
         nonlocal pipes
         # most promising first: previewed with the shardings solved so far; the rest by the
-        # tensor-parallel size the meshes without a pipeline chose, fewest stages first
-        tp_ref = flat.args[0].tp if flat is not None else cluster.gpus_per_node
+        # tensor-parallel size the meshes without a pipeline chose (``tp_ref``), fewest stages first
         pipe_meshes[:] = pipeline_order(captured, prec, optimizer, limit, pipe_meshes, tp_ref)
         pipes = _pipelines(captured, cluster, prec, optimizer, limit, fixed, pipe_meshes, budget, preview, notes)
 
     if pipelines_first:
-        # the meshes without a pipeline are then costed with their seed layouts only (optional), which
-        # takes a fraction of their share: the pipelines get that share's unspent part too
-        search_pipes(time_limit_s * (1 - share * OPTIONAL_FLAT))
-        search_flat(start + time_limit_s, optional=any(r.estimate.fits for r in pipes))
+        # the meshes without a pipeline are costed with their seed layouts only (optional: a pipeline
+        # will most likely fit), on a second thread while the pipelines are searched: most of either
+        # search is HiGHS, which runs outside the GIL, so on two cores they overlap (LLaMA-2-70B on 64
+        # H100s: 26 s one after the other). Should no pipeline fit, they are searched in full after.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-flat") as pool:
+            beside = pool.submit(search_flat, start + time_limit_s, True)
+            search_pipes(time_limit_s * (1 - share * OPTIONAL_FLAT), cluster.gpus_per_node)
+            beside.result()
+        if not any(r.estimate.fits for r in pipes):
+            flat, none_fits = None, None
+            search_flat(start + time_limit_s, optional=False)
     else:
         if flat_allowed:
             search_flat(start + time_limit_s * share, optional=False)
         if pipe_meshes:
             preview.learn_flat(flat.results if flat else [])
             # what is left of the time limit, and at least half the share pipelines were given
-            search_pipes(max(start + time_limit_s - time.perf_counter(), time_limit_s * (1 - share) / 2))
+            left = max(start + time_limit_s - time.perf_counter(), time_limit_s * (1 - share) / 2)
+            search_pipes(left, flat.best.mesh.tp if flat is not None else cluster.gpus_per_node)
     pipe = None
     if pipe_meshes:
         pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
@@ -297,10 +317,10 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         pipes = [pipe if r is folded else r for r in pipes]
     if pipe is not None and (
         flat is None
-        or not flat.args[1].fits
-        or pipe.estimate.step_time_s < flat.args[1].step_time_s * (1 - TIE_TOLERANCE)
+        or not flat.best.estimate.fits
+        or pipe.estimate.step_time_s < flat.best.estimate.step_time_s * (1 - TIE_TOLERANCE)
     ):
-        return _pipelined(captured, pipe, pipes, gbs, flat, fixed)
+        return _pipelined(captured, cluster, pipe, pipes, gbs, flat, fixed)
     if none_fits is not None:
         raise none_fits
     if flat is None:
@@ -308,7 +328,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.given().items())} fits {size_brief(limit)} per device: "
             "raise memory_limit, use more devices, or lower the batch"
         )
-    return flat
+    return _flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed, flat)
 
 
 def _pipelines(
@@ -334,10 +354,11 @@ def _pipelines(
 
 def _pipelined(
     captured,
+    cluster: Cluster,
     pipe: PipelineResult,
     pipes: list[PipelineResult],
     gbs: int,
-    flat: _Sharded | None,
+    flat: _FlatFound | None,
     fixed: Fixed,
 ) -> _Sharded:
     """The plan pieces of a pipeline result."""
@@ -362,6 +383,7 @@ def _pipelined(
         )
         log.warning(msg)
         warnings.append(msg)
+    left_out, flat_meshes = _flat_records(captured, cluster, fixed, flat) if flat else (0, [])
     solver = SearchRecord(
         status=sol.status,
         gap=sol.gap,
@@ -374,8 +396,8 @@ def _pipelined(
             exact=pipe.choice.exact,
             bubble_fraction=(mesh.pp - 1) / (m * pipe.chunks),
         ),
-        meshes_left_out=flat.solver.meshes_left_out if flat else 0,
-        meshes=(flat.solver.meshes if flat else [])
+        meshes_left_out=left_out,
+        meshes=flat_meshes
         + [
             _mesh_record(r, r.mesh.to_dict(), r.sharding.solution.status, r.schedule)
             for r in pipes
@@ -391,12 +413,13 @@ def _pipelined(
 
 def _plan_flat(
     captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False, notes=None
-) -> _Sharded | None:
+) -> _FlatFound | None:
     """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
 
     Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
     ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
-    a mesh is costed with its seed layouts only, the baselines a plan must not lose to.
+    a mesh is costed with its seed layouts only, the baselines a plan must not lose to. The best
+    is returned as solved: :func:`_flat_result` finishes it once it wins.
     """
     best, results = search_meshes(
         captured,
@@ -417,6 +440,7 @@ def _plan_flat(
         ep=fixed.ep,
         cp=fixed.cp,
         cp_axis=cp_axis_of(fixed, cluster.world_size),
+        finish=False,
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
@@ -430,7 +454,7 @@ def _plan_flat(
     warnings: list[str] = []
     if best is None:
         best = _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed, time_limit_s, results, warnings)
-    return _flat_result(captured, cluster, gbs, fixed, best, results, warnings)
+    return _FlatFound(best, results, warnings, time_limit_s)
 
 
 def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, results, warnings):
@@ -473,8 +497,14 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     return best
 
 
-def _flat_result(captured, cluster, gbs, fixed: Fixed, best, results, warnings) -> _Sharded:
-    """The chosen dp x tp answer as a configuration, an estimate and the search's record."""
+def _flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed: Fixed, flat: _FlatFound) -> _Sharded:
+    """The chosen dp x tp answer, finished (:func:`finish_best`), as a configuration, an estimate and the
+    search's record."""
+    request = MeshRequest(
+        captured, cluster, flat.best.mesh, prec, optimizer, limit, recompute=fixed.recompute is None
+    )
+    best = finish_best(flat.best, flat.results, request, flat.time_limit_s)
+    results = flat.results
     sol = best.solution
     est = best.estimate
     est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
@@ -488,21 +518,28 @@ def _flat_result(captured, cluster, gbs, fixed: Fixed, best, results, warnings) 
         microbatches=m,
         micro_batch_size=gbs // (best.mesh.dp * m),
     )
-    meshes = flat_tp_sizes(cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches)
+    left_out, meshes = _flat_records(captured, cluster, fixed, flat)
     solver = SearchRecord(
         status=sol.status,
         gap=sol.gap,
         objective=sol.objective,
         backend=sol.backend,
         candidates=len(results),
-        meshes_left_out=len(meshes) - len(results),
-        meshes=[_mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status) for r in results],
+        meshes_left_out=left_out,
+        meshes=meshes,
         charged=best.charged,
         graph_nodes=sol.stats.nodes,
         nodes_after_reduction=sol.stats.nodes_after_reduction,
         ops=explain_records(captured, best),
     )
-    return _Sharded((cfg, est), solver, best.placements, warnings, results=results)
+    return _Sharded((cfg, est), solver, best.placements, flat.warnings)
+
+
+def _flat_records(captured, cluster, fixed: Fixed, flat: _FlatFound) -> tuple[int, list[MeshRecord]]:
+    """How many dp x tp meshes the search left out, and a record of each it solved."""
+    sizes = flat_tp_sizes(cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches)
+    records = [_mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status) for r in flat.results]
+    return len(sizes) - len(flat.results), records
 
 
 def _mesh_record(result, mesh: dict[str, int], status: str, schedule: str = "") -> MeshRecord:

@@ -15,10 +15,12 @@ the next full collection).
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_depth = 0  # nesting of long_lived_heap scopes that froze the heap
+_depth = 0  # nesting of long_lived_heap scopes that froze the heap, over every thread
+_lock = threading.Lock()  # the planner searches two kinds of mesh on two threads
 
 
 @contextmanager
@@ -29,14 +31,18 @@ def long_lived_heap() -> Iterator[None]:
     forking server that froze its heap keeps it frozen: unfreezing is that owner's call).
     """
     global _depth
-    if _depth == 0 and (not gc.isenabled() or gc.get_freeze_count()):
+    with _lock:
+        owned = _depth > 0 or (gc.isenabled() and not gc.get_freeze_count())
+        if owned:
+            _depth += 1
+            gc.freeze()
+    if not owned:
         yield
         return
-    _depth += 1
-    gc.freeze()
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            gc.unfreeze()
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.unfreeze()

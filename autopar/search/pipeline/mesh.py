@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -444,9 +445,9 @@ def _milp_round(
     notes: list[str] | None = None,
 ) -> None:
     """The MILP inside the stages of the ``MILP_MESHES`` fastest seeded meshes, started from their seeded
-    answers; each takes at most ``MILP_ROUND_OF`` times what solving a mesh's seed layouts took (``per_mesh``:
-    the mesh's problem is built already), and
-    replaces its mesh's entry of ``seeded`` when faster.
+    answers, side by side on threads; each takes at most ``MILP_ROUND_OF`` times what solving a mesh's seed
+    layouts took (``per_mesh``: the mesh's problem is built already), and replaces its mesh's entry of
+    ``seeded`` when faster.
 
     A seeded pipeline more than ``HOPELESS`` slower than the fastest plan without a pipeline
     (``flat_best``) is not polished: the same margin leaves a mesh uncosted in the seed round
@@ -462,17 +463,23 @@ def _milp_round(
             "pipelines: %d of %d meshes left out of the MILP round, more than %.0f%% slower than the best plan "
             "without a pipeline", len(ranked) - len(top), len(ranked), 100 * HOPELESS,
         )
-    for n, i in enumerate(top):
-        left = max(deadline - time.perf_counter(), 0.0) / (len(top) - n)
-        left = min(left, MILP_ROUND_OF * per_mesh)  # it starts from the seeded answer: a polish, not a search
-        if left < per_mesh:  # a MILP round takes at least as long as the seed layouts' solves: no time for it
-            note(log, notes, "pipelines: no time left for the MILP on %d of %d meshes", len(top) - n, len(top))
-            break
+    # it starts from the seeded answer: a polish, not a search
+    left = min(max(deadline - time.perf_counter(), 0.0), MILP_ROUND_OF * per_mesh)
+    if top and left < per_mesh:  # a MILP round takes at least as long as the seed layouts' solves: no time for it
+        note(log, notes, "pipelines: no time left for the MILP on %d meshes", len(top))
+        return
+
+    def polish(i: int) -> PipelineResult | None:
         pm, old = seeded[i]
         known = old.sharding.solution.choice if old is not None else None
-        res = solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=(), start=known)
-        if res is not None and _step(res) < _step(old) * (1 - 1e-9):
-            seeded[i] = (pm, res)
+        return solve_pipeline(pm, left, schedules=schedules, zero=zero, layouts=(), start=known)
+
+    # the meshes' MILPs are independent and spend their time in HiGHS, outside the GIL: side by side
+    with ThreadPoolExecutor(max_workers=max(len(top), 1), thread_name_prefix="autopar-milp") as pool:
+        polished = list(pool.map(polish, top))
+    for i, res in zip(top, polished, strict=True):
+        if res is not None and _step(res) < _step(seeded[i][1]) * (1 - 1e-9):
+            seeded[i] = (seeded[i][0], res)
 
 
 def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limit) -> Estimate:

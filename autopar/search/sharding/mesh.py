@@ -116,6 +116,7 @@ def search_meshes(
     ep: int | None = None,
     cp: int | None = None,
     cp_axis: int | None = None,
+    finish: bool = True,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -139,6 +140,8 @@ def search_meshes(
     read back onto the template (``ShardingResult.sp.template`` is set). ``ep`` fixes the experts' split
     (:func:`ep_filter`), ``cp`` attention's split of the sequence (:func:`cp_filter`): meshes with no axis
     of that size are left out; ``cp_axis`` (0 or 1) names the axis the sequence is split over.
+    ``finish=False`` returns the best as solved (on the folded problem, its gap not bounded, its placements
+    not read): a caller that may not keep it finishes it with :func:`finish_best` once it wins.
     """
     world = cluster.world_size
     fold = fold and captured.fold is not None
@@ -177,14 +180,31 @@ def search_meshes(
         results.append(res)
     fitting = [r for r in results if r.solution.choice and r.estimate.fits]
     best = min(fitting, key=lambda r: r.estimate.step_time_s) if fitting else None
-    if best is not None:
-        if best.solution.status != "optimal":
-            _bound_gap(best, time_limit_s)
-        where = results.index(best)
+    if best is not None and finish:
         request = MeshRequest(captured, cluster, best.mesh, precision, optimizer, memory_limit, recompute=recompute)
-        best = results[where] = unfold_result(best, request)
-        describe_result(captured, best)
+        best = finish_best(best, results, request, time_limit_s)
     return best, results
+
+
+def finish_best(
+    best: ShardingResult, results: list[ShardingResult], request: MeshRequest, time_limit_s: float
+) -> ShardingResult:
+    """The answer a plan keeps, made whole: its gap bounded, carried onto the whole graph, its placements read.
+
+    Done for one result only, the one that wins (unfolding LLaMA-2-70B's answer takes about a second),
+    and in place of it in ``results``. Done once: a finished result is returned as it is.
+    """
+    if best.finished:
+        return best
+    if best.solution.status != "optimal":
+        _bound_gap(best, time_limit_s)
+    where = next((k for k, r in enumerate(results) if r is best), None)
+    best = unfold_result(best, request)
+    describe_result(request.captured, best)
+    best.finished = True
+    if where is not None:
+        results[where] = best
+    return best
 
 
 def _lost_across_nodes(results: list[ShardingResult], cluster: Cluster) -> bool:
@@ -249,7 +269,7 @@ def _best_on_mesh(
             # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
             share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
             allowed = seed if fixed is None else both(mp.sp, seed, fixed)
-            seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET)
+            seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET, dividing_only=True)
             seeded.source = kind
             if seeded.solution.choice and seeded.estimate.fits and (
                 seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s

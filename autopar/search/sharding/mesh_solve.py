@@ -65,6 +65,8 @@ class ShardingResult:
     # an answer to a folded problem: the strategies of the template it was built from (unfold_result reads
     # the whole graph's off them)
     template_strategies: dict[str, NodeStrategies] | None = None
+    # gap bounded, carried onto the whole graph, placements read (mesh.finish_best): the answer a plan keeps
+    finished: bool = False
 
 
 @dataclass
@@ -193,6 +195,7 @@ def solve_prepared(
     microbatches: int | None = None,
     start: list[int] | None = None,
     target_gap: float = GAP_TARGET,
+    dividing_only: bool = False,
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
@@ -207,10 +210,16 @@ def solve_prepared(
     layout), so no solve is spent on the smallest memory that would fit, and none at all
     when the parameters' states alone are over the limit. ``unfit``: micro-batch counts known not
     to fit (``ShardingResult.unfit`` of a less restricted solve of ``mp``), not tried again.
+    ``dividing_only``: at each count past one, only the placements that divide a micro-batch are
+    solved over, at once, rather than after an answer that does not (the answer is the same: one
+    that does not divide is never kept; a seed layout's restricted problem is rebuilt cheaply, so
+    the seeds take this, and the MILP, whose answers mostly divide, does not).
     """
     counts = _microbatch_counts(mp, microbatches)
     restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
-    run = _Solves(mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap)
+    run = _Solves(
+        mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap, dividing_only
+    )
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
     proven = set(unfit)  # counts that cannot fit
@@ -268,6 +277,7 @@ class _Solves:
     exact_peak: bool
     start: list[int] | None = None  # a known answer every solve starts from
     target_gap: float = GAP_TARGET
+    dividing_only: bool = False  # past one micro-batch, solve over the placements that divide one only
     solve_s: float = 0.0  # seconds spent solving so far
 
     @property
@@ -310,18 +320,23 @@ class _Solves:
         start = time.perf_counter()
         captured, shape = self.mp.captured, self.shape
         sp, problem = self.at(k)
+        if self.dividing_only and k > 1:
+            problem = restrict(sp.problem, sp, self._divides(sp, k))
         raw, solution = self.fitted(sp, problem, self.bound)
         give_up = False
         if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
             log.info("mesh %s: the answer at %d micro-batches does not divide a micro-batch", self.mp.mesh, k)
-            divides = microbatch_filter(captured, shape, k)
-            narrow = divides if self.allowed is None else both(self.mp.sp, self.allowed, divides)
-            problem = restrict(sp.problem, sp, narrow)
+            problem = restrict(sp.problem, sp, self._divides(sp, k))
             _, solution = self.fitted(sp, problem, False)
             if solution.choice and not microbatch_divides(captured, sp, solution.choice, shape, k):
                 solution, give_up = _no_answer(), True
         self.solve_s += time.perf_counter() - start
         return sp, problem, raw, solution, give_up
+
+    def _divides(self, sp: ShardingProblem, k: int) -> Callable[[str, Strategy], bool]:
+        """The strategies this call allows whose placements divide a micro-batch of ``k``."""
+        divides = microbatch_filter(self.mp.captured, self.shape, k)
+        return divides if self.allowed is None else both(self.mp.sp, self.allowed, divides)
 
     def least_peak(self, k: int) -> tuple[Solution, int, ShardingProblem]:
         """A quick solve at ``k`` micro-batches, for the least peak memory it reports."""
