@@ -460,14 +460,14 @@ def _plan_flat(
 def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, results, warnings):
     """No mesh fits: a PlanError naming the smallest memory that would, or, when the user fixed part of
     the answer, the fastest plan of it with no limit, marked as not fitting and warned about."""
-    need = min(_least_peak(r) for r in results)
+    need = _least_need(results, limit)
     what = ", ".join(
         f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "ep", "cp", "zero", "microbatches", "recompute")
     )
     if not what:
         raise PlanError(
-            f"no plan fits {size_brief(limit)} per device; the smallest memory that would fit is "
-            f"{size_brief(need)}: raise memory_limit, use more devices, or lower the batch"
+            f"no plan fits {size_brief(limit)} per device{'; ' + need if need else ''}: raise memory_limit, "
+            "use more devices, or lower the batch"
         )
     least = min(results, key=_least_peak)
     best, _ = search_meshes(
@@ -488,7 +488,7 @@ def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed,
     )
     best.estimate.memory_limit, best.estimate.fits = limit, False
     msg = (
-        f"no plan with {what} fits {size_brief(limit)} per device (the smallest would need {size_brief(need)}); the "
+        f"no plan with {what} fits {size_brief(limit)} per device{f' ({need})' if need else ''}; the "
         f"fastest one needs {size_brief(best.estimate.memory.peak)}, over the limit by "
         f"{size_brief(best.estimate.memory.peak - limit)}"
     )
@@ -555,6 +555,18 @@ def _mesh_record(result, mesh: dict[str, int], status: str, schedule: str = "") 
         fits=result.estimate.fits,
         timings={k: round(v, 3) for k, v in result.timings.items()},
     )
+
+
+def _least_need(results, limit: float) -> str:
+    """The least memory a plan needs, as the searches know it: the bound they proved where it is over the
+    limit; otherwise the least an answer found needs, or "" when none was (the bound is the MILP's memory
+    rows', which leave out the buffers of values being moved that the estimate counts, so it can sit under
+    a limit nothing fits)."""
+    bound = min(_least_peak(r) for r in results)
+    if math.isfinite(bound) and bound > limit:
+        return f"the smallest memory that would fit is {size_brief(bound)}"
+    found = min((r.estimate.memory.peak for r in results if r.solution.choice), default=math.inf)
+    return f"the least any plan found needs is {size_brief(found)}" if math.isfinite(found) else ""
 
 
 def _least_peak(res) -> float:
