@@ -342,7 +342,7 @@ def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline
     budgets = []
     monkeypatch.setattr(planner, "total_state_bytes", lambda *a: math.inf)  # the states outgrow the node
     monkeypatch.setattr(planner, "_pipelines", lambda *a, **k: [fits])
-    monkeypatch.setattr(planner, "_plan_flat", lambda *a, **k: budgets.append((a[7], a[9])))
+    monkeypatch.setattr(planner, "plan_flat", lambda *a, **k: budgets.append((a[7], a[9])))
     monkeypatch.setattr(planner, "unfold_pipeline", lambda pipe, request: pipe)
     monkeypatch.setattr(planner, "_pipelined", lambda *a, **k: "pipelined")
     prec = precision_spec("bf16-mixed")
@@ -375,7 +375,7 @@ def test_meshes_without_a_pipeline_are_costed_beside_the_pipeline_search_and_in_
 
     monkeypatch.setattr(planner, "total_state_bytes", lambda *a: math.inf)  # the states outgrow the node
     monkeypatch.setattr(planner, "_pipelines", pipelines)
-    monkeypatch.setattr(planner, "_plan_flat", plan_flat)
+    monkeypatch.setattr(planner, "plan_flat", plan_flat)
     monkeypatch.setattr(planner, "unfold_pipeline", lambda pipe, request: pipe)
     monkeypatch.setattr(planner, "_pipelined", lambda *a, **k: "pipelined")
     prec = precision_spec("bf16-mixed")

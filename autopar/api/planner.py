@@ -18,11 +18,12 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_placements, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
+from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat
+from autopar.api.search_record import Sharded, mesh_record, zero_stage
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.experts import CAPACITY_FACTOR
@@ -32,19 +33,16 @@ from autopar.cost_models.step import Config, GraphStats
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.ops import experts as experts_op
 from autopar.ops.batch_norm import coupling_modules
-from autopar.plans.data import param_zero_stage
 from autopar.plans.format import size_brief
 from autopar.plans.plan import Plan
-from autopar.plans.records import Fixed, MeshRecord, PipelineRecord, SearchRecord
+from autopar.plans.records import Fixed, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
 from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines, unfold_pipeline
 from autopar.search.pipeline.order import pipeline_order, total_state_bytes
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
-from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
+from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh
 from autopar.search.sharding.explain_records import explain_records
-from autopar.search.sharding.mesh import finish_best, flat_tp_sizes, search_meshes
-from autopar.search.sharding.mesh_solve import ShardingResult
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
 from autopar.search.sharding.request import MeshRequest
@@ -156,7 +154,7 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
     return prec, fixed, limit, gbs
 
 
-def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed, time_limit_s) -> _Sharded:
+def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed, time_limit_s) -> Sharded:
     """Per-op sharding (and pipelines) searched on the graph, a fixed recompute setting carried out first."""
     # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
     captured, marks = apply_setting(captured, fixed.recompute or NONE)
@@ -207,29 +205,7 @@ OPTIONAL_FLAT = 0.25
 took 3 to 10 s of the 24 s they were given for LLaMA-3-405B on 8,192 and 16,384 H100s."""
 
 
-@dataclass
-class _Sharded:
-    args: tuple  # (Config, Estimate) for _make_plan
-    solver: SearchRecord
-    placements: dict[str, Any]
-    warnings: list[str]
-    stages: list[dict[str, Any]] = field(default_factory=list)
-    schedule: str = ""
-
-
-@dataclass
-class _FlatFound:
-    """What the search of the meshes without a pipeline found: the best answer (one over the memory limit
-    only where ``fixed`` asked for it, warned about), every mesh's result, and the time limit it had. The
-    best is finished (carried onto the whole graph, its placements read) only once it wins."""
-
-    best: ShardingResult
-    results: list[ShardingResult]
-    warnings: list[str]
-    time_limit_s: float
-
-
-def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None) -> _Sharded:
+def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None) -> Sharded:
     """Search per-op sharding, ZeRO stages, micro-batches and pipelines on every mesh; PlanError if none fits.
 
     Meshes without a pipeline (dp × tp) and with one (pp × dp × tp, pp ≥ 2) share the
@@ -273,7 +249,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         # costed with their seed layouts only when a pipeline fits already: a quarter of their share
         budget = time_limit_s * share * (OPTIONAL_FLAT if optional else 1.0)
         try:
-            flat = _plan_flat(
+            flat = plan_flat(
                 captured, cluster, gbs, prec, optimizer, limit, fixed, budget, deadline, optional, notes
             )
         except PlanError as err:  # a pipeline may still fit: its stages hold less
@@ -328,7 +304,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             f"no pipeline with {', '.join(f'{k}={v}' for k, v in fixed.given().items())} fits {size_brief(limit)} per device: "
             "raise memory_limit, use more devices, or lower the batch"
         )
-    return _flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed, flat)
+    return flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed, flat)
 
 
 def _pipelines(
@@ -358,9 +334,9 @@ def _pipelined(
     pipe: PipelineResult,
     pipes: list[PipelineResult],
     gbs: int,
-    flat: _FlatFound | None,
+    flat: FlatFound | None,
     fixed: Fixed,
-) -> _Sharded:
+) -> Sharded:
     """The plan pieces of a pipeline result."""
     res, est = pipe.sharding, pipe.estimate
     est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
@@ -383,7 +359,7 @@ def _pipelined(
         )
         log.warning(msg)
         warnings.append(msg)
-    left_out, flat_meshes = _flat_records(captured, cluster, fixed, flat) if flat else (0, [])
+    left_out, flat_meshes = flat_records(captured, cluster, fixed, flat) if flat else (0, [])
     solver = SearchRecord(
         status=sol.status,
         gap=sol.gap,
@@ -399,7 +375,7 @@ def _pipelined(
         meshes_left_out=left_out,
         meshes=flat_meshes
         + [
-            _mesh_record(r, r.mesh.to_dict(), r.sharding.solution.status, r.schedule)
+            mesh_record(r, r.mesh.to_dict(), r.sharding.solution.status, r.schedule)
             for r in pipes
         ],
         charged=res.charged,
@@ -408,189 +384,7 @@ def _pipelined(
         ops=explain_records(captured, res),
     )
     stages = pipe.stages()
-    return _Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
-
-
-def _plan_flat(
-    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False, notes=None
-) -> _FlatFound | None:
-    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
-
-    Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
-    ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
-    a mesh is costed with its seed layouts only, the baselines a plan must not lose to. The best
-    is returned as solved: :func:`_flat_result` finishes it once it wins.
-    """
-    best, results = search_meshes(
-        captured,
-        cluster,
-        prec,
-        optimizer,
-        limit,
-        time_limit_s,
-        tp=fixed.tp,
-        dp=fixed.dp,
-        zero=fixed.zero,
-        recompute=fixed.recompute is None,  # op by op only when no setting is fixed
-        deadline=deadline,
-        require_one=not optional,
-        milp=not optional,
-        microbatches=fixed.microbatches,
-        notes=notes,
-        ep=fixed.ep,
-        cp=fixed.cp,
-        cp_axis=cp_axis_of(fixed, cluster.world_size),
-        finish=False,
-    )
-    if not results and optional and deadline is not None and time.perf_counter() > deadline:
-        log.info("meshes without a pipeline: all left out at the time limit")
-        return None
-    if not results:
-        into = f" into {fixed.microbatches} micro-batches per rank" if fixed.microbatches is not None else ""
-        raise PlanError(
-            f"no dp x tp mesh of {cluster.world_size} devices splits the global batch {gbs}{into}; "
-            "use a global batch that the data-parallel size (times the micro-batches) divides"
-        )
-    warnings: list[str] = []
-    if best is None:
-        best = _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed, time_limit_s, results, warnings)
-    return _FlatFound(best, results, warnings, time_limit_s)
-
-
-def _fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, results, warnings):
-    """No mesh fits: a PlanError naming the smallest memory that would, or, when the user fixed part of
-    the answer, the fastest plan of it with no limit, marked as not fitting and warned about."""
-    need = _least_need(results, limit)
-    what = ", ".join(
-        f"{k}={v}" for k, v in fixed.given().items() if k in ("dp", "tp", "ep", "cp", "zero", "microbatches", "recompute")
-    )
-    if not what:
-        raise PlanError(
-            f"no plan fits {size_brief(limit)} per device{'; ' + need if need else ''}: raise memory_limit, "
-            "use more devices, or lower the batch"
-        )
-    least = min(results, key=_least_peak)
-    best, _ = search_meshes(
-        captured,
-        cluster,
-        prec,
-        optimizer,
-        math.inf,
-        time_limit_s,
-        least.mesh.tp,
-        least.mesh.dp,
-        fixed.zero,
-        recompute=fixed.recompute is None,
-        microbatches=fixed.microbatches,
-        ep=fixed.ep,
-        cp=fixed.cp,
-        cp_axis=cp_axis_of(fixed, cluster.world_size),
-    )
-    best.estimate.memory_limit, best.estimate.fits = limit, False
-    msg = (
-        f"no plan with {what} fits {size_brief(limit)} per device{f' ({need})' if need else ''}; the "
-        f"fastest one needs {size_brief(best.estimate.memory.peak)}, over the limit by "
-        f"{size_brief(best.estimate.memory.peak - limit)}"
-    )
-    log.warning(msg)
-    warnings.append(msg)
-    return best
-
-
-def _flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed: Fixed, flat: _FlatFound) -> _Sharded:
-    """The chosen dp x tp answer, finished (:func:`finish_best`), as a configuration, an estimate and the
-    search's record."""
-    request = MeshRequest(
-        captured, cluster, flat.best.mesh, prec, optimizer, limit, recompute=fixed.recompute is None
-    )
-    best = finish_best(flat.best, flat.results, request, flat.time_limit_s)
-    results = flat.results
-    sol = best.solution
-    est = best.estimate
-    est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
-    m = best.microbatches
-    cfg = Config(
-        dp=best.mesh.dp,
-        tp=best.mesh.tp,
-        pp=1,
-        zero=zero_stage(captured, best.placements, best.mesh.dp),
-        recompute=recompute_label(fixed, best.placements),
-        microbatches=m,
-        micro_batch_size=gbs // (best.mesh.dp * m),
-    )
-    left_out, meshes = _flat_records(captured, cluster, fixed, flat)
-    solver = SearchRecord(
-        status=sol.status,
-        gap=sol.gap,
-        objective=sol.objective,
-        backend=sol.backend,
-        candidates=len(results),
-        meshes_left_out=left_out,
-        meshes=meshes,
-        charged=best.charged,
-        graph_nodes=sol.stats.nodes,
-        nodes_after_reduction=sol.stats.nodes_after_reduction,
-        ops=explain_records(captured, best),
-    )
-    return _Sharded((cfg, est), solver, best.placements, flat.warnings)
-
-
-def _flat_records(captured, cluster, fixed: Fixed, flat: _FlatFound) -> tuple[int, list[MeshRecord]]:
-    """How many dp x tp meshes the search left out, and a record of each it solved."""
-    sizes = flat_tp_sizes(cluster, captured.batch_size, fixed.tp, fixed.dp, fixed.microbatches)
-    records = [_mesh_record(r, {"dp": r.mesh.dp, "tp": r.mesh.tp, "pp": 1}, r.solution.status) for r in flat.results]
-    return len(sizes) - len(flat.results), records
-
-
-def _mesh_record(result, mesh: dict[str, int], status: str, schedule: str = "") -> MeshRecord:
-    """What the search found on one mesh (a sharding or a pipeline result), for the plan's record."""
-    return MeshRecord(
-        mesh=mesh,
-        microbatches=result.microbatches,
-        schedule=schedule,
-        status=status,
-        source=result.source,
-        step_time_s=result.estimate.step_time_s,
-        peak_bytes=result.estimate.memory.peak,
-        fits=result.estimate.fits,
-        timings={k: round(v, 3) for k, v in result.timings.items()},
-    )
-
-
-def _least_need(results, limit: float) -> str:
-    """The least memory a plan needs, as the searches know it: the bound they proved where it is over the
-    limit; otherwise the least an answer found needs, or "" when none was (the bound is the MILP's memory
-    rows', which leave out the buffers of values being moved that the estimate counts, so it can sit under
-    a limit nothing fits)."""
-    bound = min(_least_peak(r) for r in results)
-    if math.isfinite(bound) and bound > limit:
-        return f"the smallest memory that would fit is {size_brief(bound)}"
-    found = min((r.estimate.memory.peak for r in results if r.solution.choice), default=math.inf)
-    return f"the least any plan found needs is {size_brief(found)}" if math.isfinite(found) else ""
-
-
-def _least_peak(res) -> float:
-    """The least peak memory a mesh's search saw: its answer's, or the least any choice reaches."""
-    if res.solution.choice:
-        return res.estimate.memory.peak
-    peak = res.solution.stats.min_peak_memory
-    return math.inf if peak is None else peak
-
-
-def zero_stage(captured, placements: dict[str, Any], dp: int) -> int:
-    """The plan's ZeRO stage for the summary: the stage of most parameter elements.
-
-    A parameter sharded over dp is ZeRO-3; a replicated one has its placement's
-    ``"zero"`` (1 or 2, or 0). The runtime reads each parameter's own stage.
-    """
-    if dp <= 1:
-        return 0
-    weight: dict[int, int] = {}
-    for p in captured.params:
-        entry = placements.get(p.placeholder, {})
-        stage = param_zero_stage(entry)
-        weight[stage] = weight.get(stage, 0) + math.prod(p.shape)
-    return max(weight, key=lambda z: (weight[z], -z)) if weight else 0
+    return Sharded((cfg, est), solver, res.placements, warnings, stages, pipe.schedule)
 
 
 def expert_parallel_mesh(placements: dict[str, Any], dp: int, tp: int) -> dict[str, int]:
