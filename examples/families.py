@@ -212,15 +212,15 @@ def qwen3_moe():
     )
 
 
-def deepseek_v3():
-    """DeepSeek-V3's layout shrunk: a dense first layer, then a layer of 8 routed experts (top-2 within the
-    best 2 of 4 groups, sigmoid scores, the bias that balances load without a loss) beside a shared expert;
+def deepseek_v3(layers: int = 2, dense: int = 1):
+    """DeepSeek-V3's layout shrunk: ``dense`` dense first layers, then layers of 8 routed experts (top-2 within
+    the best 2 of 4 groups, sigmoid scores, the bias that balances load without a loss) beside a shared expert;
     multi-head latent attention with low-rank queries and keys/values. HuggingFace has no load-balancing
     loss for it (DeepSeek-V3 balances by the bias)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     return _decoder(
-        DeepseekV3Config, DeepseekV3ForCausalLM, num_hidden_layers=2, first_k_dense_replace=1,
+        DeepseekV3Config, DeepseekV3ForCausalLM, num_hidden_layers=layers, first_k_dense_replace=dense,
         num_key_value_heads=HEADS, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         moe_intermediate_size=FFN // 2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
         v_head_dim=8, eos_token_id=VOCAB - 1,

@@ -2,11 +2,12 @@
 
 The planner reads the joint graph, never runs it, and tracing is most of what a
 plan of a deep model costs; so it captures through :func:`capture_folded`. A
-stack is folded only when it is an ``nn.ModuleList`` of at least
+stack is folded only when an ``nn.ModuleList`` ends with a run of at least
 ``MIN_LAYERS`` modules of one class whose parameters, buffers and plain
 attributes agree (an attribute equal to the layer's own index, such as
-``layer_idx``, may differ); otherwise, or when the traced layers do not repeat
-cleanly, the whole model is traced. Either way the names are canonical, so the
+``layer_idx``, may differ); layers before the run (DeepSeek-V3's three dense
+layers before its mixtures of experts) are traced whole. Otherwise, or when
+the traced layers do not repeat cleanly, the whole model is traced. Either way the names are canonical, so the
 graph equals the whole model's trace node for node.
 """
 
@@ -39,10 +40,12 @@ def capture_folded(
     """:func:`~autopar.capture.joint.capture`, tracing four layers of a repeated stack."""
     found = repeated_stack(model)
     if found is not None:
-        parent, attr, path = found
+        parent, attr, path, first = found
         stack: nn.ModuleList = getattr(parent, attr)
+        if first:
+            log.info("capture: %s's first %d layers under %s differ from the rest: traced whole", type(model).__name__, first, path)
         try:
-            setattr(parent, attr, nn.ModuleList(list(stack)[:TEMPLATE_LAYERS]))
+            setattr(parent, attr, nn.ModuleList(list(stack)[: first + TEMPLATE_LAYERS]))
             short = capture(model, example_inputs, loss_fn, example_targets)
         except Exception as why:  # noqa: BLE001 - a forward that needs every layer is traced whole
             short = None
@@ -52,7 +55,7 @@ def capture_folded(
         params, fixed = state_infos(model)
         try:
             if short is not None:
-                return unroll(short, path, len(stack), params, fixed)
+                return unroll(short, path, len(stack) - first, params, fixed, first)
         except NotUnrollable as why:
             log.info(
                 "capture: %s's layers under %s do not repeat cleanly (%s); tracing all of them",
@@ -63,40 +66,50 @@ def capture_folded(
     return capture(model, example_inputs, loss_fn, example_targets)
 
 
-def repeated_stack(model: nn.Module) -> tuple[nn.Module, str, str] | None:
-    """The outermost ``nn.ModuleList`` of like layers (the longest of those): (parent, attribute, path).
+def repeated_stack(model: nn.Module) -> tuple[nn.Module, str, str, int] | None:
+    """The outermost ``nn.ModuleList`` ending with a run of like layers (the longest run):
+    (parent, attribute, path, the index of the run's first layer).
 
     Outermost, so that a mixture of experts' list of experts inside each layer is
     never taken for the layer stack. None if there is none.
     """
-    found: list[tuple[int, str, nn.Module, str]] = []
+    found: list[tuple[int, str, nn.Module, str, int]] = []
     for path, parent in model.named_modules():
         for attr, child in parent.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) >= MIN_LAYERS and _alike(list(child)):
-                found.append((len(child), f"{path}.{attr}" if path else attr, parent, attr))
+            first = _run_start(list(child)) if isinstance(child, nn.ModuleList) else None
+            if first is not None:
+                found.append((len(child) - first, f"{path}.{attr}" if path else attr, parent, attr, first))
     outer = [f for f in found if not any(f[1].startswith(g[1] + ".") for g in found)]
     if not outer:
         return None
-    _, full, parent, attr = max(outer, key=lambda f: f[0])
-    return parent, attr, full
+    _, full, parent, attr, first = max(outer, key=lambda f: f[0])
+    return parent, attr, full, first
 
 
-def _alike(layers: list[nn.Module]) -> bool:
-    """Same class tree, same tensor shapes and dtypes, same plain attributes up to the layer's own index."""
+def _run_start(layers: list[nn.Module]) -> int | None:
+    """Where the run of like layers that ends ``layers`` starts, if it holds ``MIN_LAYERS`` or more; else None.
+
+    Like: the same class tree, tensor shapes and dtypes, and plain attributes up to the layer's own index.
+    """
+    if len(layers) < MIN_LAYERS:
+        return None
     tensors = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     if sum(1 for layer in layers for _ in [*layer.parameters(), *layer.buffers()]) != len(tensors):
-        return False  # layers sharing weights
-    ref = _description(layers[1])
+        return None  # layers sharing weights
+    r = len(layers) - 2  # a middle layer of the run
+    ref = _description(layers[r])
 
     def agrees(j: int, mine: tuple, theirs: tuple) -> bool:
         # an attribute holding the layer's own index (layer_idx) differs by design
-        return mine == theirs or (mine[:-1] == theirs[:-1] and (mine[-1], theirs[-1]) == (repr(j), repr(1)))
+        return mine == theirs or (mine[:-1] == theirs[:-1] and (mine[-1], theirs[-1]) == (repr(j), repr(r)))
 
-    for j, layer in enumerate(layers):
-        mine = _description(layer)
+    first = len(layers)
+    for j in reversed(range(len(layers))):
+        mine = _description(layers[j])
         if len(mine) != len(ref) or not all(agrees(j, a, b) for a, b in zip(mine, ref, strict=True)):
-            return False
-    return True
+            break
+        first = j
+    return first if len(layers) - first >= MIN_LAYERS else None
 
 
 def _description(layer: nn.Module) -> list[tuple]:

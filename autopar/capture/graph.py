@@ -60,8 +60,11 @@ class CapturedGraph:
 class Fold:
     """What a graph written from a four-layer trace (:mod:`autopar.capture.unroll`) stands on.
 
-    ``template`` is the trace of the model with its stack of ``layers`` layers cut to
-    four: the first, two middle ones, the last. ``origin`` maps every node of the full
+    ``template`` is the trace of the model with its stack's run of ``layers`` like layers cut
+    to four: the first, two middle ones, the last (layer numbers here count from the run's
+    first, the stack's layer ``first``; a stack whose first layers differ from the rest, as
+    DeepSeek-V3's dense layers before its mixtures of experts, keeps those whole, standing
+    for themselves like the code outside the stack). ``origin`` maps every node of the full
     graph to the template node it stands for: layer 0 and layer L-1 to the traced first
     and last, layer L-2 to the second traced middle layer, and every other middle layer
     (1 .. L-3) to the first traced middle layer, which so stands for L-3 layers; a node
@@ -78,6 +81,7 @@ class Fold:
     layers: int
     origin: dict[str, str]
     template_layer: dict[str, tuple[int, str]]
+    first: int = 0  # the stack's index of the run's first layer: those before it are traced whole
 
 
 def graph_results(gm: fx.GraphModule | fx.Graph, params: int) -> tuple[Any, list[Any], list[Any]]:

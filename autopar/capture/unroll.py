@@ -47,18 +47,19 @@ class NotUnrollable(Exception):
     """The traced layers do not repeat cleanly; the message says where."""
 
 
-def _layer_of_name(name: str, stack: str) -> int | None:
-    """Layer index of a qualified name under ``stack`` ("model.layers.7.mlp.up.weight" -> 7)."""
+def _layer_of_name(name: str, stack: str, first: int = 0) -> int | None:
+    """Layer index of a qualified name under ``stack`` ("model.layers.7.mlp.up.weight" -> 7), counted from the
+    repeated run's first layer ``first``; None for a name outside the run (a layer before it is shared code)."""
     if not name.startswith(stack + "."):
         return None
     head = name[len(stack) + 1 :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
+    return int(head) - first if head.isdigit() and int(head) >= first else None
 
 
-def _renamed(name: str, stack: str, layer: int) -> str:
-    """``name`` of layer 0..2 moved to ``layer``."""
+def _renamed(name: str, stack: str, layer: int, first: int = 0) -> str:
+    """``name`` of a layer of the run moved to the run's ``layer`` (both counted from ``first``)."""
     rest = name[len(stack) + 1 :].split(".", 1)
-    return f"{stack}.{layer}" + (f".{rest[1]}" if len(rest) > 1 else "")
+    return f"{stack}.{layer + first}" + (f".{rest[1]}" if len(rest) > 1 else "")
 
 
 def _placeholder_name(prefix: str, name: str) -> str:
@@ -92,8 +93,10 @@ def _signature(nodes: list[fx.Node]) -> list[tuple[str, str]]:
     return [one(n) for n in nodes]
 
 
-def _template(c: CapturedGraph, stack: str) -> _Template:
-    """Split the traced graph into shared parts and per-layer parts; raise when they do not repeat."""
+def _template(c: CapturedGraph, stack: str, first: int = 0) -> _Template:
+    """Split the traced graph into shared parts and per-layer parts; raise when they do not repeat.
+
+    The run of layers starts at ``first``: the layers before it are shared code, like the embedding."""
     nodes = list(c.gm.graph.nodes)
     infos = {i.placeholder: i for i in [*c.params, *c.buffers, *c.inputs]}
     last = TEMPLATE_LAYERS - 1
@@ -103,14 +106,14 @@ def _template(c: CapturedGraph, stack: str) -> _Template:
     for n in nodes:
         if n.op == "placeholder":
             info = infos.get(n.name)
-            t = _layer_of_name(info.name, stack) if info is not None else None
+            t = _layer_of_name(info.name, stack, first) if info is not None else None
             where[n] = None if t is None else (t, "ph", len(parts[(t, "ph")]))
             if t is not None:
                 parts[(t, "ph")].append(n)
         elif n.op != "output":
             body.append(n)
     split = body.index(next(n for n in nodes if n.name == c.loss)) + 1
-    label = [_layer_of_module(n, stack) for n in body]
+    label = [_layer_of_module(n, stack, first) for n in body]
     spans = _spans(label, split)
     for (t, kind), (lo, hi) in spans.items():
         parts[(t, kind)] = body[lo:hi]
@@ -212,8 +215,8 @@ def _pattern(nodes: list[fx.Node], where: dict[fx.Node, tuple[int, str, int] | N
     return out
 
 
-def _layer_of_module(n: fx.Node, stack: str) -> int | None:
-    return _layer_of_name(n.meta.get("autopar_module", ""), stack)
+def _layer_of_module(n: fx.Node, stack: str, first: int = 0) -> int | None:
+    return _layer_of_name(n.meta.get("autopar_module", ""), stack, first)
 
 
 def _target_layer(t_from: int | None, j: int, t_to: int, layers: int) -> int:
@@ -228,18 +231,19 @@ def _target_layer(t_from: int | None, j: int, t_to: int, layers: int) -> int:
 
 
 def unroll(
-    c: CapturedGraph, stack: str, layers: int, params: list[TensorInfo], fixed: list[TensorInfo]
+    c: CapturedGraph, stack: str, layers: int, params: list[TensorInfo], fixed: list[TensorInfo], first: int = 0
 ) -> CapturedGraph:
-    """The joint graph of ``layers`` layers under ``stack`` from ``c``, the trace with four.
+    """The joint graph of ``layers`` repeated layers under ``stack`` from ``c``, the trace with four of them.
 
-    ``params`` and ``fixed`` list the full model's trainable parameters and its fixed
+    ``first``: the index of the run's first layer; the ``first`` layers before it (DeepSeek-V3's
+    dense layers before its mixtures of experts) are traced whole, as shared code. ``params`` and ``fixed`` list the full model's trainable parameters and its fixed
     state (buffers), in the joint graph's order, with shapes and dtypes (placeholder
     names are filled here). Raises :class:`NotUnrollable` when the traced layers do not
     repeat cleanly.
     """
     if c.updated:
         raise NotUnrollable("the forward updates buffers")
-    w = _Writer(c, _template(c, stack), stack, layers)
+    w = _Writer(c, _template(c, stack, first), stack, layers, first)
     infos = w.placeholders([*params, *fixed], len(params))
     infos += w.inputs()
     w.body()
@@ -263,7 +267,7 @@ def unroll(
         c.batch_size,
         c.model_name,
         [],
-        fold=Fold(c, stack, layers, origin, layer_of),
+        fold=Fold(c, stack, layers, origin, layer_of, first),
     )
 
 
@@ -275,8 +279,8 @@ class _Writer:
     part, for the layer it was written for.
     """
 
-    def __init__(self, c: CapturedGraph, tpl: _Template, stack: str, layers: int):
-        self.c, self.tpl, self.stack, self.layers = c, tpl, stack, layers
+    def __init__(self, c: CapturedGraph, tpl: _Template, stack: str, layers: int, first: int = 0):
+        self.c, self.tpl, self.stack, self.layers, self.first = c, tpl, stack, layers, first
         self.new = fx.Graph()
         self.copied: dict[fx.Node, fx.Node] = {}
         self.layered: dict[tuple[int, str, int], fx.Node] = {}
@@ -316,23 +320,23 @@ class _Writer:
             out.meta["seq_nr"] = self.seq_nr(n.meta["seq_nr"], t, j)
         if t is not None and "autopar_module" in n.meta:
             mod = n.meta["autopar_module"]
-            if _layer_of_name(mod, self.stack) is not None:
-                out.meta["autopar_module"] = _renamed(mod, self.stack, j)
+            if _layer_of_name(mod, self.stack, self.first) is not None:
+                out.meta["autopar_module"] = _renamed(mod, self.stack, j, self.first)
         return out
 
     def placeholders(self, state: list[TensorInfo], n_params: int) -> list[TensorInfo]:
         """A placeholder for each parameter and buffer of the full model, in its order."""
-        stack = self.stack
+        stack, first = self.stack, self.first
         by_name = {i.name: i for i in [*self.c.params, *self.c.buffers]}
         infos: list[TensorInfo] = []
         for k, info in enumerate(state):
-            j = _layer_of_name(info.name, stack)
-            src = by_name[info.name if j is None else _renamed(info.name, stack, self.template_layer(j))]
+            j = _layer_of_name(info.name, stack, first)
+            src = by_name[info.name if j is None else _renamed(info.name, stack, self.template_layer(j), first)]
             traced = self.ph_nodes[src.placeholder]
             node = self.new.placeholder(_placeholder_name("p_" if k < n_params else "b_", info.name))
             node.meta = dict(traced.meta)
             if j is not None and "autopar_module" in node.meta:
-                node.meta["autopar_module"] = _renamed(node.meta["autopar_module"], stack, j)
+                node.meta["autopar_module"] = _renamed(node.meta["autopar_module"], stack, j, first)
             if "seq_nr" in node.meta:
                 node.meta["seq_nr"] = self.seq_nr(node.meta["seq_nr"], None if j is None else self.template_layer(j), j)
             if j is None:
@@ -380,14 +384,14 @@ class _Writer:
 
     def results(self, params: list[TensorInfo]) -> None:
         """The output: the loss, then each parameter's gradient (its layer's copy)."""
-        c, stack = self.c, self.stack
+        c, stack, first = self.c, self.stack, self.first
         loss_t, grads_t, _ = graph_results(c.gm, len(c.params))
         grad_of = dict(zip([p.name for p in c.params], grads_t, strict=True))
         grads = []
         for p in params:
-            j = _layer_of_name(p.name, stack)
+            j = _layer_of_name(p.name, stack, first)
             t = None if j is None else self.template_layer(j)
-            g = grad_of[p.name if t is None else _renamed(p.name, stack, t)]
+            g = grad_of[p.name if t is None else _renamed(p.name, stack, t, first)]
             grads.append(None if g is None else self.arg(g, t, -1 if j is None else j))
         out = self.new.output((self.arg(loss_t, None, -1), *grads))
         out.meta = dict(next(n for n in reversed(c.gm.graph.nodes) if n.op == "output").meta)

@@ -122,17 +122,19 @@ def layer_figures(
 
 
 def unfold_segments(segments: list[Segment], fold: Fold) -> list[Segment]:
-    """The four traced layers' segments as all ``fold.layers``: the first middle layer's for layers 1 .. L-3."""
-    prefix = fold.stack + "."
+    """The four traced layers' segments as all ``fold.layers``: the first middle layer's for layers 1 .. L-3.
+
+    Layers before the run (``fold.first``) were traced whole and keep their segments."""
+    prefix, first = fold.stack + ".", fold.first
     last = fold.layers - 1
     out: list[Segment] = []
     for seg in segments:
         t = seg.name[len(prefix) :] if seg.name.startswith(prefix) else ""
-        if not t.isdigit():
+        if not t.isdigit() or int(t) < first:
             out.append(seg)
             continue
-        layers = {0: [0], 1: list(range(1, last - 1)), 2: [last - 1], 3: [last]}[int(t)]
-        out += [replace(seg, name=f"{prefix}{j}") for j in layers]
+        layers = {0: [0], 1: list(range(1, last - 1)), 2: [last - 1], 3: [last]}[int(t) - first]
+        out += [replace(seg, name=f"{prefix}{j + first}") for j in layers]
     return out
 
 

@@ -33,11 +33,15 @@ of T1 live over [s, e) adds ``(L - 4) · m`` over [s', e'), with
          B1           if B2 <= s < B1   (made in the next layer's backward or its own)
     e' = F1           if e <= F2'   (freed within its own or the next layer's forward)
          B1           if F2' < e <= B1   (kept for the backward: freed in the next's or its own)
-         e            if e > B1     (a gradient: kept to the end)
+         B1           if B1 < e < E   (read by the backward of the layer before: T1's input gradient,
+                        whose copies in layers 2 .. L-3 are freed within T1's backward)
+         e            if e = E      (a gradient: kept to the end of the step, E)
 
 where F1 is where T1's forward starts, F2' where T2's forward ends, B2 where T2's backward
 starts and B1 where T1's backward ends (a phantom layer's forward runs at F1, its
-backward at B1); the phantom is left out when s' >= e'. So the activations every phantom
+backward at B1); the phantom is left out when s' >= e'. The buffers the step's memory adds
+beside the items (a value redistributed for a T1 op, :mod:`autopar.search.sharding.step_memory`)
+get their phantoms the same way (:class:`~autopar.search.sharding.instance.PhantomLayers`). So the activations every phantom
 layer keeps for its backward are live from T1's forward to T1's backward's end (the
 forward and backward of layers L-3 .. L-1 and the loss between), and their gradients
 from there to the end of the step.
@@ -58,7 +62,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.capture.graph import CapturedGraph, Fold
-from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.instance import PhantomLayers, ShardingProblem
 from autopar.search.sharding.strategies import NodeStrategies
 from autopar.solver import StrategyProblem
 
@@ -79,13 +83,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
     weight = [w if m else 1.0 for m in middle]
     p = sp.problem
     params = set(sp.param_nodes)
-    f1, f2_end, b2, b1_end = _marks(sp, fold)
-
-    def phantom(iv: tuple[int, int]) -> tuple[int, int] | None:
-        s, e = iv
-        s2 = s if s < f1 else (f1 if s < b2 else (b1_end if s < b1_end else s))
-        e2 = f1 if e <= f2_end else (b1_end if e <= b1_end else e)
-        return (s2, e2) if s2 < e2 else None
+    ghosts = PhantomLayers(layers - 4, *_marks(sp, fold), sp.facts.n_nodes)
 
     node_costs = [_scaled(row, x) for row, x in zip(p.node_costs, weight, strict=True)]
     node_memory = [
@@ -98,13 +96,13 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
     added = []
     for i, m in enumerate(middle):
         if m and i not in params:
-            iv = phantom(p.node_intervals[i])
+            iv = ghosts.span(*p.node_intervals[i])
             if iv is not None:
                 added.append((i, iv, _scaled(p.node_memory[i], phantoms)))
     grads = set(sp.grad_items)
     for k, (v, iv, row) in enumerate(p.memory_items or []):
         if middle[v]:
-            span = phantom(iv)
+            span = ghosts.span(*iv)
             if span is not None:
                 if k in grads:
                     grad_items.append(len(items) + len(added))
@@ -126,6 +124,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
         grad_items=grad_items,
         edge_weight=edge_weight,
         template=sp,
+        phantoms=ghosts,
     )
 
 

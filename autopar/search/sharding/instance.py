@@ -100,6 +100,29 @@ class ShardingProblem:
     # a folded problem's template problem as built, every layer counted once (its nodes and indices are this
     # problem's): what one layer's figures are read from
     template: ShardingProblem | None = None
+    # a folded problem's phantom layers (autopar.search.sharding.fold): how many, and where their values live
+    phantoms: PhantomLayers | None = None
+
+
+@dataclass(frozen=True)
+class PhantomLayers:
+    """The middle layers a folded problem adds as phantoms, ``count`` of them, and the template's marks that
+    place their values (:mod:`autopar.search.sharding.fold`): T1's forward start, T2's forward end, T2's
+    backward start, T1's backward end, and the step's end."""
+
+    count: int
+    f1: int
+    f2_end: int
+    b2: int
+    b1_end: int
+    end: int
+
+    def span(self, start: int, stop: int) -> tuple[int, int] | None:
+        """Where a phantom layer's copy of a value T1 holds over [start, stop) is live, or None when it is
+        not live at a time the template shows (the fold's module docstring)."""
+        s2 = start if start < self.f1 else (self.f1 if start < self.b2 else (self.b1_end if start < self.b1_end else start))
+        e2 = self.f1 if stop <= self.f2_end else (self.b1_end if stop <= self.b1_end or stop < self.end else stop)
+        return (s2, e2) if s2 < e2 else None
 
 
 def parameter_sourced(sp: ShardingProblem) -> set[str]:

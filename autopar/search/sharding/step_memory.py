@@ -155,16 +155,21 @@ def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[in
         )  # gathered on dim 0, then concatenated along its own dim
         ready = 0 if facts.by_name[u].op == "placeholder" else facts.order[u] + 1
         stop = _readers_end(reader, facts.order) if is_view(reader) else facts.order[v] + 1  # a view aliases it
-        found.append((facts.order[v], ready, stop, local, twice))
+        found.append((facts.order[v], ready, stop, local, twice, e))
     found.sort()
     out = []
     previous_read = 0
-    for read, ready, stop, local, twice in found:
+    ghosts, weights = sp.phantoms, sp.edge_weight
+    for read, ready, stop, local, twice, e in found:
         start = min(max(ready, previous_read), read)
         out.append((start, stop, local))
         if twice:
             out.append((read, read + 1, local))
         previous_read = read
+        if ghosts is not None and weights is not None and weights[e] > 1:  # a folded middle layer's edge
+            span = ghosts.span(start, stop)
+            if span is not None:
+                out.append((*span, local * ghosts.count))
     return out
 
 
