@@ -113,7 +113,9 @@ def test_causal_kernels_keep_the_whole_mask_on_a_query_shard() -> None:
 
 def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
     """Queries cut in n contiguous shards of a causal kernel: the last shard's work, (2n - 1) / n times the
-    mean, is what the sharding problem charges (1.5 at cp 2); other strategies and kernels are unchanged."""
+    mean, is what the sharding problem charges (1.5 at cp 2); in head-tail order every rank does the mean
+    (1.0), and contiguous shards each split head-tail again leave the blocks' imbalance (1.5 at 2 x 2);
+    other strategies and kernels are unchanged."""
     from autopar.cost_models.compute import causal_imbalance
     from autopar.cost_models.memory import precision_spec
     from autopar.search.sharding import problem
@@ -121,6 +123,8 @@ def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
     from autopar.search.sharding.request import MeshRequest
 
     assert [causal_imbalance(n) for n in (1, 2, 4)] == [1.0, 1.5, 1.75]
+    assert [causal_imbalance(1, n) for n in (2, 4, 8)] == pytest.approx([1.0, 1.0, 1.0])
+    assert causal_imbalance(2, 2) == pytest.approx(1.5)
     torch.manual_seed(0)
     model, inputs = llama_causal()
     captured = capture(model, inputs)
@@ -131,13 +135,17 @@ def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
         return {n: sp.problem.node_costs[i] for i, n in enumerate(sp.nodes)}, sp
 
     charged, sp = costs()
-    monkeypatch.setattr(problem, "causal_imbalance", lambda n: 1.0)
+    monkeypatch.setattr(problem, "causal_imbalance", lambda n, balanced=1: 1.0)
     even, _ = costs()
     name = next(n.name for n in captured.gm.graph.nodes if n.target is FLASH)
     i = sp.nodes.index(name)
+    factors = {(0, 0): 1.0, (1, 0): 1.5, (2, 0): 1.75, (0, 1): 1.0, (1, 1): 1.5}
+    seen = set()
     for k, s in enumerate(sp.strategies[i]):
-        split = sum(p.is_shard(2) for p in s.inputs[0])
-        assert charged[name][k] == pytest.approx(even[name][k] * (1.5 if split == 1 else 1.75 if split else 1.0))
+        split = (sum(p.is_shard(2) and not p.is_balanced() for p in s.inputs[0]), sum(p.is_balanced() for p in s.inputs[0]))
+        seen.add(split)
+        assert charged[name][k] == pytest.approx(even[name][k] * factors[split])
+    assert (0, 1) in seen, "the kernel is offered its queries in head-tail order"
 
 
 def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence() -> None:

@@ -310,17 +310,36 @@ def attention_work(node: fx.Node) -> float:
     return CAUSAL_WORK if _argument(node, "is_causal") is True else 1.0
 
 
-def causal_imbalance(pieces: int) -> float:
+def causal_imbalance(pieces: int, balanced: int = 1) -> float:
     """The busiest query shard's work over the mean, a causal kernel's queries cut in ``pieces`` contiguous
-    shards of the sequence (context parallelism without load balancing).
+    shards of the sequence, each then split in head-tail order over ``balanced`` ranks (context parallelism).
 
-    Shard ``r`` of ``n`` holds queries ``r·s/n .. (r+1)·s/n``, each attending the keys
-    up to its own position: ``(2r + 1) / n²`` of the kernel's work. The last shard
-    holds ``(2n - 1) / n²``, ``(2n - 1) / n`` times the mean ``1 / n``, and every
-    rank waits for it at the next collective (Megatron-LM and torch balance it by
-    giving rank ``r`` chunks ``r`` and ``2n - 1 - r`` of ``2n``; autopar does not yet).
+    A query at position ``x`` (a fraction of the sequence) attends the keys up to
+    it, so the queries in ``[x0, x1)`` do work in proportion to ``x1² - x0²``.
+    Contiguous shard ``r`` of ``n`` does ``(2r + 1) / n²`` of the kernel's work: the
+    last ``(2n - 1) / n`` times the mean, and every rank waits for it at the next
+    collective.  In head-tail order (Megatron-LM's and torch's load balance) rank
+    ``r`` of ``m`` holds chunks ``r`` and ``2m-1-r`` of ``2m``; the sum below gives
+    each the mean, ``((2r + 1) + (4m - 2r - 1)) / (2m)²  = 1 / m``.
     """
-    return (2 * pieces - 1) / pieces if pieces > 1 else 1.0
+    ranks = pieces * balanced
+    if ranks <= 1:
+        return 1.0
+
+    def work(x0: float, x1: float) -> float:
+        return x1 * x1 - x0 * x0
+
+    busiest = 0.0
+    for b in range(pieces):
+        lo, width = b / pieces, 1.0 / pieces
+        for r in range(balanced):
+            if balanced == 1:
+                w = work(lo, lo + width)
+            else:
+                chunk = width / (2 * balanced)
+                w = sum(work(lo + c * chunk, lo + (c + 1) * chunk) for c in (r, 2 * balanced - 1 - r))
+            busiest = max(busiest, w)
+    return busiest * ranks
 
 
 # --------------------------------------------------------------------------- bytes

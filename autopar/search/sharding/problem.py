@@ -328,10 +328,14 @@ def expert_parallel_terms(
 
 def causal_shard_terms(ctx: BuildContext, row: NodeRow, options: list[Strategy], q_at: int) -> None:
     """A causal attention kernel whose queries are split on the sequence (context parallelism) takes as long
-    as its busiest shard, the last (:func:`autopar.cost_models.compute.causal_imbalance`)."""
+    as its busiest shard: the last of contiguous shards, any in head-tail order
+    (:func:`autopar.cost_models.compute.causal_imbalance`)."""
     for i, s in enumerate(options):
-        pieces = math.prod(ctx.mesh_shape[a] for a in query_axes(s.inputs, q_at))
-        row.costs[i] *= causal_imbalance(pieces)
+        axes = query_axes(s.inputs, q_at)
+        q = s.inputs[q_at]
+        pieces = math.prod(ctx.mesh_shape[a] for a in axes if not q[a].is_balanced())
+        balanced = math.prod(ctx.mesh_shape[a] for a in axes if q[a].is_balanced())
+        row.costs[i] *= causal_imbalance(pieces, balanced)
 
 
 def activation_items(ctx: BuildContext, t: Terms) -> None:

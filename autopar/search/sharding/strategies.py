@@ -67,6 +67,7 @@ from autopar.core.placements import (
 )
 from autopar.ops import experts as experts_op
 from autopar.search.sharding import reshape_shards, strategy_rules
+from autopar.search.sharding.balanced_shards import Balance, balance_of, balanced_variants
 from autopar.search.sharding.dtensor_rules import costs_off, decomposition_rows, with_rule
 from autopar.search.sharding.node_keys import (
     NodeKey,
@@ -139,8 +140,13 @@ def enumerate_strategies(
     gm: fx.GraphModule,
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...] = SHARDING_AXES,
+    balance_masks: bool = False,
 ) -> dict[str, NodeStrategies]:
     """Candidate strategies for every placeholder, constant and call node of ``gm``.
+
+    Strategies that split a causal kernel's sequence have twins in head-tail order
+    (:mod:`autopar.search.sharding.balanced_shards`); ``balance_masks``: those of kernels
+    given a mask tensor too.
 
     ``gm`` is the joint graph from :func:`autopar.capture.joint.capture` (every node has
     ``meta["val"]``).  The output node is not an op and gets no entry.  Identical
@@ -150,7 +156,7 @@ def enumerate_strategies(
     mesh_shape = tuple(int(n) for n in mesh_shape)
     names = _names_for(mesh_shape, tuple(mesh_dim_names))
     t0 = time.perf_counter()
-    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm))
+    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm), balance_of(gm, balance_masks))
     out: dict[str, NodeStrategies] = {}
     with costs_off():
         for node in gm.graph.nodes:
@@ -173,7 +179,10 @@ def enumerate_strategies(
 class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
-    def __init__(self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey]) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey], balance: Balance | None = None
+    ) -> None:
+        self.balance = balance or Balance()
         self.mesh = mesh
         self.mesh_shape = mesh_shape
         self.keys = keys
@@ -255,8 +264,11 @@ class _Enumerator:
             # Symbolic-size arithmetic and the like: nothing to place.
             return self._replicated(node, op_name, warn=False)
 
-        # what the strategies depend on: the graph's part (node_keys), and the producers' candidates
-        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots))
+        # what the strategies depend on: the graph's part (node_keys), the producers' candidates, and whether the
+        # node may hold a head-tail shard
+        twins = bool(self.balance.lengths) and node.name not in self.balance.fixed
+        own = tuple(a.op == "placeholder" for a in inputs) if twins else ()
+        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots), twins, own)
         cached = self.memo.get(key) if key is not None else None
         if cached is not None:
             self.hits += 1
@@ -264,6 +276,8 @@ class _Enumerator:
         else:
             self.misses += 1
             rule, strats = self._compute(node, inputs, outs)
+            if twins and strats:
+                strats = strats + balanced_variants(strats, inputs, outs, own, self.balance.lengths, self.mesh_shape)
             if key is not None:
                 self.memo[key] = (rule, strats)
         if not strats:
