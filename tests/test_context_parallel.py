@@ -28,6 +28,7 @@ import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.sequence_attention import at_offset
 from autopar.core.placements import REPLICATE, shard
+from autopar.core.placements import balanced as balanced_shard
 from autopar.ops.dropout_attention import dropout_attention
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.verify.oracle import check_plans, plan_with_layout
@@ -111,6 +112,64 @@ def test_causal_kernels_keep_the_whole_mask_on_a_query_shard() -> None:
     assert not torch.allclose(unshifted, out[:, :, 4:]), "the second shard's mask needs its offset"
 
 
+def _head_tail(x: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    chunks = x.chunk(2 * n, 2)
+    return torch.cat([chunks[r], chunks[2 * n - 1 - r]], 2)
+
+
+def test_causal_kernels_on_head_tail_shards_keep_the_whole_mask() -> None:
+    """A causal kernel on a query shard in head-tail order (chunks r and 2n-1-r of 2n) runs once per chunk,
+    each at its offset: its output and query gradient are the whole kernel's rows in that order, and the
+    key and value gradients summed over the ranks are the whole kernel's; so for autopar's dropout
+    attention, keyed as the sharding pass keys each chunk."""
+    from autopar.codegen.sequence_attention import on_pieces, run_causal, score_boxes
+
+    torch.manual_seed(0)
+    n = 2
+    q, k, v, g = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(4))
+    out, lse = FLASH(q, k, v, 0.0, True)[:2]
+    dq, dk, dv = FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True)
+    q_spec, whole = (balanced_shard(2),), (q.shape, k.shape)
+    sums = []
+    for r in range(n):
+        qr, gr = _head_tail(q, r, n), _head_tail(g, r, n)
+        o, lr = run_causal(FLASH, (qr, k, v, 0.0, True), {}, whole, q_spec, (r,), (n,))[:2]
+        torch.testing.assert_close(o, _head_tail(out, r, n))
+        grads = run_causal(FLASH_BACKWARD, (gr, qr, k, v, o, lr, 0.0, True), {}, whole, q_spec, (r,), (n,))
+        torch.testing.assert_close(grads[0], _head_tail(dq, r, n))
+        sums.append(grads[1:])
+        boxes = score_boxes(whole, q_spec, (r,), (n,))
+        assert [b[1][2] for b in boxes] == [r * 2, (2 * n - 1 - r) * 2]
+
+        def ours(a, kw, box, r=r):  # noqa: ANN001, ANN202
+            return dropout_attention(*a, 0.0, True, None, False, 0, [2, 3, 8, 8], box[1], [r])
+
+        got = on_pieces(torch.ops.autopar.dropout_attention.default, (qr, k, v, None), {}, boxes, ours)
+        torch.testing.assert_close(got[0], _head_tail(out, r, n), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(s[0] for s in sums), dk)
+    torch.testing.assert_close(sum(s[1] for s in sums), dv)
+
+
+def test_head_tail_routes_reorder_where_the_order_changes() -> None:
+    """Between a head-tail shard and any other placement the runtime gathers and reorders (or reorders and
+    cuts) locally; between two placements that keep the order DTensor's plain redistribution is right. The
+    cost model charges the route's collectives: an all-gather to leave the order, none to take it from a
+    replica, a reduce-scatter from a partial sum."""
+    from autopar.core.placements import PARTIAL, balanced_route, head_tail, local_boxes
+    from autopar.cost_models.reshard import collectives_between
+
+    assert head_tail(2) == [0, 3, 1, 2]
+    assert local_boxes([4, 16], (shard(0), balanced_shard(1)), (1, 1), (2, 2)) == [([2, 4], [2, 4]), ([2, 4], [2, 8])]
+    b, s, r = (REPLICATE, balanced_shard(1)), (REPLICATE, shard(1)), (REPLICATE, REPLICATE)
+    assert balanced_route(b, (shard(0), balanced_shard(1))) is None
+    assert balanced_route(b, s) == [(r, (1, 1, False)), (s, None)]
+    assert balanced_route(s, b) == [(r, (1, 1, True)), (b, None)]
+    assert [k for k, _, _ in collectives_between(b, r, 64.0, (2, 2))] == ["all_gather"]
+    assert collectives_between(r, b, 64.0, (2, 2)) == []
+    assert [k for k, _, _ in collectives_between((REPLICATE, PARTIAL), b, 64.0, (2, 2))] == ["reduce_scatter"]
+    assert [k for k, _, _ in collectives_between(s, b, 64.0, (2, 2))] == ["all_gather"]
+
+
 def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
     """Queries cut in n contiguous shards of a causal kernel: the last shard's work, (2n - 1) / n times the
     mean, is what the sharding problem charges (1.5 at cp 2); in head-tail order every rank does the mean
@@ -162,10 +221,11 @@ def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence
     assert not same_elements((8, 16, 5), (shard(1), shard(0)), (128, 5), batch, (4, 8))
 
 
-def _kernel_axes(plan: autopar.Plan) -> set[tuple[int, ...]]:
-    """The mesh axes each attention kernel splits its queries' sequence over."""
+def _kernel_axes(plan: autopar.Plan, balanced: bool | None = None) -> set[tuple[int, ...]]:
+    """The mesh axes each attention kernel splits its queries' sequence over (in head-tail order, or in
+    contiguous shards, where ``balanced`` says)."""
     return {
-        tuple(a for a, p in enumerate(v["inputs"][0]) if p.is_shard(2))
+        tuple(a for a, p in enumerate(v["inputs"][0]) if p.is_shard(2) and balanced in (None, p.is_balanced()))
         for v in plan.placements.values()
         if v["op"] in KERNELS
     }
@@ -215,14 +275,18 @@ def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
 
 def _layout(name: str, kind: str) -> autopar.Plan:
     """The model under a context-parallel seed layout: "cp" (cp 2 over the second axis, dp 2 beside it) or
-    "cp_dp" (cp 2 over the dp axis's ranks, Megatron's tensor split on the second axis)."""
+    "cp_dp" (cp 2 over the dp axis's ranks, Megatron's tensor split on the second axis), the queries in
+    head-tail order ("_balanced") or contiguous shards ("_contiguous")."""
     model, inputs, plan = _planned(name)
     plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
     out = plan_with_layout(plan, model, inputs, FOUR, kind)
-    assert _kernel_axes(out) == {(1,) if kind == "cp" else (0,)}, "the layout does not split the sequence"
+    balanced = kind.endswith("_balanced")
+    axes = {(0,) if kind.startswith("cp_dp") else (1,)}
+    assert _kernel_axes(out, balanced) == axes, "the layout does not split the sequence in its order"
     assert out.mesh.get("cp") is None or out.mesh["cp"] == 2
     if name == "llama_pairs":  # the loss's flatten of the sequence split, run on each rank's rows
-        flat = ((shard(0), shard(1)), (shard(0), shard(0)))
+        seq = balanced_shard(1) if balanced else shard(1)
+        flat = ((shard(0), seq), (shard(0), balanced_shard(0) if balanced else shard(0)))
         views = [v for v in out.placements.values() if v["op"] in ("aten.view.default", "aten._unsafe_view.default")]
         assert any((tuple(v["inputs"][0] or ()), tuple(v["outputs"][0] or ())) == flat for v in views)
     return out
@@ -236,8 +300,13 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
     return plan
 
 
-# LLaMA's mask tensor is split with the queries like GPT-2's (the searched LLaMA plan below runs it)
-LAYOUTS = [(n, k) for n in ("llama_causal", "gpt2") for k in ("cp", "cp_dp")] + [("llama_pairs", "cp")]
+# head-tail order for causal LLaMA (HuggingFace's mask tensor, and SDPA's is_causal) and GPT-2, contiguous
+# shards for one of each kernel (SDPA's is_causal, autopar's dropout attention)
+LAYOUTS = [(n, f"{k}_balanced") for n in ("llama", "llama_causal", "gpt2") for k in ("cp", "cp_dp")] + [
+    ("llama_pairs", "cp_balanced"),
+    ("llama_causal", "cp_dp_contiguous"),
+    ("gpt2", "cp_contiguous"),
+]
 SEARCHED = [
     ("llama_causal", (("cp", 2),)),
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),

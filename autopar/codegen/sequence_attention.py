@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar.core.placements import local_boxes
 from autopar.ops.dropout_attention import causal_diagonal
@@ -137,8 +137,9 @@ def run_causal(
     return on_pieces(target, args, kwargs, boxes, run)
 
 
-def _split(q_spec: Sequence[Placement]) -> bool:
-    return any(isinstance(p, Shard) and p.dim == SEQ for p in q_spec)
+def _split(q_spec: Sequence[Any]) -> bool:
+    """Whether ``q_spec`` (autopar's placements or DTensor's) splits the queries' sequence."""
+    return any(p.is_shard(SEQ) for p in q_spec)
 
 
 def _masked(

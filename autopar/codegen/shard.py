@@ -208,7 +208,10 @@ class _ShardInterpreter(fx.Interpreter):
         if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
             out = n.target(*args, **kwargs)
             if entry["inputs"]:
-                out = self._move(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None, n)
+                source, idx = n.args[0], n.args[1]
+                outs = (self.plan.get(source.name) or {}).get("outputs") or ()
+                held = tuple(outs[idx]) if isinstance(idx, int) and idx < len(outs) and outs[idx] else None
+                out = self._move(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None, n, held)
             return self._declare(out, entry, n)
         if n.target in random_ops.RANDOM_OPS:
             args, kwargs = self._bring(n, args, kwargs, entry)
