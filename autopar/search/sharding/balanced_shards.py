@@ -153,3 +153,4 @@ def _reordered(
     new: list[Placement] = list(p)
     new[axis] = balanced(d)
     return tuple(new)
+

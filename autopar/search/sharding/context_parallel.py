@@ -72,6 +72,16 @@ def cp_filter(
     return keyed(allowed, kernels.get)  # the attention kernels alike, by where their query is; others free
 
 
+def _contiguous(node: str, strategy: Strategy) -> bool:
+    return not any(p is not None and any(q.is_balanced() for q in p) for p in (*strategy.outputs, *strategy.inputs))
+
+
+contiguous_only = keyed(_contiguous, lambda node: None)
+"""The strategies that hold nothing in head-tail order (:mod:`autopar.search.sharding.balanced_shards`): the
+search's solves that do not split the sequence for attention on purpose keep to them
+(:func:`autopar.search.sharding.mesh._best_on_mesh`), a problem the size it is without the twins."""
+
+
 def cp_axis_sizes(cp: int, dp: int, tp: int, axis: int | None = None) -> bool:
     """Whether a dp x tp mesh has an axis of ``cp`` ranks to split the sequence over (mesh axis ``axis``
     where given)."""
