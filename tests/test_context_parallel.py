@@ -314,6 +314,20 @@ SEARCHED = [
 ]
 
 
+def test_a_head_tail_layout_is_recosted_from_its_placements() -> None:
+    """A plan whose mask-tensor kernels take head-tail order (a layout asked for it) is costed as it stands:
+    its strategies are enumerated with every twin, so each placement is found; in head-tail order the causal
+    LLaMA's kernels cost less than in contiguous shards."""
+    from autopar.search.recost import estimate_plan
+
+    model, inputs, _ = _planned("llama")
+    est = estimate_plan(_layout("llama", "cp_dp_balanced"), model, inputs)
+    assert 0 < est.step_time_s < float("inf")
+    model, inputs, _ = _planned("llama_causal")
+    times = [estimate_plan(_layout("llama_causal", f"cp_dp_{o}"), model, inputs).step_time_s for o in ("balanced", "contiguous")]
+    assert times[0] < times[1], times
+
+
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_device() -> None:
     """The layouts and searched plans above train like one device; the searched ones split as expected: the

@@ -154,3 +154,15 @@ def _reordered(
     new[axis] = balanced(d)
     return tuple(new)
 
+
+
+def holds_balanced(placements: dict[str, dict]) -> bool:
+    """Whether a plan's placements hold anything in head-tail order: its strategies are then enumerated with
+    every twin (``balance_masks``), so that whatever layout made it is among them."""
+    return any(
+        q.is_balanced()
+        for entry in placements.values()
+        for p in (*(entry.get("inputs") or ()), *(entry.get("outputs") or ()))
+        if p
+        for q in p
+    )
