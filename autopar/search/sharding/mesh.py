@@ -258,7 +258,7 @@ def _best_on_mesh(
     # head-tail shards of the sequence where it is split for attention on purpose (a fixed cp, a cp seed): the
     # other solves keep to contiguous shards, and so to the problem's size without the twins (balanced_shards)
     plain_order = fixed
-    if cp is None:
+    if cp is None and any(not contiguous_only("", s) for ss in mp.sp.strategies for s in ss):
         plain_order = contiguous_only if fixed is None else both(mp.sp, fixed, contiguous_only)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
