@@ -2,15 +2,18 @@
 
 One process: the attention kernels offer the sequence split (queries split, keys and
 values whole, their gradients partial sums); a causal kernel on a query shard
-keeps the whole mask's rows of that shard; ``fixed={"cp": n}`` splits the sequence
+keeps the whole mask's rows of that shard, and one in head-tail order (chunks r and
+2n-1-r of 2n) runs per chunk; the busiest shard's work is charged, the mean in
+head-tail order; ``fixed={"cp": n}`` splits the sequence
 n ways over the ranks of dp or of the second axis, ``plan.mesh`` names it, and what
 cannot be built is refused in one line.
 
 Four gloo processes (``-m slow``): tiny LLaMA (HuggingFace's mask tensor, and SDPA's
 ``is_causal`` flag as torchtitan calls it) and GPT-2 with its default dropout (0.1 on
 embeddings, attention and residuals, drawn under ``rng="exact"``) under cp 2 x dp 2
-and cp 2 x tp 2 (Megatron's tensor split on the second axis), and as the search plans
-``fixed`` cp with and without tp and ZeRO: 3 AdamW steps within 1e-5 of one device,
+and cp 2 x tp 2 (Megatron's tensor split on the second axis), the queries in head-tail
+order (and once in contiguous shards), as the search plans ``fixed`` cp with and without
+tp and ZeRO, and a random plan of causal LLaMA: 3 AdamW steps within 1e-5 of one device,
 parameters gathered by ``full_state_dict``; and a checkpoint round trip between one
 device and cp 2 x tp 2.
 """
@@ -292,6 +295,17 @@ def _layout(name: str, kind: str) -> autopar.Plan:
     return out
 
 
+def _flowing(name: str, seed: int) -> autopar.Plan:
+    """A random plan of the strategies (each op's drawn among those that take its inputs as they come): for a
+    causal model many ops in head-tail order the cost model would not pick, and changes of order between them."""
+    model, inputs, plan = _planned(name)
+    plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
+    out = plan_with_layout(plan, model, inputs, FOUR, "flowing", seed=seed)
+    held = [p for v in out.placements.values() for p in (*v["inputs"], *v["outputs"]) if p]
+    assert sum(any(q.is_balanced() for q in p) for p in held) > 50, "the random plan holds little in head-tail order"
+    return out
+
+
 @functools.cache
 def _searched(name: str, fixed: tuple) -> autopar.Plan:
     torch.manual_seed(0)
@@ -330,13 +344,14 @@ def test_a_head_tail_layout_is_recosted_from_its_placements() -> None:
 
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_device() -> None:
-    """The layouts and searched plans above train like one device; the searched ones split as expected: the
-    causal kernel's queries in head-tail order (the cheaper), the mask tensors' in contiguous shards (as cheap,
-    with no reorder)."""
-    labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED]
+    """The layouts and searched plans above train like one device, and so does a random plan of causal LLaMA's
+    strategies; the searched ones split as expected: the causal kernel's queries in head-tail order (the
+    cheaper), the mask tensors' in contiguous shards (as cheap, with no reorder)."""
+    labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED] + ["llama_causal flowing"]
     cases = [(FACTORIES[n], functools.partial(_layout, n, k)) for n, k in LAYOUTS] + [
         (FACTORIES[n], functools.partial(_searched, n, f)) for n, f in SEARCHED
     ]
+    cases.append((llama_causal, functools.partial(_flowing, "llama_causal", 1)))
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
     assert orders == [True, False, False], orders
