@@ -13,7 +13,7 @@ Four gloo processes (``-m slow``): tiny LLaMA (HuggingFace's mask tensor, and SD
 embeddings, attention and residuals, drawn under ``rng="exact"``) under cp 2 x dp 2
 and cp 2 x tp 2 (Megatron's tensor split on the second axis), the queries in head-tail
 order (and once in contiguous shards), as the search plans ``fixed`` cp with and without
-tp and ZeRO, and a random plan of causal LLaMA: 3 AdamW steps within 1e-5 of one device,
+tp and ZeRO, and random plans of both: 3 AdamW steps within 1e-5 of one device,
 parameters gathered by ``full_state_dict``; and a checkpoint round trip between one
 device and cp 2 x tp 2.
 """
@@ -296,13 +296,16 @@ def _layout(name: str, kind: str) -> autopar.Plan:
 
 
 def _flowing(name: str, seed: int) -> autopar.Plan:
-    """A random plan of the strategies (each op's drawn among those that take its inputs as they come): for a
-    causal model many ops in head-tail order the cost model would not pick, and changes of order between them."""
+    """A random plan of the strategies, head-tail twins of mask tensors' kernels included (each op's drawn among
+    those that take its inputs as they come): many ops in head-tail order the cost model would not pick, and
+    changes of order between them; for GPT-2, its dropout in that order too."""
     model, inputs, plan = _planned(name)
     plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
-    out = plan_with_layout(plan, model, inputs, FOUR, "flowing", seed=seed)
-    held = [p for v in out.placements.values() for p in (*v["inputs"], *v["outputs"]) if p]
-    assert sum(any(q.is_balanced() for q in p) for p in held) > 50, "the random plan holds little in head-tail order"
+    out = plan_with_layout(plan, model, inputs, FOUR, "flowing", seed=seed, balance_masks=True)
+    held = [(v["op"], p) for v in out.placements.values() for p in (*v["inputs"], *v["outputs"]) if p]
+    assert sum(any(q.is_balanced() for q in p) for _, p in held) > 50, "the random plan holds little in head-tail order"
+    if name == "gpt2":
+        assert any(op == "aten.native_dropout.default" and any(q.is_balanced() for q in p) for op, p in held)
     return out
 
 
@@ -321,6 +324,7 @@ LAYOUTS = [(n, f"{k}_balanced") for n in ("llama", "llama_causal", "gpt2") for k
     ("llama_pairs", "cp_balanced"),
     ("llama_causal", "cp_dp_contiguous"),
 ]
+FLOWING = ("llama_causal", "gpt2")  # random plans, head-tail order on many ops (and GPT-2's dropout)
 SEARCHED = [
     ("llama_causal", (("cp", 2),)),
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
@@ -344,14 +348,14 @@ def test_a_head_tail_layout_is_recosted_from_its_placements() -> None:
 
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_device() -> None:
-    """The layouts and searched plans above train like one device, and so does a random plan of causal LLaMA's
-    strategies; the searched ones split as expected: the causal kernel's queries in head-tail order (the
+    """The layouts and searched plans above train like one device, and so do random plans of causal LLaMA's
+    and GPT-2's strategies; the searched ones split as expected: the causal kernel's queries in head-tail order (the
     cheaper), the mask tensors' in contiguous shards (as cheap, with no reorder)."""
-    labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED] + ["llama_causal flowing"]
+    labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED] + [f"{n} flowing" for n in FLOWING]
     cases = [(FACTORIES[n], functools.partial(_layout, n, k)) for n, k in LAYOUTS] + [
         (FACTORIES[n], functools.partial(_searched, n, f)) for n, f in SEARCHED
     ]
-    cases.append((llama_causal, functools.partial(_flowing, "llama_causal", 1)))
+    cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
     assert orders == [True, False, False], orders
