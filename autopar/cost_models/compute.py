@@ -322,24 +322,15 @@ def causal_imbalance(pieces: int, balanced: int = 1) -> float:
     ``r`` of ``m`` holds chunks ``r`` and ``2m-1-r`` of ``2m``; the sum below gives
     each the mean, ``((2r + 1) + (4m - 2r - 1)) / (2m)²  = 1 / m``.
     """
-    ranks = pieces * balanced
-    if ranks <= 1:
-        return 1.0
-
-    def work(x0: float, x1: float) -> float:
-        return x1 * x1 - x0 * x0
-
-    busiest = 0.0
-    for b in range(pieces):
-        lo, width = b / pieces, 1.0 / pieces
-        for r in range(balanced):
-            if balanced == 1:
-                w = work(lo, lo + width)
-            else:
-                chunk = width / (2 * balanced)
-                w = sum(work(lo + c * chunk, lo + (c + 1) * chunk) for c in (r, 2 * balanced - 1 - r))
-            busiest = max(busiest, w)
-    return busiest * ranks
+    width, m = 1.0 / pieces, balanced
+    chunks = [(0,)] if m == 1 else [(r, 2 * m - 1 - r) for r in range(m)]  # each rank's, in its block
+    step = width / (1 if m == 1 else 2 * m)
+    busiest = max(
+        sum((b * width + (c + 1) * step) ** 2 - (b * width + c * step) ** 2 for c in held)
+        for b in range(pieces)
+        for held in chunks
+    )
+    return busiest * pieces * m
 
 
 # --------------------------------------------------------------------------- bytes
