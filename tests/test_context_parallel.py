@@ -153,6 +153,31 @@ def test_causal_kernels_on_head_tail_shards_keep_the_whole_mask() -> None:
     torch.testing.assert_close(sum(s[1] for s in sums), dv)
 
 
+def test_kernels_given_a_mask_tensor_on_head_tail_shards_take_its_rows_piece_by_piece() -> None:
+    """A kernel given a mask tensor (HuggingFace's causal mask, a head-tail shard of its rows as the route
+    delivers it) runs once per chunk with that chunk's rows of the mask: the whole kernel's output and query
+    gradient in head-tail order, its key and value gradients summed over the ranks."""
+    from autopar.codegen.sequence_attention import run_causal
+
+    torch.manual_seed(0)
+    n = 2
+    q, k, v, g = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(4))
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.float64).masked_fill(torch.ones(8, 8).triu(1).bool(), float("-inf"))
+    out, lse = FLASH(q, k, v, 0.0, False, attn_mask=mask)[:2]
+    dq, dk, dv = FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    q_spec, whole = (balanced_shard(2),), (q.shape, k.shape)
+    sums = []
+    for r in range(n):
+        qr, gr, mr = _head_tail(q, r, n), _head_tail(g, r, n), _head_tail(mask, r, n)
+        o, lr = run_causal(FLASH, (qr, k, v, 0.0, False), {"attn_mask": mr}, whole, q_spec, (r,), (n,))[:2]
+        torch.testing.assert_close(o, _head_tail(out, r, n))
+        grads = run_causal(FLASH_BACKWARD, (gr, qr, k, v, o, lr, 0.0, False), {"attn_mask": mr}, whole, q_spec, (r,), (n,))
+        torch.testing.assert_close(grads[0], _head_tail(dq, r, n))
+        sums.append(grads[1:])
+    torch.testing.assert_close(sum(s[0] for s in sums), dk)
+    torch.testing.assert_close(sum(s[1] for s in sums), dv)
+
+
 def test_head_tail_routes_reorder_where_the_order_changes() -> None:
     """Between a head-tail shard and any other placement the runtime gathers and reorders (or reorders and
     cuts) locally; between two placements that keep the order DTensor's plain redistribution is right. The
@@ -237,7 +262,7 @@ def _kernel_axes(plan: autopar.Plan, balanced: bool | None = None) -> set[tuple[
 def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
     """``fixed={"cp": 2}`` as ``"tp"``: the attention kernels split their queries over an axis of 2 ranks
     (beside a fixed tp, the dp axis's; beside a fixed dp alone, the second axis's), and ``plan.mesh`` names
-    the split (it adds no devices)."""
+    the split (it adds no devices); a causal kernel's queries in head-tail order."""
     torch.manual_seed(0)
     model, inputs = models.llama_tiny()
     cases = (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 2, "dp": 2}, {(1,)}), ({"cp": 4, "dp": 4}, {(0,)}))
@@ -250,6 +275,8 @@ def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
         assert f"split {fixed['cp']} ways on the sequence over {axis} (context parallel" in plan.summary(width=300)
     plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"cp": 1, "dp": 4})
     assert "cp" not in plan.mesh and _kernel_axes(plan) == {()}
+    # a kernel told is_causal: the search takes the queries in head-tail order, the cheaper
+    assert _kernel_axes(_searched("llama_causal", (("cp", 2),)), True) not in ({()}, set())
 
 
 @pytest.mark.parametrize(
