@@ -13,7 +13,7 @@ Four gloo processes (``-m slow``): tiny LLaMA (HuggingFace's mask tensor, and SD
 embeddings, attention and residuals, drawn under ``rng="exact"``) under cp 2 x dp 2
 and cp 2 x tp 2 (Megatron's tensor split on the second axis), the queries in head-tail
 order (and once in contiguous shards), as the search plans ``fixed`` cp with and without
-tp and ZeRO, and random plans of both: 3 AdamW steps within 1e-5 of one device,
+tp and ZeRO (and cp 4, eight chunks), and random plans of both: 3 AdamW steps within 1e-5 of one device,
 parameters gathered by ``full_state_dict``; and a checkpoint round trip between one
 device and cp 2 x tp 2.
 """
@@ -341,7 +341,7 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
     torch.manual_seed(0)
     model, inputs = FACTORIES[name]()
     plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=dict(fixed))
-    assert plan.mesh.get("cp") == 2, plan.mesh
+    assert plan.mesh.get("cp") == dict(fixed)["cp"], plan.mesh
     return plan
 
 
@@ -354,6 +354,7 @@ LAYOUTS = [(n, f"{k}_balanced") for n in ("llama", "llama_causal", "gpt2") for k
 FLOWING = ("llama_causal", "gpt2")  # random plans, head-tail order on many ops (and GPT-2's dropout)
 SEARCHED = [
     ("llama_causal", (("cp", 2),)),
+    ("llama_causal", (("cp", 4), ("dp", 4))),  # 8 chunks: rank r holds chunks r and 7-r
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
     ("llama", (("cp", 2), ("tp", 2), ("zero", 3))),
 ]
@@ -385,7 +386,7 @@ def test_context_parallel_trains_like_one_device() -> None:
     cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
-    assert orders == [True, False, False], orders
+    assert orders == [True, True, False, False], orders
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)
     for c in checks:
