@@ -203,7 +203,7 @@ def test_causal_query_shards_are_charged_the_busiest_shard(monkeypatch) -> None:
     mean, is what the sharding problem charges (1.5 at cp 2); in head-tail order every rank does the mean
     (1.0), and contiguous shards each split head-tail again leave the blocks' imbalance (1.5 at 2 x 2);
     other strategies and kernels are unchanged."""
-    from autopar.cost_models.compute import causal_imbalance
+    from autopar.cost_models.attention import causal_imbalance
     from autopar.cost_models.memory import precision_spec
     from autopar.search.sharding import problem
     from autopar.search.sharding.mesh_solve import prepare_mesh

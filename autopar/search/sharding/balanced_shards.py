@@ -1,7 +1,7 @@
 """Head-tail shards of the sequence: context parallelism with causal attention's work balanced.
 
 A causal kernel whose queries are cut in ``n`` contiguous shards leaves the last
-rank ``(2n-1)/n`` of the mean work (:func:`autopar.cost_models.compute.causal_imbalance`).
+rank ``(2n-1)/n`` of the mean work (:func:`autopar.cost_models.attention.causal_imbalance`).
 Megatron-LM and torch's ``context_parallel`` (``_HeadTailLoadBalancer``) cut the
 sequence in ``2n`` chunks and give rank ``r`` chunks ``r`` and ``2n-1-r``: every
 rank then does the same work.  They do it by permuting the inputs once (tokens,
@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from autopar.core.placements import Placement, Placements, balanced
-from autopar.cost_models.compute import CAUSAL_WORK, attention_work, is_attention_kernel
+from autopar.cost_models.attention import CAUSAL_WORK, attention_work, is_attention_kernel
 
 SEQ_DIM = 2  # of the kernels' (batch, heads, seq, head_dim) queries
 

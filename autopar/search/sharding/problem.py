@@ -101,8 +101,9 @@ from dataclasses import replace
 import torch.fx as fx
 
 from autopar.cost_models import experts as experts_cost
+from autopar.cost_models.attention import CAUSAL_WORK, causal_imbalance
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import CAUSAL_WORK, causal_imbalance, roofline_time
+from autopar.cost_models.compute import roofline_time
 from autopar.ops import experts as experts_op
 from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
@@ -329,7 +330,7 @@ def expert_parallel_terms(
 def causal_shard_terms(ctx: BuildContext, row: NodeRow, options: list[Strategy], q_at: int) -> None:
     """A causal attention kernel whose queries are split on the sequence (context parallelism) takes as long
     as its busiest shard: the last of contiguous shards, any in head-tail order
-    (:func:`autopar.cost_models.compute.causal_imbalance`)."""
+    (:func:`autopar.cost_models.attention.causal_imbalance`)."""
     for i, s in enumerate(options):
         axes = query_axes(s.inputs, q_at)
         q = s.inputs[q_at]
