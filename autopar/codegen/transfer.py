@@ -31,8 +31,9 @@ import torch.fx as fx
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.search.sharding.balanced_shards import holds_balanced
 from autopar.search.sharding.node_keys import tensor_inputs
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from autopar.core.errors import PlanError
 from autopar.ops import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
 from autopar.plans.records import Fixed
 from autopar.search.sharding.filters import keyed
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.node_strategies import Strategy
 
 aten = torch.ops.aten
 

@@ -24,9 +24,10 @@ from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
 from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import layout_filter
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 
 # The solver's time limit for a layout: the seed leaves it little to choose.
 LAYOUT_TIME_LIMIT_S = 30.0

@@ -39,9 +39,9 @@ from autopar.search.sharding.mesh_solve import (
     unfold_result,
     zero_filter,
 )
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
-from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
     PROVED_GAP,

@@ -109,11 +109,11 @@ from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, 
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.context_parallel import QUERY_AT, query_axes
 from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.resharding_edges import buffer_update_edges, data_edges, grad_sync_edges
 from autopar.search.sharding.step_memory import accumulated, parameter_items
-from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import StrategyProblem
 
 

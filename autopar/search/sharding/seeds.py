@@ -20,7 +20,7 @@ from autopar.core.placements import REPLICATE, Placement, shard
 from autopar.ops import experts as experts_op
 from autopar.search.sharding.context_parallel import cp_filter
 from autopar.search.sharding.filters import keyed, node_key
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.node_strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
 ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
