@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from autopar.core.placements import Placement, Placements, balanced
 from autopar.cost_models.attention import CAUSAL_WORK, attention_work, is_attention_kernel
+from autopar.search.sharding.node_strategies import Strategy
 
 SEQ_DIM = 2  # of the kernels' (batch, heads, seq, head_dim) queries
 
@@ -87,13 +88,13 @@ def _per_query_mask(node: fx.Node, seq: int) -> bool:
 
 
 def balanced_variants(
-    strategies: Sequence,
+    strategies: Sequence[Strategy],
     inputs: Sequence[fx.Node],
     outs: Sequence[object],
     placeholders: Sequence[bool],
     lengths: frozenset[int],
     mesh_shape: Sequence[int],
-) -> list:
+) -> list[Strategy]:
     """The head-tail twins of the strategies of a node reading ``inputs`` and returning ``outs`` (values), one
     per strategy and mesh dim where it has one.
 
@@ -112,7 +113,16 @@ def balanced_variants(
     return out
 
 
-def _twin(s, axis, n, in_shapes, out_shapes, placeholders, lengths, mesh_shape):  # noqa: ANN001, ANN202
+def _twin(
+    s: Strategy,
+    axis: int,
+    n: int,
+    in_shapes: list[tuple[int, ...]],
+    out_shapes: list[tuple[int, ...] | None],
+    placeholders: Sequence[bool],
+    lengths: frozenset[int],
+    mesh_shape: Sequence[int],
+) -> Strategy | None:
     """``s`` with its shards on mesh dim ``axis`` in head-tail order; None where that would not be exact."""
     if any(p is not None and not p[axis].is_shard() and not p[axis].is_partial() for p in s.outputs):
         return None  # a whole output of a split input: it does not follow the inputs' positions
@@ -136,7 +146,12 @@ def _twin(s, axis, n, in_shapes, out_shapes, placeholders, lengths, mesh_shape):
 
 
 def _reordered(
-    p: Placements | None, shape: tuple[int, ...] | None, axis: int, n: int, lengths: frozenset[int], mesh_shape
+    p: Placements | None,
+    shape: tuple[int, ...] | None,
+    axis: int,
+    n: int,
+    lengths: frozenset[int],
+    mesh_shape: Sequence[int],
 ) -> Placements | None | bool:
     """``p`` with its shard on mesh dim ``axis`` in head-tail order (unchanged when it has none there); False
     where the split dim is not a whole sequence of ``lengths`` on that mesh dim, or a later mesh dim splits it."""
