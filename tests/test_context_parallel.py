@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.capture.joint import capture
-from autopar.codegen.sequence_attention import at_offset
+from autopar.codegen.sequence_attention import run_causal
 from autopar.core.placements import REPLICATE, shard
 from autopar.core.placements import balanced as balanced_shard
 from autopar.ops.dropout_attention import dropout_attention
@@ -97,13 +97,11 @@ def test_causal_kernels_keep_the_whole_mask_on_a_query_shard() -> None:
     parts = []
     for r, qr in _shards(q, 2):
         rows = slice(r * 4, (r + 1) * 4)
-        args, kwargs = at_offset(FLASH, (qr, k, v, 0.0, True), {}, (q.shape, k.shape), q_spec, (r,), (2,))
-        o, lr = FLASH(*args, **kwargs)[:2]
+        o, lr = run_causal(FLASH, (qr, k, v, 0.0, True), {}, (q.shape, k.shape), q_spec, (r,), (2,))[:2]
         torch.testing.assert_close(o, out[:, :, rows])
-        args, kwargs = at_offset(
+        dqr, dkr, dvr = run_causal(
             FLASH_BACKWARD, (g[:, :, rows], qr, k, v, o, lr, 0.0, True), {}, (q.shape, k.shape), q_spec, (r,), (2,)
         )
-        dqr, dkr, dvr = FLASH_BACKWARD(*args, **kwargs)
         torch.testing.assert_close(dqr, dq[:, :, rows])
         parts.append((dkr, dvr))
         # autopar's kernel, keyed as the sharding pass keys it: the score tensor's shape, this shard's offset
@@ -125,7 +123,7 @@ def test_causal_kernels_on_head_tail_shards_keep_the_whole_mask() -> None:
     each at its offset: its output and query gradient are the whole kernel's rows in that order, and the
     key and value gradients summed over the ranks are the whole kernel's; so for autopar's dropout
     attention, keyed as the sharding pass keys each chunk."""
-    from autopar.codegen.sequence_attention import on_pieces, run_causal, score_boxes
+    from autopar.codegen.sequence_attention import on_pieces, score_boxes
 
     torch.manual_seed(0)
     n = 2
@@ -157,7 +155,6 @@ def test_kernels_given_a_mask_tensor_on_head_tail_shards_take_its_rows_piece_by_
     """A kernel given a mask tensor (HuggingFace's causal mask, a head-tail shard of its rows as the route
     delivers it) runs once per chunk with that chunk's rows of the mask: the whole kernel's output and query
     gradient in head-tail order, its key and value gradients summed over the ranks."""
-    from autopar.codegen.sequence_attention import run_causal
 
     torch.manual_seed(0)
     n = 2

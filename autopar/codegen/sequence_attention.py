@@ -95,26 +95,6 @@ def causal_rows(sq: int, sk: int, diagonal: int, like: torch.Tensor) -> torch.Te
     return torch.where(cols <= rows + diagonal, zero, torch.full((), float("-inf"), dtype=like.dtype, device=like.device))
 
 
-def at_offset(
-    target: Any,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    whole: tuple[torch.Size, torch.Size],
-    q_spec: Sequence[Placement],
-    coord: Sequence[int],
-    mesh_shape: Sequence[int],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``target``'s local arguments with its causal flag turned into this shard's mask, where it needs one.
-
-    ``whole`` is the (query, key) shapes of the whole tensors; ``q_spec`` the query's
-    placement on the mesh (a contiguous shard: :func:`run_causal` runs any) and ``coord``
-    this rank's coordinate.  Unchanged unless the kernel is causal and its query is split
-    on the sequence (dim 2).
-    """
-    (box,) = score_boxes(whole, q_spec, coord, mesh_shape)
-    return _masked(target, args, kwargs, whole, box, _split(q_spec))
-
-
 def run_causal(
     target: Any,
     args: Sequence[Any],
@@ -124,7 +104,12 @@ def run_causal(
     coord: Sequence[int],
     mesh_shape: Sequence[int],
 ) -> Any:
-    """A CPU flash kernel on this rank's query shard: once per piece of it, each with its rows of the mask."""
+    """A CPU flash kernel on this rank's query shard: once per piece of it, each with its rows of the mask.
+
+    ``whole`` is the (query, key) shapes of the whole tensors; ``q_spec`` the query's
+    placement on the mesh and ``coord`` this rank's coordinate.  A kernel that is not
+    causal, or whose query is not split on the sequence (dim 2), keeps its flag.
+    """
     split = _split(q_spec)
 
     def run(a: Sequence[Any], kw: dict[str, Any], box: Box) -> Any:
