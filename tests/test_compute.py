@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.cost_models import compute
+from autopar.cost_models import attention, compute
 from autopar.cost_models.compute import (
     DEFAULT_EFFICIENCY,
     ComputeEfficiency,
@@ -280,12 +280,12 @@ def test_kernels_run_at_the_devices_measured_rates_and_causal_attention_at_half_
     # the fused attention op of a causal SDPA runs half its FLOPs, forward and backward; others run all
     q, k, v = _qkv(b=2, h=4, s=16, d=8)
     gm = trace(_causal_attention_step, q, k, v)
-    causal = [n for n in gm.graph.nodes if compute.attention_work(n)]
-    assert len(causal) == 2 and {compute.attention_work(n) for n in causal} == {0.5}
+    causal = [n for n in gm.graph.nodes if attention.attention_work(n)]
+    assert len(causal) == 2 and {attention.attention_work(n) for n in causal} == {0.5}
     plain = trace(_attention_step, *_qkv(b=2, h=4, s=16, d=8))
-    assert {compute.attention_work(n) for n in plain.graph.nodes if compute.is_attention_kernel(n)} == {1.0}
+    assert {attention.attention_work(n) for n in plain.graph.nodes if attention.is_attention_kernel(n)} == {1.0}
     (mm,) = ops(trace(torch.mm, torch.empty(8, 8), torch.empty(8, 8)), aten.mm)
-    assert compute.attention_work(mm) == 0.0
+    assert attention.attention_work(mm) == 0.0
     # Megatron-Core's cuDNN attention on Hopper: its runtime's kernel is faster than FlashAttention-2
     saved = overlap.RUNTIME
     try:

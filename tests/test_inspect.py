@@ -177,7 +177,7 @@ def _one_node_result(source="milp", status="optimal", limit=None, peak=0.0, chos
     """A one-node search result: strategy 0 is cheaper (1 s vs 2 s) but holds 10 bytes more."""
     from types import SimpleNamespace
 
-    from autopar.search.sharding.strategies import Strategy
+    from autopar.search.sharding.node_strategies import Strategy
 
     problem = SimpleNamespace(
         node_costs=[[1.0, 2.0]], node_memory=[[20.0, 10.0]], edges=[], edge_costs=[], memory_limit=limit

@@ -15,8 +15,9 @@ from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides, tensor_placements
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 
 pytest.importorskip("transformers")
 

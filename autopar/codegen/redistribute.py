@@ -7,7 +7,9 @@ not: autopar's placements (a masked partial is a partial sum to autopar), a
 partial average under gloo (no AVG reduction), a whole value made partial
 without communication, a tensor every rank holds whole cut to its placement,
 this rank's box of a tensor as plain integers (for keyed random numbers), and a
-local shard re-laid out in the strides the capture recorded.  Each is a
+local shard re-laid out in the strides the capture recorded, and the reorders
+a head-tail shard's changes of placement need (:func:`autopar.core.placements.balanced_route`,
+which DTensor, seeing a plain shard of the permuted tensor, cannot know).  Each is a
 function of a DTensor (or a tensor and a mesh) and placements, and nothing of
 the plan or the graph.
 """
@@ -22,12 +24,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from autopar.core.placements import AVG, SUM, Placements, from_dtensor, to_dtensor_all
+from autopar.core.placements import (
+    AVG,
+    SUM,
+    Placements,
+    balanced_route,
+    from_dtensor,
+    head_tail,
+    to_dtensor_all,
+)
 
 
-def to_planned(x: Any, target: Placements | None) -> Any:
-    """``x`` in autopar's placements ``target``: a DTensor redistributed, anything else (or no target) as it is."""
+def to_planned(x: Any, target: Placements | None, src: Placements | None = None) -> Any:
+    """``x`` in autopar's placements ``target``: a DTensor redistributed, anything else (or no target) as it is.
+
+    ``src``: the placement ``x`` holds in autopar's terms, where that may differ from the
+    plain shards DTensor sees (a head-tail shard); omitted, ``x`` is in ``target``'s order.
+    """
     if target is None or not isinstance(x, DTensor):
+        return x
+    route = balanced_route(tuple(src), tuple(target)) if src is not None else None
+    if route is not None:
+        for stage, reorder in route:
+            x = to_planned(x, stage)
+            if reorder is not None:
+                x = reordered(x, *reorder)
         return x
     want = to_dtensor_all(target)
     if tuple(x.placements) == want:
@@ -45,7 +66,23 @@ def reduces(x: Any, target: Placements | None) -> bool:
     return any(isinstance(h, Partial) and not w.is_partial() for h, w in zip(x.placements, target, strict=True))
 
 
-def to_planned_in(x: Any, target: Placements | None, dtype: torch.dtype, keep: bool) -> Any:
+def reordered(x: DTensor, mesh_dim: int, dim: int, balance: bool) -> DTensor:
+    """``x`` with its local tensor's dim ``dim`` put in head-tail order for the ``n`` ranks of ``mesh_dim``
+    (``balance``), or back in natural order: ``2n`` chunks moved locally, no communication."""
+    order = head_tail(x.device_mesh.size(mesh_dim))
+    local = x.to_local()
+    chunks = local.chunk(len(order), dim)
+    if balance:
+        pieces = [chunks[c] for c in order]
+    else:
+        where = {c: i for i, c in enumerate(order)}
+        pieces = [chunks[where[c]] for c in range(len(order))]
+    return _relabel(torch.cat(pieces, dim), x, list(x.placements))
+
+
+def to_planned_in(
+    x: Any, target: Placements | None, dtype: torch.dtype, keep: bool, src: Placements | None = None
+) -> Any:
     """:func:`to_planned`, a reduction of a value narrower than ``dtype`` run in ``dtype``.
 
     Mixed precision reduces gradients in fp32 (:mod:`autopar.runtime.precision`):
@@ -54,8 +91,8 @@ def to_planned_in(x: Any, target: Placements | None, dtype: torch.dtype, keep: b
     back, since the op that reads it may need its operands in one dtype.
     """
     if not (reduces(x, target) and x.dtype.is_floating_point and x.dtype.itemsize < dtype.itemsize):
-        return to_planned(x, target)
-    out = to_planned(x.to(dtype), target)
+        return to_planned(x, target, src)
+    out = to_planned(x.to(dtype), target, src)
     return out if keep else out.to(x.dtype)
 
 

@@ -35,7 +35,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.capture.joint import CapturedGraph, gradient_chain
@@ -50,7 +50,7 @@ from autopar.codegen.redistribute import (
 )
 from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
 from autopar.core.mesh import SHARDING_AXES
-from autopar.core.placements import Placements, local_box, replicated, to_dtensor_all
+from autopar.core.placements import Placements, balanced_at, local_boxes, replicated, to_dtensor_all
 from autopar.ops import experts as experts_op
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, reshape_shards, strategy_rules
@@ -182,12 +182,19 @@ class _ShardInterpreter(fx.Interpreter):
                 self.on_value[n](out)
         return out
 
-    def _move(self, x: Any, target: Placements | None, node: fx.Node) -> Any:
-        """``x`` (the value of ``node``) to ``target``; a gradient's reduction in the reduce dtype."""
+    def _move(self, x: Any, target: Placements | None, node: fx.Node, src: Placements | None = None) -> Any:
+        """``x`` (the value of ``node``, held ``src`` where that is known) to ``target``; a gradient's reduction
+        in the reduce dtype."""
         dtype = self.casts.reduce_dtype
         if dtype is not None and node.name in self.casts.chain:
-            return to_planned_in(x, target, dtype, keep=node.name in self.casts.grads)
-        return to_planned(x, target)
+            return to_planned_in(x, target, dtype, keep=node.name in self.casts.grads, src=src)
+        return to_planned(x, target, src)
+
+    def _held(self, node: fx.Node) -> Placements | None:
+        """The placement the value of ``node`` (a single tensor) is held in: its planned output's."""
+        entry = self.plan.get(node.name)
+        outs = entry["outputs"] if entry else None
+        return tuple(outs[0]) if outs and outs[0] else None
 
     def _run_planned(self, n: fx.Node) -> Any:
         if n.op not in ("call_function", "get_attr"):
@@ -201,7 +208,10 @@ class _ShardInterpreter(fx.Interpreter):
         if n.target is operator.getitem:  # a follower: its value is moved once, for all its users
             out = n.target(*args, **kwargs)
             if entry["inputs"]:
-                out = self._move(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None, n)
+                source, idx = n.args[0], n.args[1]
+                outs = (self.plan.get(source.name) or {}).get("outputs") or ()
+                held = tuple(outs[idx]) if isinstance(idx, int) and idx < len(outs) and outs[idx] else None
+                out = self._move(out, tuple(entry["inputs"][0]) if entry["inputs"][0] else None, n, held)
             return self._declare(out, entry, n)
         if n.target in random_ops.RANDOM_OPS:
             args, kwargs = self._bring(n, args, kwargs, entry)
@@ -236,7 +246,7 @@ class _ShardInterpreter(fx.Interpreter):
 
         def bring(x: Any, node: Any) -> Any:
             if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-                return self._move(x, next(wanted, None), node)
+                return self._move(x, next(wanted, None), node, self._held(node))
             return x
 
         node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
@@ -252,18 +262,21 @@ class _ShardInterpreter(fx.Interpreter):
         that shards the output (``"fast"`` mode), so ranks holding copies draw
         the same numbers and ranks holding different shards draw their own.
         """
-        spec = to_dtensor_all(entry["outputs"][0])
+        spec = tuple(entry["outputs"][0])
         vals = n.meta["val"]
         whole = vals[0] if isinstance(vals, (tuple, list)) else vals
-        coord = self.mesh.get_coordinate()
-        shape, offset = local_box(whole.shape, spec, coord, self.mesh.shape)
-        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
         device = torch.device(self.mesh.device_type)
+        pieces = self._pieces(whole.shape, spec)
+        cat = balanced_at(spec)
 
         def draw(normal: bool, dtype: torch.dtype) -> torch.Tensor:
-            return torch.ops.autopar.random(
-                list(shape), dtype, device, self.random_ids[n.name], list(whole.shape), list(offset), stream, normal
-            )
+            parts = [
+                torch.ops.autopar.random(
+                    list(shape), dtype, device, self.random_ids[n.name], list(whole.shape), list(offset), stream, normal
+                )
+                for shape, offset, stream in pieces
+            ]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, cat[1])
 
         local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
         out = random_ops.run_local(n.target, local_args, local_kwargs, draw, whole)
@@ -279,13 +292,34 @@ class _ShardInterpreter(fx.Interpreter):
         q_at = random_ops.KEYED_KERNELS[n.target]
         q, k = n.args[q_at].meta["val"], n.args[q_at + 1].meta["val"]
         scores = [*q.shape[:-1], k.shape[-2]]
-        spec = to_dtensor_all(entry["inputs"][q_at])
-        coord = self.mesh.get_coordinate()
-        _, offset = local_box(scores, spec, coord, self.mesh.shape)
-        stream = [c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec, strict=True)]
-        local = list(pytree.tree_map_only(DTensor, lambda d: d.to_local(), args))
-        local[-4:] = [self.random_ids[n.name], scores, offset, stream]
-        return self._wrap(n.target(*local), n.meta["val"], entry)
+        pieces = self._pieces(scores, tuple(entry["inputs"][q_at]))
+        streams = {tuple(offset): stream for _, offset, stream in pieces}
+        local = pytree.tree_map_only(DTensor, lambda d: d.to_local(), args)
+
+        def run(a: tuple, kw: dict, box: tuple[list[int], list[int]]) -> Any:
+            offset = box[1]
+            return n.target(*a[:-4], self.random_ids[n.name], scores, offset, streams[tuple(offset)], **kw)
+
+        boxes = [(shape, offset) for shape, offset, _ in pieces]
+        return self._wrap(sequence_attention.on_pieces(n.target, local, {}, boxes, run), n.meta["val"], entry)
+
+    def _pieces(self, shape: Any, spec: Placements) -> list[tuple[list[int], list[int], list[int]]]:
+        """This rank's pieces of a tensor of ``shape`` placed ``spec`` (:func:`autopar.core.placements.local_boxes`),
+        each with the stream its random numbers are drawn from: per mesh dim, the chunk it is of those that
+        mesh dim cuts (-1 where it does not cut), so that no two pieces of the tensor share a stream."""
+        coord, sizes = self.mesh.get_coordinate(), self.mesh.shape
+        out = []
+        for local, offset in local_boxes(shape, spec, coord, sizes):
+            stream = []
+            for p, c in zip(spec, coord, strict=True):
+                if not p.is_shard():
+                    stream.append(-1)
+                elif p.is_balanced():
+                    stream.append(offset[p.dim] // local[p.dim] % (2 * sizes[len(stream)]))
+                else:
+                    stream.append(c)
+            out.append((local, offset, stream))
+        return out
 
     def _wrap(self, out: Any, vals: Any, entry: dict) -> Any:
         """Local outputs as DTensors in the placements ``entry`` declares, with the captured shapes."""
@@ -314,8 +348,12 @@ class _ShardInterpreter(fx.Interpreter):
         res = []
         for o in flat:
             if isinstance(o, torch.Tensor):
-                p = next(outs, None) or replicated(self.mesh.ndim)
-                o = from_whole(o, self.mesh, to_dtensor_all(p))
+                p = tuple(next(outs, None) or replicated(self.mesh.ndim))
+                if balanced_at(p) is None:
+                    o = from_whole(o, self.mesh, to_dtensor_all(p))
+                else:  # cut from a replica in head-tail order: reordered locally, then sliced
+                    whole = replicated(self.mesh.ndim)
+                    o = to_planned(from_whole(o, self.mesh, to_dtensor_all(whole)), p, whole)
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 
@@ -360,7 +398,10 @@ class _ShardInterpreter(fx.Interpreter):
     def _local_reshape(self, n: fx.Node, args: Any, entry: dict) -> Any:
         """A reshape on this rank's elements, which the planned placements hold on both sides."""
         local = args[0].to_local()
-        shape, _ = local_box(n.meta["val"].shape, to_dtensor_all(entry["outputs"][0]), self.mesh.get_coordinate(), self.mesh.shape)
+        shape = list(n.meta["val"].shape)
+        for p, size in zip(entry["outputs"][0], self.mesh.shape, strict=True):
+            if p.is_shard():
+                shape[p.dim] //= size
         self.local_only[str(n.target)] += 1
         return self._wrap(aten.reshape.default(local, shape), n.meta["val"], entry)
 
@@ -377,13 +418,14 @@ class _ShardInterpreter(fx.Interpreter):
                 size = self.mesh.shape[axes[0]]
                 out = experts_op.EP_VARIANT[n.target](*local_args, group, size)
                 return self._wrap(out, n.meta["val"], entry)
-        if n.target in sequence_attention.CAUSAL_FLAG:  # a causal kernel on a query shard: its rows of the mask
+        if n.target in sequence_attention.CAUSAL_FLAG:  # on a query shard: its rows of the mask, piece by piece
             q_at = sequence_attention.CAUSAL_FLAG[n.target][0]
             whole = (n.args[q_at].meta["val"].shape, n.args[q_at + 1].meta["val"].shape)
-            local_args, local_kwargs = sequence_attention.at_offset(
-                n.target, local_args, local_kwargs, whole, to_dtensor_all(entry["inputs"][q_at]),
+            out = sequence_attention.run_causal(
+                n.target, local_args, local_kwargs, whole, tuple(entry["inputs"][q_at]),
                 self.mesh.get_coordinate(), self.mesh.shape,
             )
+            return self._wrap(out, n.meta["val"], entry)
         return self._wrap(n.target(*local_args, **local_kwargs), n.meta["val"], entry)
 
     def _declare(self, out: Any, entry: dict, node: fx.Node) -> Any:

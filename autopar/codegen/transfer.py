@@ -29,9 +29,11 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, node_module
+from autopar.search.sharding.balanced_shards import holds_balanced
 from autopar.search.sharding.node_keys import tensor_inputs
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ def transfer_placements(
         else:
             missing.append(n)
     if missing:
-        strategies = enumerate_strategies(captured.gm, mesh_shape)
+        strategies = enumerate_strategies(captured.gm, mesh_shape, balance_masks=holds_balanced(placements))
         for n in nodes:  # graph order: producers are chosen before their readers
             if n in missing:
                 chosen[n.name] = _entry(n, _pick(strategies[n.name], n, chosen))

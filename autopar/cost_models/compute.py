@@ -16,7 +16,7 @@ kernel its ``attention_fraction`` (FlashAttention-2's forward + backward,
 measured) times the speed of the runtime's own attention kernel relative to
 that one (:data:`autopar.cost_models.overlap.RUNTIME`). A causal attention
 kernel skips the blocks above the diagonal: it runs half the FLOPs the formula
-counts (:func:`attention_work`); MFU still counts them all, as PyTorch's
+counts (:func:`autopar.cost_models.attention.attention_work`); MFU still counts them all, as PyTorch's
 ``FlopCounterMode`` and Megatron-LM's formula do.
 
 FLOPs come from ``torch.utils.flop_counter``'s registry, so autopar counts
@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch.utils import flop_counter
 
 from autopar.cost_models import overlap
+from autopar.cost_models.attention import attention_work
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def roofline_time(
     ``bytes_scale`` converts bytes counted at the traced dtype to the
     training precision (0.5 for bf16-mixed activations on an fp32 trace).
     ``attention`` > 0 marks a fused attention kernel running that fraction of
-    ``flops`` (:func:`attention_work`), at the attention kernel's FLOP/s.
+    ``flops`` (:func:`autopar.cost_models.attention.attention_work`), at the attention kernel's FLOP/s.
     ``efficiency`` None means the module's ``DEFAULT_EFFICIENCY`` as it is
     at call time, so calibration can replace it after import.
     """
@@ -273,54 +274,6 @@ def node_flops(node: fx.Node) -> int:
         )
         return 0
     return int(_hint(flops))
-
-
-def _argument(node: fx.Node, name: str) -> Any:
-    """The value of argument ``name`` of an op node (positional or keyword, else its schema default)."""
-    schema = getattr(node.target, "_schema", None)
-    for i, arg in enumerate(schema.arguments if schema is not None else ()):
-        if arg.name == name:
-            if not arg.kwarg_only and i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, arg.default_value)
-    return None
-
-
-def is_attention_kernel(node: fx.Node) -> bool:
-    """A fused attention op, forward or backward (SDPA's flash / efficient / cuDNN kernels, autopar's own)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    name = node.target._schema.name
-    return "scaled_dot_product" in name or name.startswith("autopar::dropout_attention")
-
-
-CAUSAL_WORK = 0.5  # the share of the counted FLOPs a causal kernel runs
-
-
-def attention_work(node: fx.Node) -> float:
-    """The fraction of a fused attention kernel's counted FLOPs it runs; 0 for any other op.
-
-    A causal kernel skips the blocks above the diagonal of the scores: it runs
-    half the FLOPs (FlashAttention's benchmarks count a causal kernel's FLOPs as
-    half of ``flop_counter``'s, whose formula counts the whole square); any
-    other runs them all.
-    """
-    if not is_attention_kernel(node):
-        return 0.0
-    return CAUSAL_WORK if _argument(node, "is_causal") is True else 1.0
-
-
-def causal_imbalance(pieces: int) -> float:
-    """The busiest query shard's work over the mean, a causal kernel's queries cut in ``pieces`` contiguous
-    shards of the sequence (context parallelism without load balancing).
-
-    Shard ``r`` of ``n`` holds queries ``r·s/n .. (r+1)·s/n``, each attending the keys
-    up to its own position: ``(2r + 1) / n²`` of the kernel's work. The last shard
-    holds ``(2n - 1) / n²``, ``(2n - 1) / n`` times the mean ``1 / n``, and every
-    rank waits for it at the next collective (Megatron-LM and torch balance it by
-    giving rank ``r`` chunks ``r`` and ``2n - 1 - r`` of ``2n``; autopar does not yet).
-    """
-    return (2 * pieces - 1) / pieces if pieces > 1 else 1.0
 
 
 # --------------------------------------------------------------------------- bytes

@@ -34,6 +34,12 @@ average that changes is rescaled locally into a partial sum, and a partial
 of another kind than the one it must become is reduced to a replica (one
 all-reduce) and then kept as the new partial locally.
 
+A head-tail shard (``B(d)``) is a shard of the tensor in another order: between
+two placements that keep the order, DTensor's steps are the plain shards'; where
+the order changes, the runtime's route
+(:func:`autopar.core.placements.balanced_route`) is costed stage by stage, its
+local reorders free (a copy of the local tensor, as a slice is).
+
 The plan of a (src, dst, mesh shape) is memoized as a fraction of the
 tensor's bytes per step, so the planner's many thousands of calls cost a
 cache look-up each.
@@ -56,6 +62,7 @@ from autopar.core.placements import (
     REPLICATE,
     Placement,
     Placements,
+    balanced_route,
     from_dtensor,
     partial,
     to_dtensor_all,
@@ -118,6 +125,24 @@ def _steps(
     """:func:`collectives_between` per byte of the tensor: (kind, mesh dim, fraction of the bytes); None if not allowed."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh shape {mesh_shape}")
+    route = balanced_route(src, dst)
+    if route is None:
+        return _plain_steps(src, dst, mesh_shape)
+    out: list[tuple[str, int, float]] = []
+    now = src
+    for stage, _ in route:  # the order of a dim changes: the runtime's stages, each as DTensor runs it
+        steps = _plain_steps(now, stage, mesh_shape)
+        if steps is None:
+            return None
+        out += steps
+        now = stage
+    return tuple(out)
+
+
+def _plain_steps(
+    src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[str, int, float], ...] | None:
+    """:func:`_steps` of a change DTensor runs as it is (a head-tail shard as a plain one)."""
     if any(transition(a, b) == "forbidden" for a, b in zip(src, dst, strict=True)):
         return None
     have, step = _runtime_request(src, dst)

@@ -66,14 +66,17 @@ def sharding_facts(
     return ShardingFacts(param_elements=total, zero_elements=dict(zero), split_elements=dict(split))
 
 
-def context_parallel_axes(placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES) -> list[str]:
+def context_parallel_axes(
+    placements: dict[str, dict[str, Any]], axes: tuple[str, ...] = SHARDING_AXES, balanced: bool = False
+) -> list[str]:
     """The mesh axes over which the plan's attention kernels split their queries' sequence (dim 2 of the
-    query, their first input forward)."""
+    query, their first input forward); with ``balanced``, those that split it in head-tail order."""
     found: set[str] = set()
     for entry in placements.values():
         op = entry.get("op", "")
         if ("scaled_dot_product" in op or "dropout_attention" in op) and "backward" not in op and entry["inputs"]:
-            found |= {a for a, p in zip(axes, entry["inputs"][0] or (), strict=False) if p.is_shard(2)}
+            q = entry["inputs"][0] or ()
+            found |= {a for a, p in zip(axes, q, strict=False) if p.is_shard(2) and (p.is_balanced() or not balanced)}
     return [a for a in axes if a in found]
 
 
@@ -124,7 +127,8 @@ def summary_rows(plan) -> list[tuple[str, str]]:
     if mesh.get("cp", 1) > 1 and cp_axes:
         parts.insert(0, (
             f"attention's queries split {mesh['cp']} ways on the sequence over {'+'.join(cp_axes)} (context "
-            "parallel: keys and values gathered, their gradients reduce-scattered)"
+            "parallel: keys and values gathered, their gradients reduce-scattered"
+            + ("; in head-tail order, causal work balanced)" if context_parallel_axes(plan.placements, balanced=True) else ")")
         ))
     if dp > 1 and "dp" not in cp_axes:
         parts.insert(0, f"batch split {dp} ways over dp")

@@ -26,6 +26,7 @@ from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import Cluster
 from autopar.plans.plan import Plan
 from autopar.search.sharding.answer import evaluate
+from autopar.search.sharding.balanced_shards import holds_balanced
 from autopar.search.sharding.derived import with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.problem import build_problem
@@ -87,7 +88,7 @@ def estimate_plan(
     mesh = cluster.check_mesh(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
     request = MeshRequest(captured, cluster, mesh, precision, plan.optimizer)  # no limit: costed as it is
     shape, links = request.shape, request.links
-    strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES)
+    strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES, balance_masks=holds_balanced(placements))
     sp = build_problem(request, strategies)
     sp = with_microbatches(sp, max(plan.microbatches, 1))
     choice = chosen_strategies(sp, placements, plan.zero)

@@ -90,7 +90,7 @@ def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tenso
 
 
 def random_placements(
-    captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int, flowing: bool = False
+    captured: CapturedGraph, mesh_shape: tuple[int, ...], seed: int, flowing: bool = False, balance_masks: bool = False
 ) -> dict[str, dict]:
     """A random valid plan: one strategy per node drawn at random (followers follow their source).
 
@@ -99,10 +99,11 @@ def random_placements(
     op's strategy is drawn among those that take its inputs as their producers
     left them, where there are any, so that shardings run on through the graph
     (a placement change where none fits) instead of one between almost every
-    two ops: a layout as varied, several times cheaper to trace and run.
+    two ops: a layout as varied, several times cheaper to trace and run.  ``balance_masks``: the strategies
+    include the head-tail twins of kernels given a mask tensor (:mod:`autopar.search.sharding.balanced_shards`).
     """
     rng = random.Random(seed)
-    strategies = enumerate_strategies(captured.gm, mesh_shape)
+    strategies = enumerate_strategies(captured.gm, mesh_shape, balance_masks=balance_masks)
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     params = {p.placeholder: p.name for p in captured.params}
     picked: dict[str, int] = {}
@@ -136,7 +137,7 @@ def _made(placements: dict[str, dict], node: str) -> Placements | None:
 
 
 def plan_with_layout(
-    plan: Plan, model, inputs, cluster: Cluster, layout: str, seed: int = 0, loss_fn=None
+    plan: Plan, model, inputs, cluster: Cluster, layout: str, seed: int = 0, loss_fn=None, balance_masks: bool = False
 ) -> Plan:
     """``plan`` with its placements replaced by a hand-set layout ("dp", "zero3", "megatron"), "random" or
     "flowing" (random, following producers' placements: :func:`random_placements`).
@@ -149,7 +150,7 @@ def plan_with_layout(
     captured, _ = captured_with_stats(model, inputs, loss_fn, batch=micro)  # the plan's own capture, if it was last
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
     if layout in ("random", "flowing"):
-        chosen = random_placements(captured, shape, seed, flowing=layout == "flowing")
+        chosen = random_placements(captured, shape, seed, flowing=layout == "flowing", balance_masks=balance_masks)
     else:
         mesh = MeshShape(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=plan.mesh.get("pp", 1))
         prec = precision_spec(plan.precision, plan.reduce_dtype)

@@ -57,8 +57,8 @@ from autopar.search.sharding.instance import (
     per_microbatch_grad_sync,
     tp_seconds,
 )
+from autopar.search.sharding.node_strategies import Strategy
 from autopar.search.sharding.step_memory import step_memory
-from autopar.search.sharding.strategies import Strategy
 from autopar.solver import Solution
 
 

@@ -25,9 +25,9 @@ from autopar.cost_models.reshard import shard_factor
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.graph_facts import GraphFacts, graph_facts
 from autopar.search.sharding.instance import EdgeInfo
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.step_memory import Item
-from autopar.search.sharding.strategies import NodeStrategies, Strategy
 
 
 @dataclass

@@ -24,7 +24,7 @@ from autopar.core.errors import PlanError
 from autopar.ops import dropout_attention  # noqa: F401  (registers torch.ops.autopar.dropout_attention*)
 from autopar.plans.records import Fixed
 from autopar.search.sharding.filters import keyed
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.node_strategies import Strategy
 
 aten = torch.ops.aten
 
@@ -50,10 +50,11 @@ def query_axes(inputs: Any, q_at: int) -> list[int]:
 
 
 def cp_filter(
-    captured: CapturedGraph, mesh_shape: tuple[int, ...], cp: int, axis: int | None = None
+    captured: CapturedGraph, mesh_shape: tuple[int, ...], cp: int, axis: int | None = None, order: str | None = None
 ) -> Callable[[str, Strategy], bool]:
     """``fixed={"cp": cp}``: every attention kernel splits its queries' sequence over one mesh axis of size
-    ``cp`` (1: over none), mesh axis ``axis`` where given; other nodes are free."""
+    ``cp`` (1: over none), mesh axis ``axis`` where given, in ``order`` where given: "balanced" (head-tail,
+    :mod:`autopar.search.sharding.balanced_shards`) or "contiguous"; other nodes are free."""
     kernels = attention_kernels(captured.gm)
 
     def allowed(node: str, strategy: Strategy) -> bool:
@@ -62,9 +63,23 @@ def cp_filter(
         axes = query_axes(strategy.inputs, kernels[node])
         if axis is not None and cp > 1 and axes != [axis]:
             return False
+        if order is not None and cp > 1:
+            q = strategy.inputs[kernels[node]]
+            if any(q[a].is_balanced() != (order == "balanced") for a in axes):
+                return False
         return [mesh_shape[a] for a in axes] == ([cp] if cp > 1 else [])
 
     return keyed(allowed, kernels.get)  # the attention kernels alike, by where their query is; others free
+
+
+def _contiguous(node: str, strategy: Strategy) -> bool:
+    return not any(p is not None and any(q.is_balanced() for q in p) for p in (*strategy.outputs, *strategy.inputs))
+
+
+contiguous_only = keyed(_contiguous, lambda node: None)
+"""The strategies that hold nothing in head-tail order (:mod:`autopar.search.sharding.balanced_shards`): the
+search's solves that do not split the sequence for attention on purpose keep to them
+(:func:`autopar.search.sharding.mesh._best_on_mesh`), a problem the size it is without the twins."""
 
 
 def cp_axis_sizes(cp: int, dp: int, tp: int, axis: int | None = None) -> bool:

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from autopar.search.sharding.filters import node_key
 from autopar.search.sharding.instance import ShardingProblem, parameter_sourced, per_microbatch_grad_sync
+from autopar.search.sharding.node_strategies import Strategy
 from autopar.search.sharding.step_memory import accumulated
-from autopar.search.sharding.strategies import Strategy
 from autopar.solver import StrategyProblem
 
 

@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 
 from autopar.capture.graph import CapturedGraph, Fold
 from autopar.search.sharding.instance import PhantomLayers, ShardingProblem
-from autopar.search.sharding.strategies import NodeStrategies
+from autopar.search.sharding.node_strategies import NodeStrategies
 from autopar.solver import StrategyProblem
 
 MIDDLE = 1

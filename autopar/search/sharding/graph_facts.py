@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import attention_work, is_view, node_flops
+from autopar.cost_models.attention import attention_work
+from autopar.cost_models.compute import is_view, node_flops
 from autopar.search.sharding.recompute import can_recompute
 
 

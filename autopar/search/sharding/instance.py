@@ -17,7 +17,7 @@ from autopar.core.placements import Placements
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.reshard import grad_sync_steps
 from autopar.search.sharding.graph_facts import GraphFacts
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.node_strategies import Strategy
 from autopar.solver import StrategyProblem
 
 EdgeKind = Literal["data", "grad-sync", "buffer-update"]

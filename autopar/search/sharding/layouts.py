@@ -24,9 +24,10 @@ from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
 from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.mesh import solve_mesh
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import layout_filter
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 
 # The solver's time limit for a layout: the seed leaves it little to choose.
 LAYOUT_TIME_LIMIT_S = 30.0
@@ -59,7 +60,7 @@ def layout_placements(
     batched = _batch_carrying(captured) if batch_activations else set()
 
     def allowed(node: str, strategy: Strategy) -> bool:
-        if split_batch and node in inputs and kind != "cp_dp" and not strategy.outputs[0][0].is_shard(0):
+        if split_batch and node in inputs and not kind.startswith("cp_dp") and not strategy.outputs[0][0].is_shard(0):
             return False
         if node in batched and strategy.outputs[0][0].is_replicate():
             return False
@@ -68,7 +69,7 @@ def layout_placements(
     seed_key = node_key(seed)
     allowed = keyed(allowed, lambda node: (node in inputs, node in batched, seed_key(node)))
     request = MeshRequest(captured, cluster, mesh, precision, optimizer, float("inf"))
-    strategies = enumerate_strategies(captured.gm, request.shape, SHARDING_AXES)
+    strategies = enumerate_strategies(captured.gm, request.shape, SHARDING_AXES, balance_masks=kind.endswith("_balanced"))
     forced = forced_placements(captured, strategies, allowed)
     if forced is not None:
         return forced

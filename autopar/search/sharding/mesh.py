@@ -22,7 +22,12 @@ from autopar.core.heap import long_lived_heap
 from autopar.core.notes import note
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster
-from autopar.search.sharding.context_parallel import attention_kernels, cp_axis_sizes, cp_filter
+from autopar.search.sharding.context_parallel import (
+    attention_kernels,
+    contiguous_only,
+    cp_axis_sizes,
+    cp_filter,
+)
 from autopar.search.sharding.mesh_solve import (
     MeshProblem,
     ShardingResult,
@@ -34,9 +39,9 @@ from autopar.search.sharding.mesh_solve import (
     unfold_result,
     zero_filter,
 )
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
-from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import (
     GAP_TARGET,
     PROVED_GAP,
@@ -250,6 +255,11 @@ def _best_on_mesh(
     if cp is not None:
         by_cp = cp_filter(mp.captured, (mp.mesh.dp, mp.mesh.tp), cp, cp_axis)
         fixed = by_cp if fixed is None else both(mp.sp, fixed, by_cp)
+    # head-tail shards of the sequence where it is split for attention on purpose (a fixed cp, a cp seed): the
+    # other solves keep to contiguous shards, and so to the problem's size without the twins (balanced_shards)
+    plain_order = fixed
+    if cp is None and any(not contiguous_only("", s) for ss in mp.sp.strategies for s in ss):
+        plain_order = contiguous_only if fixed is None else both(mp.sp, fixed, contiguous_only)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
@@ -268,7 +278,8 @@ def _best_on_mesh(
             seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
             # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
             share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
-            allowed = seed if fixed is None else both(mp.sp, seed, fixed)
+            order = fixed if kind.startswith("cp") else plain_order
+            allowed = seed if order is None else both(mp.sp, seed, order)
             seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET, dividing_only=True)
             seeded.source = kind
             if seeded.solution.choice and seeded.estimate.fits and (
@@ -289,7 +300,8 @@ def _best_on_mesh(
         if _far_behind(seeded_best, best_step):
             left = min(left, MILP_POLISH_OF * (time.perf_counter() - began))
             log.info("mesh %s: the seed layouts are more than %.0f%% slower than the best plan: a polish only", mp.mesh, 100 * HOPELESS)
-        plain = solve(left, allowed=fixed, start=start)
+        cp_seeded = seeded_best is not None and seeded_best.source.startswith("cp")
+        plain = solve(left, allowed=fixed if cp_seeded else plain_order, start=start)
     res = plain
     if seeded_best is not None and (
         res is None or seeded_best.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)

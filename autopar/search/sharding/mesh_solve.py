@@ -31,10 +31,11 @@ from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.fold import fold_problem, unfold_choice, unfold_strategies
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.step_memory import step_memory
-from autopar.search.sharding.strategies import NodeStrategies, Strategy, enumerate_strategies
+from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import (
     GAP_TARGET,
     MEMORY_RTOL,

@@ -101,18 +101,19 @@ from dataclasses import replace
 import torch.fx as fx
 
 from autopar.cost_models import experts as experts_cost
+from autopar.cost_models.attention import CAUSAL_WORK, causal_imbalance
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.compute import CAUSAL_WORK, causal_imbalance, roofline_time
+from autopar.cost_models.compute import roofline_time
 from autopar.ops import experts as experts_op
 from autopar.search.sharding.build_context import BuildContext, NodeRow, Terms, make_context
 from autopar.search.sharding.coarsen import repeated_groups
 from autopar.search.sharding.context_parallel import QUERY_AT, query_axes
 from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.resharding_edges import buffer_update_edges, data_edges, grad_sync_edges
 from autopar.search.sharding.step_memory import accumulated, parameter_items
-from autopar.search.sharding.strategies import NodeStrategies, Strategy
 from autopar.solver import StrategyProblem
 
 
@@ -328,10 +329,14 @@ def expert_parallel_terms(
 
 def causal_shard_terms(ctx: BuildContext, row: NodeRow, options: list[Strategy], q_at: int) -> None:
     """A causal attention kernel whose queries are split on the sequence (context parallelism) takes as long
-    as its busiest shard, the last (:func:`autopar.cost_models.compute.causal_imbalance`)."""
+    as its busiest shard: the last of contiguous shards, any in head-tail order
+    (:func:`autopar.cost_models.attention.causal_imbalance`)."""
     for i, s in enumerate(options):
-        pieces = math.prod(ctx.mesh_shape[a] for a in query_axes(s.inputs, q_at))
-        row.costs[i] *= causal_imbalance(pieces)
+        axes = query_axes(s.inputs, q_at)
+        q = s.inputs[q_at]
+        pieces = math.prod(ctx.mesh_shape[a] for a in axes if not q[a].is_balanced())
+        balanced = math.prod(ctx.mesh_shape[a] for a in axes if q[a].is_balanced())
+        row.costs[i] *= causal_imbalance(pieces, balanced)
 
 
 def activation_items(ctx: BuildContext, t: Terms) -> None:

@@ -8,7 +8,9 @@ batch split down to one sequence per rank, or a batch of one) each rank's elemen
 of the merged dim are one contiguous run, the very run a plain shard of the merged
 dim gives the rank: the reshape is local, with no communication.  This module finds
 such pairs of placements (:func:`reshaped_placements`); the strategy pass offers
-them and the sharding pass runs them on the local tensors.
+them and the sharding pass runs them on the local tensors.  A head-tail shard
+(``B(d)``) holds two runs a rank; the reshape is local when the other side holds
+the same two, in the same order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.core.placements import Placement, Placements, local_box, shard
+from autopar.core.placements import Placement, Placements, balanced, local_boxes, shard
 
 Groups = list[tuple[list[int], list[int]]]
 
@@ -79,12 +81,14 @@ def same_elements(
     ):
         return False
     for coord in itertools.product(*(range(n) for n in mesh)):
-        la, oa = local_box(a, a_spec, coord, mesh)
-        lb, ob = local_box(b, b_spec, coord, mesh)
-        for ga, gb in groups:
-            ra = _run(a, la, oa, ga)
-            if ra is None or ra != _run(b, lb, ob, gb):
-                return False
+        boxes_a, boxes_b = local_boxes(a, a_spec, coord, mesh), local_boxes(b, b_spec, coord, mesh)
+        if len(boxes_a) != len(boxes_b):
+            return False
+        for (la, oa), (lb, ob) in zip(boxes_a, boxes_b, strict=True):
+            for ga, gb in groups:
+                ra = _run(a, la, oa, ga)
+                if ra is None or ra != _run(b, lb, ob, gb):
+                    return False
     return True
 
 
@@ -103,7 +107,7 @@ def reshaped_placements(a: Sequence[int], a_spec: Placements, b: Sequence[int], 
         if not p.is_shard():
             options.append([p])
             continue
-        options.append([shard(d) for d in group_of[p.dim][1]])
+        options.append([balanced(d) if p.is_balanced() else shard(d) for d in group_of[p.dim][1]])
     inner_a = _splits_inner(a_spec, [g[0] for g in groups])
     return [
         tuple(o)

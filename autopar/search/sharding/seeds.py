@@ -20,7 +20,7 @@ from autopar.core.placements import REPLICATE, Placement, shard
 from autopar.ops import experts as experts_op
 from autopar.search.sharding.context_parallel import cp_filter
 from autopar.search.sharding.filters import keyed, node_key
-from autopar.search.sharding.strategies import Strategy
+from autopar.search.sharding.node_strategies import Strategy
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$")
 ROW = re.compile(r"(o_proj|down_proj|c_proj)\.weight$")
@@ -58,7 +58,7 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
-        if kind in ("cp", "cp_dp"):
+        if kind in CP_LAYOUTS:
             return True  # context parallel: its parameters' placements are set by layout_filter
         if kind == "experts_whole":
             return True  # the parameters free: only the experts ops are held (layout_filter)
@@ -77,7 +77,7 @@ def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...
     """:func:`seed_filter` on ``captured``; the expert-parallel seeds also have the experts ops read the experts
     split (:func:`ep_filter`), not gathered."""
     params = {p.placeholder: p.name for p in captured.params}
-    if kind in ("cp", "cp_dp"):
+    if kind in CP_LAYOUTS:
         return _cp_layout(kind, captured, mesh_shape, params)
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
     if kind not in ("ep", "ep_dp", "experts_whole"):
@@ -87,23 +87,35 @@ def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...
     return lambda node, strategy: seed(node, strategy) and by_ep(node, strategy)
 
 
+CP_LAYOUTS = tuple(f"{k}{o}" for k in ("cp", "cp_dp") for o in ("", "_balanced", "_contiguous"))
+"""The context-parallel layouts: the kernels' query split in either order (the solver's choice), or held to
+head-tail order (``_balanced``) or to contiguous shards (``_contiguous``)."""
+
+
 def _cp_layout(
     kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...], params: dict[str, str]
 ) -> Callable[[str, Strategy], bool]:
     """Context parallel over the second axis ("cp", data parallel beside it) or over the dp axis's ranks
     ("cp_dp", Megatron's tensor parallelism beside it where the mesh has a tp axis and the model its names):
-    the inputs' sequence (dim 1) and the attention kernels' queries split over that axis, the parameters
-    whole on it (their gradients reduced over it, as data parallelism's are); the rest solved."""
-    axis = 1 if kind == "cp" else 0
+    the attention kernels' queries split over that axis, the inputs' sequence (dim 1) too (or, in head-tail
+    order, whole on it: every rank cuts its chunks from them), the parameters whole on it (their gradients
+    reduced over it, as data parallelism's are); the rest solved."""
+    base, order = kind, None
+    for o in ("balanced", "contiguous"):
+        if kind.endswith(f"_{o}"):
+            base, order = kind.removesuffix(f"_{o}"), o
+    axis = 1 if base == "cp" else 0
     beside = "megatron" if axis == 0 and mesh_shape[1] > 1 and has_megatron_names(list(params.values())) else "dp"
     seed = seed_filter(beside, params, captured.model_name.startswith("GPT2"))
-    by_cp = cp_filter(captured, mesh_shape, mesh_shape[axis], axis)
+    by_cp = cp_filter(captured, mesh_shape, mesh_shape[axis], axis, order)
     inputs = {i.placeholder for i in captured.inputs}
     by_name = {n.name: n for n in captured.gm.graph.nodes}
 
     def allowed(node: str, strategy: Strategy) -> bool:
-        if node in inputs and by_name[node].meta["val"].dim() >= 2 and not strategy.outputs[0][axis].is_shard(1):
-            return False
+        if node in inputs and by_name[node].meta["val"].dim() >= 2:
+            held = strategy.outputs[0][axis]
+            if not (held.is_shard(1) or (order == "balanced" and held.is_replicate())):
+                return False
         if node in params and not strategy.outputs[0][axis].is_replicate():
             return False
         return seed(node, strategy) and by_cp(node, strategy)

@@ -28,6 +28,11 @@ is P(avg) and without it data parallelism would have to gather the logits.
 Strided shards have no such placement; strategies that need them are dropped
 (the same result stays reachable through the strategies kept, the all-R one at
 worst).
+
+This module walks the graph and asks the rules, in the order above.  The
+records it hands on are in :mod:`autopar.search.sharding.node_strategies`; the
+rules' answers are made into strategies on the whole mesh, and pruned, by
+:mod:`autopar.search.sharding.strategy_rows`.
 """
 
 from __future__ import annotations
@@ -38,8 +43,6 @@ import logging
 import operator
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,18 +58,10 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 
 from autopar.core.mesh import SHARDING_AXES, fake_mesh
-from autopar.core.placements import (
-    AVG,
-    SUM,
-    Placement,
-    Placements,
-    Row,
-    from_dtensor,
-    replicated,
-    to_dtensor_all,
-)
+from autopar.core.placements import Placements, Row, from_dtensor, replicated, to_dtensor_all
 from autopar.ops import experts as experts_op
 from autopar.search.sharding import reshape_shards, strategy_rules
+from autopar.search.sharding.balanced_shards import Balance, balance_of, balanced_variants
 from autopar.search.sharding.dtensor_rules import costs_off, decomposition_rows, with_rule
 from autopar.search.sharding.node_keys import (
     NodeKey,
@@ -76,44 +71,11 @@ from autopar.search.sharding.node_keys import (
     tensor_inputs,
     tensor_meta,
 )
-from autopar.search.sharding.placement_sets import canonical, divides, tensor_placements
+from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
+from autopar.search.sharding.placement_sets import tensor_placements
+from autopar.search.sharding.strategy_rows import expand_rows, from_op_strategy, partials_offered, prune
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to run a node: where its outputs live and where it needs its inputs."""
-
-    outputs: tuple[Placements | None, ...]  # per output tensor; None for a non-tensor output
-    inputs: tuple[Placements | None, ...]  # per entry of NodeStrategies.inputs
-    # ZeRO stage 1 or 2 of a parameter replicated over dp: its optimizer state (and gradient) split
-    # over dp at run time; the placement the graph sees is ``outputs`` all the same (autopar.search.sharding.problem)
-    zero: int = 0
-    # the output is dropped after its last forward use and computed again before its first backward
-    # use (selective recompute); the placements are those of the strategy it varies (autopar.search.sharding.problem)
-    recompute: bool = False
-
-
-@dataclass
-class NodeStrategies:
-    """The candidate strategies of one fx node.
-
-    ``inputs`` lists the tensor-valued argument nodes in the order the op reads them
-    (args then kwargs, lists flattened).  A node read twice (``mul(x, x)``) appears
-    twice, because each use may ask for its own placement.  For a follower
-    (``getitem``), ``strategies[k]`` belongs with ``strategies[k]`` of its source and
-    ``inputs`` names the source; its input placement is that of the selected output.
-    """
-
-    node: str
-    op: str
-    inputs: list[str]
-    strategies: list[Strategy]
-    rule: str  # "dtensor", "autopar", "follower", "placeholder", "replicated-fallback"
-
-
 
 
 # ---------------------------------------------------------------------------- mesh
@@ -139,8 +101,13 @@ def enumerate_strategies(
     gm: fx.GraphModule,
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...] = SHARDING_AXES,
+    balance_masks: bool = False,
 ) -> dict[str, NodeStrategies]:
     """Candidate strategies for every placeholder, constant and call node of ``gm``.
+
+    Strategies that split a causal kernel's sequence have twins in head-tail order
+    (:mod:`autopar.search.sharding.balanced_shards`); ``balance_masks``: those of kernels
+    given a mask tensor too.
 
     ``gm`` is the joint graph from :func:`autopar.capture.joint.capture` (every node has
     ``meta["val"]``).  The output node is not an op and gets no entry.  Identical
@@ -150,7 +117,7 @@ def enumerate_strategies(
     mesh_shape = tuple(int(n) for n in mesh_shape)
     names = _names_for(mesh_shape, tuple(mesh_dim_names))
     t0 = time.perf_counter()
-    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm))
+    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm), balance_of(gm, balance_masks))
     out: dict[str, NodeStrategies] = {}
     with costs_off():
         for node in gm.graph.nodes:
@@ -173,7 +140,10 @@ def enumerate_strategies(
 class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
-    def __init__(self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey]) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey], balance: Balance | None = None
+    ) -> None:
+        self.balance = balance or Balance()
         self.mesh = mesh
         self.mesh_shape = mesh_shape
         self.keys = keys
@@ -255,8 +225,11 @@ class _Enumerator:
             # Symbolic-size arithmetic and the like: nothing to place.
             return self._replicated(node, op_name, warn=False)
 
-        # what the strategies depend on: the graph's part (node_keys), and the producers' candidates
-        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots))
+        # what the strategies depend on: the graph's part (node_keys), the producers' candidates, and whether the
+        # node may hold a head-tail shard
+        twins = bool(self.balance.lengths) and node.name not in self.balance.fixed
+        own = tuple(a.op == "placeholder" for a in inputs) if twins else ()
+        key = None if nk.template is None else (nk.template, tuple(self.candidates(a) for a in nk.slots), twins, own)
         cached = self.memo.get(key) if key is not None else None
         if cached is not None:
             self.hits += 1
@@ -264,6 +237,8 @@ class _Enumerator:
         else:
             self.misses += 1
             rule, strats = self._compute(node, inputs, outs)
+            if twins and strats:
+                strats = strats + balanced_variants(strats, inputs, outs, own, self.balance.lengths, self.mesh_shape)
             if key is not None:
                 self.memo[key] = (rule, strats)
         if not strats:
@@ -285,7 +260,7 @@ class _Enumerator:
         own = strategy_rules.rule_for(op)
         if own is not None:
             single = own(node)
-            strats = self._expand_plain(single, len(outs), in_shapes, out_shapes)
+            strats = expand_rows(single, len(outs), out_shapes, self.mesh_shape)
             if op in experts_op.EXPERT_OPS:
                 strats = [s for s in strats if experts_op.ep_axes(s.inputs, op is torch.ops.autopar.experts_backward.default) is not None]
             return "autopar", self._prune(strats, inputs, in_shapes, out_shapes)
@@ -376,14 +351,14 @@ class _Enumerator:
                 if any(s is None and p is not None for s, p in zip(row, r, strict=True)):
                     continue  # a strided shard: not a placement autopar has
                 plain.append(row)
-            return self._expand_plain(plain, n_out, in_shapes, out_shapes)
+            return expand_rows(plain, n_out, out_shapes, self.mesh_shape)
         func = prop.op_strategy_funcs.get(op)
         if func is None:
             found = decomposition_rows(self.prop, self.mesh, schema, op, inputs)
             if found is None:
                 return []
             rows, n_out = found
-            return self._expand_plain(rows, n_out, in_shapes, out_shapes)
+            return expand_rows(rows, n_out, out_shapes, self.mesh_shape)
         try:
             results = [func(schema)]
         except IndexError:
@@ -406,110 +381,10 @@ class _Enumerator:
         for result in results:
             if not isinstance(result, OpStrategy):
                 raise TypeError(f"{type(result).__name__} result")
-            strats += self._from_op_strategy(result, op, len(inputs), in_shapes, out_shapes)
+            strats += from_op_strategy(result, op, len(inputs), out_shapes, self.mesh_shape)
         return strats
 
-    # -- conversion -----------------------------------------------------------------
-
-    def _from_op_strategy(
-        self,
-        result: OpStrategy,
-        op: torch._ops.OpOverload,
-        n_in: int,
-        in_shapes: list[tuple[int, ...]],
-        out_shapes: list[tuple[int, ...] | None],
-    ) -> list[Strategy]:
-        n_out = len(out_shapes)
-        strats: list[Strategy] = []
-        for spec in result.strategies:
-            o = spec.output_specs
-            if isinstance(o, DTensorSpec):
-                o_list: list[Any] = [o] * n_out if n_out > 1 else [o]
-            elif isinstance(o, (tuple, list)):
-                o_list = list(o)
-            else:
-                o_list = [None] * n_out
-            if len(o_list) < n_out:
-                o_list += [None] * (n_out - len(o_list))
-            outs: list[Placements | None] = []
-            ok = True
-            for s, shape in zip(o_list, out_shapes, strict=False):
-                if shape is None:
-                    outs.append(None)
-                    continue
-                if not isinstance(s, DTensorSpec):
-                    ok = False
-                    break
-                p = self._plain(s.placements)
-                if p is None:
-                    ok = False
-                    break
-                outs.append(p)
-            if not ok:
-                continue
-            i_specs = spec.input_specs
-            if i_specs is None:
-                i_specs = [o_list[0]] * n_in
-            if len(i_specs) != n_in:
-                raise ValueError(f"{op}: {len(i_specs)} input specs for {n_in} tensor inputs")
-            ins: list[Placements | None] = []
-            for s in i_specs:
-                p = self._plain(s.placements, is_input=True) if isinstance(s, DTensorSpec) else None
-                if p is None and isinstance(s, DTensorSpec):
-                    ok = False
-                    break
-                ins.append(p)
-            if ok:
-                strats.append(Strategy(tuple(outs), tuple(ins)))
-        return strats
-
-    def _plain(self, placements: Iterable[dt.Placement], is_input: bool = False) -> Placements | None:
-        out = []
-        for p in placements:
-            s = from_dtensor(p, is_input)
-            if s is None:
-                return None
-            out.append(s)
-        return canonical(tuple(out), self.mesh_shape)
-
-    def _product(self, rows: list[Row], n_out: int) -> Iterable[list[Placements | None]]:
-        """Per-mesh-dim rules → full-mesh rows: one rule per mesh dim, every combination."""
-        ndim = len(self.mesh_shape)
-        for combo in itertools.product(rows, repeat=ndim):
-            width = len(combo[0])
-            row: list[Placements | None] = []
-            bad = False
-            for j in range(width):
-                col = tuple(r[j] for r in combo)
-                if all(c is None for c in col):
-                    row.append(None)
-                elif any(c is None for c in col):
-                    bad = True
-                    break
-                else:
-                    reductions = {c.reduce_op for c in col if c is not None and c.is_partial()}
-                    if len(reductions) > 1 and reductions != {SUM, AVG}:
-                        bad = True  # DTensor has no tensor partial by max on one dim and sum on another
-                        break
-                    row.append(canonical(col, self.mesh_shape))  # type: ignore[arg-type]
-            if not bad:
-                yield row
-
-    def _expand_plain(
-        self,
-        rules: list[Row],
-        n_out: int,
-        in_shapes: list[tuple[int, ...]],
-        out_shapes: list[tuple[int, ...] | None],
-    ) -> list[Strategy]:
-        strats = []
-        for row in self._product(rules, n_out):
-            outs = tuple(row[:n_out])
-            if len(outs) < len(out_shapes):
-                outs += (None,) * (len(out_shapes) - len(outs))
-            outs = tuple(p if s is not None else None for p, s in zip(outs, out_shapes, strict=False))
-            strats.append(Strategy(outs, tuple(row[n_out:])))
-        return strats
+    # -- the strategies kept -----------------------------------------------------------
 
     def _prune(
         self,
@@ -518,56 +393,9 @@ class _Enumerator:
         in_shapes: list[tuple[int, ...]],
         out_shapes: list[tuple[int, ...] | None],
     ) -> list[Strategy]:
-        """Drop strategies whose shards do not divide, invented partials, and exact duplicates.
-
-        An *invented partial*: on some mesh dim the strategy wants inputs as partials of
-        one kind, yet none of those inputs' producers can ever hand over that partial
-        there and no input is sharded there, so each would be cut into pieces locally
-        only for the op's result to be reduced later.  Computing on the whole inputs is never worse, so linear ops
-        (whose DTensor rules list every partial kind) stop spreading P(avg) over rotary
-        tables and masks.  A partial one input really brings (a row-parallel matmul's
-        output) may still pull its partners along: that is the residual add of
-        sequence parallelism.
-        """
-        ms = self.mesh_shape
-        offered = [self._partials_offered(a) for a in inputs]
-        kept: dict[Strategy, None] = {}
-        for s in strats:
-            if len(s.inputs) != len(in_shapes):
-                continue
-            if any(
-                p is not None and shape is not None and not divides(p, shape, ms)
-                for p, shape in zip(s.outputs, out_shapes, strict=False)
-            ):
-                continue
-            if any(
-                p is not None and not divides(p, shape, ms)
-                for p, shape in zip(s.inputs, in_shapes, strict=True)
-            ):
-                continue
-            if self._invents_partial(s, offered):
-                continue
-            kept.setdefault(s, None)
-        return list(kept)
-
-    def _partials_offered(self, node: fx.Node) -> set[tuple[int, Placement]]:
-        return {(d, p) for c in self.candidates(node) for d, p in enumerate(c) if p.is_partial()}
-
-    @staticmethod
-    def _invents_partial(s: Strategy, offered: list[set[tuple[int, Placement]]]) -> bool:
-        wanted: dict[tuple[int, Placement], bool] = {}
-        sharded: set[int] = set()
-        for p, have in zip(s.inputs, offered, strict=True):
-            if p is None:
-                continue
-            for d, q in enumerate(p):
-                if q.is_partial():
-                    wanted[(d, q)] = wanted.get((d, q), False) or (d, q) in have
-                elif q.is_shard():
-                    sharded.add(d)
-        # A contraction over shards (addmm's row-parallel form) makes its own partial;
-        # its bias, cut into a partial to be added once, is not an invention.
-        return any(not real and d not in sharded for (d, _), real in wanted.items())
+        """:func:`autopar.search.sharding.strategy_rows.prune`, given what ``inputs``' producers offer."""
+        offered = [partials_offered(self.candidates(a)) for a in inputs]
+        return prune(strats, offered, in_shapes, out_shapes, self.mesh_shape)
 
     # -- followers and fallbacks -------------------------------------------------------
 
