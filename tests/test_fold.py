@@ -10,6 +10,7 @@ are among the cases.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import replace
 from types import SimpleNamespace
@@ -235,6 +236,17 @@ def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: in
 
     free = solve_strategies(folded.problem, time_limit_s=10).choice
     _, _, peak = check(free)
+    # a pipeline's figures per segment: the template's, each middle one standing for its layers
+    from autopar.search.pipeline.segments import layer_figures
+    from autopar.search.pipeline.stages import forward_segments
+
+    whole_segments = layer_figures(
+        c, full.sp, unfold_choice(full.sp, folded, free, c.fold), forward_segments(c), (2, 2), 1, 0.5, full.links
+    )
+    mine_segments = layer_figures(c, folded, free, forward_segments(c), (2, 2), 1, 0.5, full.links)
+    assert [s.name for s in mine_segments] == [s.name for s in whole_segments]
+    for a, b in zip(mine_segments, whole_segments, strict=True):
+        assert dataclasses.astuple(a)[1:] == pytest.approx(dataclasses.astuple(b)[1:], rel=1e-9, abs=1e-15), a.name
     params = {p.placeholder: p.name for p in c.fold.template.params}
     # ZeRO held to stage 0: what the limit takes must come out of the activations, by recomputing them
     no_zero = restrict(folded.problem, folded, lambda name, s: not s.zero)
