@@ -252,7 +252,7 @@ def _best_on_mesh(
         fixed = by_cp if fixed is None else both(mp.sp, fixed, by_cp)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
-    kinds = seeds_for(mp.mesh.tp, list(params.values()))
+    kinds = seeds_for(mp.mesh.tp, list(params.values()), beside_zero3=True)
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if cp is not None:  # the seeds that split the sequence as fixed
