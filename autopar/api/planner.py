@@ -63,7 +63,7 @@ def plan(
     fixed: dict[str, Any] | None = None,
     time_limit_s: float = 60.0,
     reduce_dtype: str | None = None,
-    capacity_factor: float = CAPACITY_FACTOR,
+    capacity_factor: float | None = CAPACITY_FACTOR,
 ) -> Plan:
     """Plan parallel training of ``model`` on ``cluster``.
 
@@ -82,13 +82,17 @@ def plan(
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
     ``time_limit_s``: wall seconds for the whole call, capture included; the search gets what
     capture leaves, and at least ``SEARCH_AT_LEAST`` of it.
-    ``capacity_factor``: a mixture of experts' routing, assumed uniform, sends the busiest expert-parallel
-    rank this many times the mean of (token, choice) pairs; the estimate charges its all-to-alls and expert
-    FLOPs that much (:mod:`autopar.cost_models.experts`).  Routing stays dropless whatever it is.
+    ``capacity_factor``: a mixture of experts' busiest expert-parallel rank receives this many times the mean
+    of (token, choice) pairs; the estimate charges its all-to-alls and expert FLOPs that much. None (the
+    default): the expectation under uniform dropless routing at the tokens a rank holds, a few tenths of a
+    percent at Mixtral-8x7B's (:mod:`autopar.cost_models.experts`); a number: a padded router's capacity or a
+    measured imbalance. Routing stays dropless whatever it is.
     """
     t0 = time.perf_counter()
-    if not (isinstance(capacity_factor, (int, float)) and capacity_factor >= 1):
-        raise PlanError(f"capacity_factor must be a number >= 1 (1: perfectly balanced routing), not {capacity_factor!r}")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor >= 1):
+        raise PlanError(
+            f"capacity_factor must be None or a number >= 1 (1: perfectly balanced routing), not {capacity_factor!r}"
+        )
     prec, fixed, limit, gbs = _checked_request(
         cluster, example_inputs, optimizer, (precision, reduce_dtype), global_batch_size, memory_limit, fixed
     )
@@ -97,7 +101,7 @@ def plan(
     captured, stats = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
-    captured.capacity_factor = float(capacity_factor)
+    captured.capacity_factor = None if capacity_factor is None else float(capacity_factor)
     t_capture = time.perf_counter() - t0
     fixed, coupling_note = _keep_batches_whole(captured, fixed)
     warnings = [coupling_note] if coupling_note else []
