@@ -22,7 +22,7 @@ from typing import Any
 
 from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_placements, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
-from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat
+from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat, polish_flat
 from autopar.api.search_record import Sharded, mesh_record, zero_stage
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
@@ -280,6 +280,13 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         if not any(r.estimate.fits for r in pipes):
             flat, none_fits = None, None
             search_flat(start + time_limit_s, optional=False)
+        elif flat is not None and flat.best.estimate.fits and flat.best.estimate.step_time_s < min(
+            r.estimate.step_time_s for r in pipes if r.estimate.fits
+        ):
+            # costed with seeds only, the meshes without a pipeline won after all: searched in full in the time
+            # left, and at least the share they were given beside the pipelines
+            left = max(start + time_limit_s - time.perf_counter(), time_limit_s * share * OPTIONAL_FLAT)
+            flat = polish_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, flat, left)
     else:
         if flat_allowed:
             search_flat(start + time_limit_s * share, optional=False)

@@ -60,6 +60,10 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
         if kind == "megatron_zero3":  # FSDP beside tensor parallelism (torchtitan's 2-D layout)
+            # a mixture's experts, most of its states and whole under Megatron's tp ([gate; up] concatenated),
+            # are stored split over tp too: Mixtral-8x7B's do not fit 80 GB split over dp 8 alone
+            if EXPERTS.search(params[node]):
+                return out[0].is_shard() and out[1].is_shard()
             return out[0].is_shard() and out[1] == megatron_tp(params[node], conv1d)
         if kind in ("cp", "cp_dp"):
             return True  # context parallel: its parameters' placements are set by layout_filter
