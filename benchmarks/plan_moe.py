@@ -33,7 +33,8 @@ expected share of the pairs, 1.005 times the mean at Mixtral's 32,768 tokens a r
 ep 8 (:mod:`autopar.cost_models.experts`). The rows at 7b7b877 and 666e10c were charged a
 fixed 1.25, the capacity GShard and the Switch Transformer pad every expert's buffer to,
 which a dropless router does not.
-Steps to the millisecond, ``ref / plan`` to four places (1.000 against 1.000 said nothing): ``ref / plan`` is the reference's step time over the plan's: above 1, the plan is faster.
+``ref / plan`` is the reference's step time over the plan's: above 1, the plan is faster
+(steps to the millisecond and the ratio to four places: 1.000 against 1.000 said nothing).
 """
 
 from __future__ import annotations
