@@ -14,14 +14,14 @@ with ``fixed`` (the search chooses what they leave open):
 - Mixtral: the experts not split (``ep`` 1: every expert on every rank of its stage,
   tensor parallelism inside them impossible with [gate; up] concatenated); the same on
   dp 8 x tp 8 under ZeRO-3 (the layout the search stopped 11% short of at 7b7b877); ep 8
-  over the second axis of dp 8 x tp 8, whose other ops split the batch (NeMo's performance
+  over the second axis of dp 8 x tp 8, the rest searched (NeMo's performance
   summary, containers 25.02 and 25.04, trains Mixtral-8x7B on 64 GPUs at TP 1, PP 1, EP 8:
   docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance-summary.html, on
   B200 and GB200 in FP8, which are not modelled); and Megatron-LM's recommended training
   layout, TP 1 x EP 8 x PP 4 (examples/mixtral/README.md: "For training, the recommended model
   parallel config is TP1EP8PP4"), here pp 4 x dp 2 x tp 8 with the experts split over the
-  8 and the batch over all 16 (Megatron's 16 data-parallel ranks; its distributed optimizer
-  is left to the search, which shards over the 2 of dp only);
+  8 and the rest searched (Megatron's 16 data-parallel ranks are 2 x 8 here; its distributed
+  optimizer is left to the search, whose ZeRO shards over the 2 of dp only);
 - DeepSeek-V3: its published layout (DeepSeek-V3 Technical Report, 2024, section 3.2:
   PP 16, EP 64 across 8 nodes, ZeRO-1 data parallelism), here pp 16 x dp 64 x tp 2 with
   the experts split over the 64 ranks of dp (the second axis of 2 splits the batch
