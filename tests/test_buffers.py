@@ -140,10 +140,6 @@ def test_the_search_keeps_one_micro_batch_for_batch_norm_unless_fixed(monkeypatc
     # at 70 KB no layout found at one micro-batch fits: the rule keeps it (and says so), the search without it splits
     tight = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=7e4, time_limit_s=10)
     assert tight.microbatches == 1 and tight.mesh["pp"] == 1
-    # the MILP's rows bound the least peak under 70 KB (they leave out buffers of moved values): the warning
-    # does not name that bound as the memory that would fit
-    (warning,) = [w for w in tight.warnings if w.startswith("no plan with")]
-    assert "would" not in warning and "the fastest one needs" in warning and "\n" not in warning
     monkeypatch.setattr(autopar.api.planner, "coupling_modules", lambda gm: [])
     unaware = autopar.plan(model, batch, cluster, precision="fp32", memory_limit=7e4, time_limit_s=10)
     assert unaware.microbatches > 1 and unaware.estimate.fits

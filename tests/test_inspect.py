@@ -6,7 +6,7 @@ import json
 import pytest
 
 import autopar
-import autopar.api.planner as api
+import autopar.api.flat_plan as flat_plan
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
 from autopar.core.placements import text as placement_text
@@ -20,19 +20,19 @@ from examples.models import gpt2_tiny
 def plan_with_ops(factory, cluster, **kwargs):
     """``autopar.plan`` with the search's per-op records in ``solver.ops``.
 
-    Catches the search's best result on its way out of ``search_meshes`` (what api.py does
-    once it stores the records itself); also returns the records built with a small limit.
+    Catches the search's best result as it is made whole (``finish_best``, once it wins); also
+    returns the records built with a small limit.
     """
     caught = {}
-    search = api.search_meshes
+    finish = flat_plan.finish_best
 
-    def keep(captured, *args, **kw):
-        best, results = search(captured, *args, **kw)
-        caught["args"] = (captured, best)
-        return best, results
+    def keep(best, results, request, time_limit_s):
+        best = finish(best, results, request, time_limit_s)
+        caught["args"] = (request.captured, best)
+        return best
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(api, "search_meshes", keep)
+        mp.setattr(flat_plan, "finish_best", keep)
         model, batch = factory()
         plan = autopar.plan(model, batch, cluster, **kwargs)
     plan.solver.ops = explain_records(*caught["args"])

@@ -62,3 +62,24 @@ def test_search_walks_through_zero_stages_to_an_infeasibility_message(tiny):
     number, unit = msg.split("would fit is ")[1].split(":")[0].split()
     smallest = float(number) * {"KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
     assert need * 0.05 < smallest < need * 0.4  # what the 0.4 plan fitted in, at most
+
+
+def test_nothing_fits_names_the_proven_least_memory_only_when_it_is_over_the_limit():
+    """The MILP's memory rows leave out the buffers of values being moved, so their bound on the least peak
+    can sit under a limit no answer fits (a tiny ResNet: 47.6 KB against 70 KB): then the message names the
+    least memory an answer found needs, or nothing, never the bound as what would fit."""
+    from types import SimpleNamespace
+
+    from autopar.api.flat_plan import least_need
+
+    def result(choice, peak, bound):
+        return SimpleNamespace(
+            solution=SimpleNamespace(choice=choice, stats=SimpleNamespace(min_peak_memory=bound)),
+            estimate=SimpleNamespace(memory=SimpleNamespace(peak=peak)),
+        )
+
+    over = [result([], None, 2e6), result([], None, 3e6)]
+    assert least_need(over, 1e6) == "the smallest memory that would fit is 2 MB"
+    under = [result([], None, 47.6e3), result([0], 190e3, None)]
+    assert least_need(under, 70e3) == "the least any plan found needs is 190 KB"
+    assert least_need([result([], None, 47.6e3)], 70e3) == ""

@@ -40,14 +40,17 @@ def pipeline_order(
 
 def stage_states(captured, prec, optimizer: str, mesh: MeshShape) -> float:
     """Per-device bytes of a stage's parameter states on ``mesh`` with tp sharding them all and ZeRO-1 over dp."""
-    params = sum(math.prod(p.shape) for p in captured.params) / (mesh.pp * mesh.tp)
-    states = model_state_bytes(params, prec, optimizer, 1, mesh.dp)
-    return states.params + states.grads + states.optimizer
+    return _states(captured, prec, optimizer, mesh.pp * mesh.tp, zero=1, dp=mesh.dp)
 
 
 def total_state_bytes(captured: CapturedGraph, prec: Precision, optimizer: str) -> float:
     """The model's parameters, gradients and optimizer state in bytes, unsharded: past a node's memory,
     the planner searches pipelines first (Megatron-LM keeps tensor parallelism inside a node, pipelines across)."""
-    params = sum(math.prod(p.shape) for p in captured.params)
-    states = model_state_bytes(params, prec, optimizer, 0, 1)
+    return _states(captured, prec, optimizer, 1, zero=0, dp=1)
+
+
+def _states(captured: CapturedGraph, prec: Precision, optimizer: str, split: int, zero: int, dp: int) -> float:
+    """Bytes of parameters, gradients and optimizer state per device: the model's parameters split ``split``
+    ways, and ZeRO stage ``zero`` over ``dp`` ranks."""
+    states = model_state_bytes(sum(math.prod(p.shape) for p in captured.params) / split, prec, optimizer, zero, dp)
     return states.params + states.grads + states.optimizer
