@@ -283,10 +283,8 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         elif flat is not None and flat.best.estimate.fits and flat.best.estimate.step_time_s < min(
             r.estimate.step_time_s for r in pipes if r.estimate.fits
         ):
-            # costed with seeds only, the meshes without a pipeline won after all: searched in full in the time
-            # left, and at least the share they were given beside the pipelines
-            left = max(start + time_limit_s - time.perf_counter(), time_limit_s * share * OPTIONAL_FLAT)
-            flat = polish_flat(captured, cluster, gbs, prec, optimizer, limit, fixed, flat, left)
+            # costed with seeds only, the meshes without a pipeline won after all: searched in full in the time left
+            flat = polish_flat(captured, cluster, prec, optimizer, limit, fixed, flat, start + time_limit_s, notes)
     else:
         if flat_allowed:
             search_flat(start + time_limit_s * share, optional=False)
