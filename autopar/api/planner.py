@@ -296,15 +296,15 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     pipe = None
     if pipe_meshes:
         pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
-    if pipe is not None:  # solved on the folded layers: carried onto the whole graph
-        request = MeshRequest(captured, cluster, pipe.mesh, prec, optimizer, limit, recompute=fixed.recompute is None)
-        folded, pipe = pipe, unfold_pipeline(pipe, request)
-        pipes = [pipe if r is folded else r for r in pipes]
     if pipe is not None and (
         flat is None
         or not flat.best.estimate.fits
         or pipe.estimate.step_time_s < flat.best.estimate.step_time_s * (1 - TIE_TOLERANCE)
     ):
+        # solved on the folded layers: carried onto the whole graph once it wins (its estimate stays)
+        request = MeshRequest(captured, cluster, pipe.mesh, prec, optimizer, limit, recompute=fixed.recompute is None)
+        folded, pipe = pipe, unfold_pipeline(pipe, request)
+        pipes = [pipe if r is folded else r for r in pipes]
         return _pipelined(captured, cluster, pipe, pipes, gbs, flat, fixed)
     if none_fits is not None:
         raise none_fits
