@@ -402,6 +402,16 @@ def test_megatron_beside_zero3_is_a_seed_of_the_meshes_without_a_pipeline() -> N
     assert params and all(e["outputs"][0][0].is_shard() for e in params.values()), params
 
 
+def _flat_answer(dp, tp, step):
+    """A mesh without a pipeline as its search answers it: it fits, its step, its problem's build times."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        estimate=SimpleNamespace(fits=True, step_time_s=step), mesh=MeshShape(dp=dp, tp=tp, pp=1),
+        solution=SimpleNamespace(choice=[0]), timings={"strategies_s": 0.2, "build_s": 0.3},
+    )
+
+
 def test_meshes_without_a_pipeline_that_win_after_all_are_searched_in_full(monkeypatch) -> None:
     """Costed with their seed layouts only (the states outgrow a node: a pipeline was expected to win), the meshes
     without a pipeline are searched in full when their best beats every pipeline (Mixtral-8x7B on 64 H100s: seeds
@@ -409,25 +419,17 @@ def test_meshes_without_a_pipeline_that_win_after_all_are_searched_in_full(monke
     of the best, best first, each keeping the faster answer, in the time left before the deadline and no more. On a
     clock where a mesh's search takes its problem's build (0.5 s) and all the solve time it is given: two meshes
     share 20 s; with 2.5 s left one mesh is searched (1 s of solving), with none left none, and the notes say so."""
-    from types import SimpleNamespace
-
     from autopar.api import flat_plan
 
     clock = [0.0]
     monkeypatch.setattr(flat_plan.time, "perf_counter", lambda: clock[0])
-
-    def result(dp, tp, step):
-        return SimpleNamespace(
-            estimate=SimpleNamespace(fits=True, step_time_s=step), mesh=MeshShape(dp=dp, tp=tp, pp=1),
-            solution=SimpleNamespace(choice=[0]), timings={"strategies_s": 0.2, "build_s": 0.3},
-        )
 
     searched = []
 
     def search(captured, cluster, prec, optimizer, limit, fixed, share, **k):
         searched.append(((fixed.dp, fixed.tp), share))
         clock[0] += 0.5 + share
-        better = {(4, 2): result(4, 2, 0.95)}.get((fixed.dp, fixed.tp), result(fixed.dp, fixed.tp, 1.2))
+        better = {(4, 2): _flat_answer(4, 2, 0.95)}.get((fixed.dp, fixed.tp), _flat_answer(fixed.dp, fixed.tp, 1.2))
         return better, [better]
 
     monkeypatch.setattr(flat_plan, "_search", search)
@@ -440,7 +442,7 @@ def test_meshes_without_a_pipeline_that_win_after_all_are_searched_in_full(monke
         assert clock[0] <= max(deadline, began) + 1e-9  # nothing searched past the deadline
         return polished, notes
 
-    seeded = [result(2, 4, 1.00), result(4, 2, 1.05), result(8, 1, 1.50)]
+    seeded = [_flat_answer(2, 4, 1.00), _flat_answer(4, 2, 1.05), _flat_answer(8, 1, 1.50)]
     polished, notes = polish(seeded, 20.0)
     assert [m for m, _ in searched] == [(2, 4), (4, 2)]  # dp 8's 1.5 s is more than HOPELESS behind
     assert searched[0][1] == pytest.approx(9.5) and searched[1][1] == pytest.approx(9.5)
@@ -448,7 +450,7 @@ def test_meshes_without_a_pipeline_that_win_after_all_are_searched_in_full(monke
     assert [r.estimate.step_time_s for r in polished.results] == [1.00, 0.95, 1.50] and notes == []
 
     clock[0] = 17.5
-    polished, notes = polish(seeded + [result(1, 8, 1.08)], 20.0)
+    polished, notes = polish(seeded + [_flat_answer(1, 8, 1.08)], 20.0)
     assert searched == [((2, 4), pytest.approx(flat_plan.POLISH_AT_LEAST))]
     assert polished.best is seeded[0]
     assert notes == [
@@ -474,19 +476,13 @@ def test_meshes_without_a_pipeline_searched_in_full_keep_to_the_time_limit(monke
     clock = [0.0]
     monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
 
-    def result(dp, tp, step):
-        return SimpleNamespace(
-            estimate=SimpleNamespace(fits=True, step_time_s=step), mesh=MeshShape(dp=dp, tp=tp, pp=1),
-            solution=SimpleNamespace(choice=[0]), timings={"strategies_s": 0.2, "build_s": 0.3},
-        )
-
-    seeded = [result(2, 4, 1.00), result(4, 2, 1.05)]
+    seeded = [_flat_answer(2, 4, 1.00), _flat_answer(4, 2, 1.05)]
     searched = []
 
     def search(captured, cluster, prec, optimizer, limit, fixed, share, **k):
         searched.append((fixed.dp, fixed.tp))
         clock[0] += 0.5 + share
-        return result(fixed.dp, fixed.tp, 0.9), []
+        return _flat_answer(fixed.dp, fixed.tp, 0.9), []
 
     model, inputs = llama(8, 64, 4, 128, seq=16)
     c = capture(model, inputs)
@@ -517,3 +513,4 @@ def test_meshes_without_a_pipeline_searched_in_full_keep_to_the_time_limit(monke
         else:
             assert answer.best.estimate.step_time_s == (0.9 if polished else 1.0)
         assert ("no time left" in "; ".join(notes)) == (pipes_end > 59)
+
