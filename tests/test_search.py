@@ -514,3 +514,29 @@ def test_meshes_without_a_pipeline_searched_in_full_keep_to_the_time_limit(monke
             assert answer.best.estimate.step_time_s == (0.9 if polished else 1.0)
         assert ("no time left" in "; ".join(notes)) == (pipes_end > 59)
 
+
+def test_no_solve_of_a_mesh_is_given_time_past_solve_by(monkeypatch) -> None:
+    """``solve_by`` (the searches in full of the meshes without a pipeline that run after the pipelines, in the
+    time left) overrules the least a mesh's seeds and MILP otherwise get (a quarter of the seeds' share, half the
+    mesh's for the MILP, a second for each solve of a call): past it each seed is solved with no time (its greedy
+    start), and once one fits the MILP does not run; before it, no solve is given more than the time left."""
+    from autopar.search.sharding import mesh as mesh_module
+
+    model, inputs = llama_tiny()
+    captured = capture(model, {k: v[:4] for k, v in inputs.items()})
+    given = []
+    solve = mesh_module.solve_prepared
+
+    def recording(mp, time_limit_s, **k):
+        given.append((time_limit_s, k.get("allowed") is not None))
+        assert k["each_at_least"] == 0.0
+        return solve(mp, time_limit_s, **k)
+
+    monkeypatch.setattr(mesh_module, "solve_prepared", recording)
+    args = (captured, Cluster.local(4), precision_spec("fp32"), "adamw", math.inf, 10.0)
+    best, _ = search_meshes(*args, tp=2, dp=2, solve_by=time.perf_counter() - 1.0)
+    assert best is not None and given and all(t == 0.0 and seed for t, seed in given)
+    given.clear()
+    by = time.perf_counter() + 3.0
+    search_meshes(*args, tp=2, dp=2, solve_by=by)
+    assert given and all(t <= 3.0 for t, _ in given) and not all(seed for _, seed in given)

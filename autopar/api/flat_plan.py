@@ -144,7 +144,7 @@ def polish_flat(
             break
         share = min(max(left / (len(near) - k), POLISH_AT_LEAST + build), left) - build
         one = dataclasses.replace(fixed, dp=old.mesh.dp, tp=old.mesh.tp)
-        new, _ = _search(captured, cluster, prec, optimizer, limit, one, share)
+        new, _ = _search(captured, cluster, prec, optimizer, limit, one, share, solve_by=deadline)
         if new is not None and new.estimate.fits and new.estimate.step_time_s < old.estimate.step_time_s:
             results[results.index(old)] = new
             log.info("mesh %s searched in full: %.4g s -> %.4g s", old.mesh, old.estimate.step_time_s, new.estimate.step_time_s)
