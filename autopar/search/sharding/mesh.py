@@ -243,9 +243,9 @@ def _best_on_mesh(
     linear objective does not see, so the final choice is by the estimate. When the best
     seed is more than ``HOPELESS`` slower than ``best_step`` (the best plan of the meshes
     solved before), the MILP only polishes it (LLaMA-7B on 64 H100s: dp 4 x tp 16's MILP
-    spent 15 s bringing it from 1.149 s to 1.148 s, against 0.849 s for dp 8 x tp 8). Under ``solve_by`` no
-    solve is given time past it, not even the second a solve otherwise gets at least (a seed then answers as its
-    greedy start does), and the MILP does not run once a seed fits.
+    spent 15 s bringing it from 1.149 s to 1.148 s, against 0.849 s for dp 8 x tp 8). No solve is given time
+    past ``solve_by``, not even the second a solve otherwise gets at least (a seed then answers as its greedy
+    start does), and the MILP does not run past it once a seed fits.
     """
     captured = mp.captured
     params = {p.placeholder: p.name for p in captured.params}
@@ -258,8 +258,7 @@ def _best_on_mesh(
         fixed = by_cp if fixed is None else both(mp.sp, fixed, by_cp)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
     solve = functools.partial(
-        solve_prepared, mp, describe=False, bound=False, microbatches=microbatches,
-        each_at_least=1.0 if solve_by is None else 0.0,
+        solve_prepared, mp, describe=False, bound=False, microbatches=microbatches, solve_by=solve_by
     )
     kinds = seeds_for(mp.mesh.tp, list(params.values()), beside_zero3=True)
     if ep is not None:  # the seeds that split the experts as fixed, or none
