@@ -382,3 +382,161 @@ def test_meshes_without_a_pipeline_are_costed_beside_the_pipeline_search_and_in_
     assert planner._plan_sharded(c, cluster, 8, prec, "adamw", 80e9, Fixed(), 60.0) == "pipelined"
     assert overlapped == [True]
     assert calls == [(pytest.approx(60.0 * 0.4 * planner.OPTIONAL_FLAT), True), (pytest.approx(60.0 * 0.4), False)]
+
+
+def test_megatron_beside_zero3_is_a_seed_of_the_meshes_without_a_pipeline() -> None:
+    """Beside a tp axis, Megatron's layout with the parameters also split over dp is a seed layout: tiny LLaMA at one
+    sequence a rank on dp 2 x tp 2 under 650 KB fits so (Megatron alone needs 828 KB and the local batch of one
+    cannot be cut into micro-batches), and the unrestricted MILP, given 10 s, stopped at 6.16 ms where that layout,
+    solved alone, costs 2.82 ms: the seed layouts alone (what a mesh gets once a pipeline fits) find an answer at
+    one micro-batch, and the MILP starts from it."""
+    model, inputs = llama_tiny()
+    captured = capture(model, {k: v[:2] for k, v in inputs.items()})
+    cluster = Cluster.local(4)
+    best, results = search_meshes(
+        captured, cluster, precision_spec("fp32"), "adamw", 650_000, 10.0, tp=2, milp=False
+    )
+    assert best is not None and best.source == "megatron_zero3" and best.microbatches == 1
+    assert best.estimate.fits
+    params = {p.name: best.placements[p.placeholder] for p in captured.params}
+    assert params and all(e["outputs"][0][0].is_shard() for e in params.values()), params
+
+
+def _flat_answer(dp, tp, step):
+    """A mesh without a pipeline as its search answers it: it fits, its step, its problem's build times."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        estimate=SimpleNamespace(fits=True, step_time_s=step), mesh=MeshShape(dp=dp, tp=tp, pp=1),
+        solution=SimpleNamespace(choice=[0]), timings={"strategies_s": 0.2, "build_s": 0.3},
+    )
+
+
+def test_meshes_without_a_pipeline_that_win_after_all_are_searched_in_full(monkeypatch) -> None:
+    """Costed with their seed layouts only (the states outgrow a node: a pipeline was expected to win), the meshes
+    without a pipeline are searched in full when their best beats every pipeline (Mixtral-8x7B on 64 H100s: seeds
+    given a quarter of a second each answered 7.05 s where dp 64 under ZeRO-3 costs 6.93 s): those within HOPELESS
+    of the best, best first, each keeping the faster answer, in the time left before the deadline and no more. On a
+    clock where a mesh's search takes its problem's build (0.5 s) and all the solve time it is given: two meshes
+    share 20 s; with 2.5 s left one mesh is searched (1 s of solving), with none left none, and the notes say so."""
+    from autopar.api import flat_plan
+
+    clock = [0.0]
+    monkeypatch.setattr(flat_plan.time, "perf_counter", lambda: clock[0])
+
+    searched = []
+
+    def search(captured, cluster, prec, optimizer, limit, fixed, share, **k):
+        searched.append(((fixed.dp, fixed.tp), share))
+        clock[0] += 0.5 + share
+        better = {(4, 2): _flat_answer(4, 2, 0.95)}.get((fixed.dp, fixed.tp), _flat_answer(fixed.dp, fixed.tp, 1.2))
+        return better, [better]
+
+    monkeypatch.setattr(flat_plan, "_search", search)
+
+    def polish(seeded, deadline):
+        searched.clear()
+        notes: list[str] = []
+        flat, began = flat_plan.FlatFound(seeded[0], seeded, [], 6.0), clock[0]
+        polished = flat_plan.polish_flat(None, None, None, "adamw", 80e9, Fixed(), flat, deadline, notes)
+        assert clock[0] <= max(deadline, began) + 1e-9  # nothing searched past the deadline
+        return polished, notes
+
+    seeded = [_flat_answer(2, 4, 1.00), _flat_answer(4, 2, 1.05), _flat_answer(8, 1, 1.50)]
+    polished, notes = polish(seeded, 20.0)
+    assert [m for m, _ in searched] == [(2, 4), (4, 2)]  # dp 8's 1.5 s is more than HOPELESS behind
+    assert searched[0][1] == pytest.approx(9.5) and searched[1][1] == pytest.approx(9.5)
+    assert polished.best.estimate.step_time_s == 0.95 and polished.results[0] is seeded[0]
+    assert [r.estimate.step_time_s for r in polished.results] == [1.00, 0.95, 1.50] and notes == []
+
+    clock[0] = 17.5
+    polished, notes = polish(seeded + [_flat_answer(1, 8, 1.08)], 20.0)
+    assert searched == [((2, 4), pytest.approx(flat_plan.POLISH_AT_LEAST))]
+    assert polished.best is seeded[0]
+    assert notes == [
+        "meshes without a pipeline: 1 of 3 searched in full before the time limit; the rest keep their seed "
+        "layouts' answers"
+    ]
+    clock[0] = 21.0
+    polished, notes = polish(seeded, 20.0)
+    assert searched == [] and polished.results == seeded
+    assert notes == ["meshes without a pipeline: no time left to search them in full; their seed layouts' answers stand"]
+
+
+def test_meshes_without_a_pipeline_searched_in_full_keep_to_the_time_limit(monkeypatch) -> None:
+    """The planner searches the winning meshes without a pipeline in full only in the time the pipelines left:
+    Mixtral-8x7B on 64 H100s took 63.55 s of its 60 s limit when that search had at least 6 s whatever was left.
+    On a clock where the pipelines end at 59.5 s of 60 s, none is searched and the call's notes say why; where they
+    end at 30 s, the search ends by 60 s; and a pipeline that wins leaves them as they are. The best pipeline is
+    carried onto the whole graph only when it wins (Mixtral's took 2.6 s after the deadline to lose)."""
+    from types import SimpleNamespace
+
+    from autopar.api import flat_plan, planner
+
+    clock = [0.0]
+    monkeypatch.setattr(planner.time, "perf_counter", lambda: clock[0])
+
+    seeded = [_flat_answer(2, 4, 1.00), _flat_answer(4, 2, 1.05)]
+    searched = []
+
+    def search(captured, cluster, prec, optimizer, limit, fixed, share, **k):
+        searched.append((fixed.dp, fixed.tp))
+        clock[0] += 0.5 + share
+        return _flat_answer(fixed.dp, fixed.tp, 0.9), []
+
+    model, inputs = llama(8, 64, 4, 128, seq=16)
+    c = capture(model, inputs)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    monkeypatch.setattr(planner, "total_state_bytes", lambda *a: math.inf)  # the states outgrow the node
+    monkeypatch.setattr(planner, "plan_flat", lambda *a, **k: flat_plan.FlatFound(seeded[0], list(seeded), [], 6.0))
+    monkeypatch.setattr(flat_plan, "_search", search)
+    monkeypatch.setattr(planner, "flat_result", lambda *a: a[-1])
+    unfolded = []
+    monkeypatch.setattr(planner, "unfold_pipeline", lambda pipe, request: unfolded.append(pipe) or pipe)
+    monkeypatch.setattr(planner, "_pipelined", lambda *a, **k: "pipelined")
+    prec = precision_spec("bf16-mixed")
+    for pipes_end, pipe_step, polished in ((59.5, 2.0, []), (30.0, 2.0, [(2, 4), (4, 2)]), (30.0, 0.5, [])):
+        pipe = SimpleNamespace(estimate=SimpleNamespace(fits=True, step_time_s=pipe_step), mesh=MeshShape(dp=2, tp=2, pp=2))
+
+        def pipelines(*a, pipe=pipe, pipes_end=pipes_end, **k):
+            clock[0] = pipes_end
+            return [pipe]
+
+        monkeypatch.setattr(planner, "_pipelines", pipelines)
+        clock[0], notes = 0.0, []
+        searched.clear(), unfolded.clear()
+        answer = planner._plan_sharded(c, cluster, 8, prec, "adamw", 80e9, Fixed(), 60.0, notes)
+        assert searched == polished and clock[0] <= 60.0
+        assert unfolded == ([pipe] if pipe_step < 1.0 else [])
+        if pipe_step < 1.0:
+            assert answer == "pipelined"
+        else:
+            assert answer.best.estimate.step_time_s == (0.9 if polished else 1.0)
+        assert ("no time left" in "; ".join(notes)) == (pipes_end > 59)
+
+
+def test_no_solve_of_a_mesh_is_given_time_past_solve_by(monkeypatch) -> None:
+    """``solve_by`` (the searches in full of the meshes without a pipeline that run after the pipelines, in the
+    time left) overrules the least a mesh's seeds and MILP otherwise get (a quarter of the seeds' share, half the
+    mesh's for the MILP, a second for each solve of a call): past it each seed is solved with no time (its greedy
+    start), and once one fits the MILP does not run; before it, no solve is given more than the time left."""
+    from autopar.search.sharding import mesh as mesh_module
+
+    model, inputs = llama_tiny()
+    captured = capture(model, {k: v[:4] for k, v in inputs.items()})
+    given = []
+    solve = mesh_module.solve_prepared
+
+    def recording(mp, time_limit_s, **k):
+        given.append((time_limit_s, k.get("allowed") is not None))
+        assert k["solve_by"] is not None
+        return solve(mp, time_limit_s, **k)
+
+    monkeypatch.setattr(mesh_module, "solve_prepared", recording)
+    args = (captured, Cluster.local(4), precision_spec("fp32"), "adamw", math.inf, 10.0)
+    best, _ = search_meshes(*args, tp=2, dp=2, solve_by=time.perf_counter() - 1.0)
+    assert best is not None and given and all(t == 0.0 and seed for t, seed in given)
+    given.clear()
+    by = time.perf_counter() + 3.0
+    search_meshes(*args, tp=2, dp=2, solve_by=by)
+    assert given and all(t <= 3.0 for t, _ in given) and not all(seed for _, seed in given)

@@ -7,6 +7,7 @@ pipelines: only then is it carried onto the whole graph and its placements read
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from autopar.api.fixed import recompute_label
 from autopar.api.search_record import Sharded, mesh_record, zero_stage
 from autopar.core.errors import PlanError
+from autopar.core.notes import note
 from autopar.cost_models.step import Config
 from autopar.plans.format import size_brief
 from autopar.plans.records import Fixed, MeshRecord, SearchRecord
 from autopar.search.sharding.context_parallel import cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
-from autopar.search.sharding.mesh import finish_best, flat_tp_sizes, search_meshes
+from autopar.search.sharding.mesh import HOPELESS, finish_best, flat_tp_sizes, search_meshes
 from autopar.search.sharding.mesh_solve import ShardingResult
 from autopar.search.sharding.request import MeshRequest
 
@@ -39,17 +41,9 @@ class FlatFound:
     time_limit_s: float
 
 
-def plan_flat(
-    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False, notes=None
-) -> FlatFound | None:
-    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
-
-    Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
-    ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
-    a mesh is costed with its seed layouts only, the baselines a plan must not lose to. The best
-    is returned as solved: :func:`flat_result` finishes it once it wins.
-    """
-    best, results = search_meshes(
+def _search(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, **kwargs):
+    """:func:`search_meshes` on the meshes ``fixed`` allows, under what else it fixes; the best as solved."""
+    return search_meshes(
         captured,
         cluster,
         prec,
@@ -60,15 +54,37 @@ def plan_flat(
         dp=fixed.dp,
         zero=fixed.zero,
         recompute=fixed.recompute is None,  # op by op only when no setting is fixed
-        deadline=deadline,
-        require_one=not optional,
-        milp=not optional,
         microbatches=fixed.microbatches,
-        notes=notes,
         ep=fixed.ep,
         cp=fixed.cp,
         cp_axis=cp_axis_of(fixed, cluster.world_size),
         finish=False,
+        **kwargs,
+    )
+
+
+def plan_flat(
+    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, deadline=None, optional=False, notes=None
+) -> FlatFound | None:
+    """Search per-op sharding, ZeRO stages and micro-batches on every dp × tp mesh; PlanError if none fits.
+
+    Past ``deadline`` the meshes not yet solved are left out (the solver entry says how many);
+    ``optional`` (a pipeline fits already): all of them may be, and then the answer is None, and
+    a mesh is costed with its seed layouts only, the baselines a plan must not lose to. The best
+    is returned as solved: :func:`flat_result` finishes it once it wins.
+    """
+    best, results = _search(
+        captured,
+        cluster,
+        prec,
+        optimizer,
+        limit,
+        fixed,
+        time_limit_s,
+        deadline=deadline,
+        require_one=not optional,
+        milp=not optional,
+        notes=notes,
     )
     if not results and optional and deadline is not None and time.perf_counter() > deadline:
         log.info("meshes without a pipeline: all left out at the time limit")
@@ -83,6 +99,58 @@ def plan_flat(
     if best is None:
         best = fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed, time_limit_s, results, warnings)
     return FlatFound(best, results, warnings, time_limit_s)
+
+
+POLISH_AT_LEAST = 1.0
+"""The least solve time a mesh is searched in full with (:func:`polish_flat`), the least
+:func:`~autopar.search.sharding.mesh.search_meshes` gives a mesh whatever its share: with less left before
+the deadline, the mesh keeps its seed layouts' answer."""
+
+
+def polish_flat(
+    captured, cluster, prec, optimizer, limit, fixed: Fixed, flat: FlatFound, deadline: float, notes=None
+) -> FlatFound:
+    """``flat``, costed with its seed layouts only (a pipeline was expected to win), searched again in full on
+    its meshes within ``HOPELESS`` of its best, best first, sharing the time left before ``deadline`` (a
+    ``time.perf_counter()`` instant).
+
+    Run when no pipeline beats it after all: Mixtral-8x7B's states outgrow a node, so its pipelines are
+    searched first, and its meshes without one, each seed given a quarter of a second on two loaded cores,
+    answered dp 8 x tp 8 at 7.05 s where dp 64 under ZeRO-3, solved for longer, costs 6.93 s. A mesh
+    keeps the faster of its two answers. A mesh is searched only with ``POLISH_AT_LEAST`` seconds of solving
+    left after building its problem again (as long as it took beside the pipelines); the meshes it leaves
+    out keep their answers, and ``notes`` says so.
+    """
+    fits = [r for r in flat.results if r.solution.choice and r.estimate.fits]
+    if not fits:
+        return flat
+    cutoff = flat.best.estimate.step_time_s * (1 + HOPELESS)
+    near = sorted((r for r in fits if r.estimate.step_time_s <= cutoff), key=lambda r: r.estimate.step_time_s)
+    results = list(flat.results)
+    for k, old in enumerate(near):
+        left = deadline - time.perf_counter()
+        build = sum(old.timings.get(key, 0.0) for key in ("strategies_s", "build_s"))
+        if left - build < POLISH_AT_LEAST:
+            if k == 0:
+                note(
+                    log, notes, "meshes without a pipeline: no time left to search them in full; their seed layouts' "
+                    "answers stand",
+                )
+            else:
+                note(
+                    log, notes, "meshes without a pipeline: %d of %d searched in full before the time limit; the rest "
+                    "keep their seed layouts' answers", k, len(near),
+                )
+            break
+        share = min(max(left / (len(near) - k), POLISH_AT_LEAST + build), left) - build
+        one = dataclasses.replace(fixed, dp=old.mesh.dp, tp=old.mesh.tp)
+        new, _ = _search(captured, cluster, prec, optimizer, limit, one, share, solve_by=deadline)
+        if new is not None and new.estimate.fits and new.estimate.step_time_s < old.estimate.step_time_s:
+            results[results.index(old)] = new
+            log.info("mesh %s searched in full: %.4g s -> %.4g s", old.mesh, old.estimate.step_time_s, new.estimate.step_time_s)
+    fitting = [r for r in results if r.solution.choice and r.estimate.fits]
+    best = min(fitting, key=lambda r: r.estimate.step_time_s)
+    return FlatFound(best, results, flat.warnings, flat.time_limit_s)
 
 
 def fastest_over_limit(captured, cluster, prec, optimizer, limit, fixed: Fixed, time_limit_s, results, warnings):

@@ -22,7 +22,7 @@ from typing import Any
 
 from autopar.api.data_parallel import TIE_TOLERANCE, data_parallel_placements, data_parallel_plan
 from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
-from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat
+from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat, polish_flat
 from autopar.api.search_record import Sharded, mesh_record, zero_stage
 from autopar.core.errors import PlanError
 from autopar.cost_models.estimate import Estimate
@@ -63,7 +63,7 @@ def plan(
     fixed: dict[str, Any] | None = None,
     time_limit_s: float = 60.0,
     reduce_dtype: str | None = None,
-    capacity_factor: float = CAPACITY_FACTOR,
+    capacity_factor: float | None = CAPACITY_FACTOR,
 ) -> Plan:
     """Plan parallel training of ``model`` on ``cluster``.
 
@@ -82,13 +82,17 @@ def plan(
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
     ``time_limit_s``: wall seconds for the whole call, capture included; the search gets what
     capture leaves, and at least ``SEARCH_AT_LEAST`` of it.
-    ``capacity_factor``: a mixture of experts' routing, assumed uniform, sends the busiest expert-parallel
-    rank this many times the mean of (token, choice) pairs; the estimate charges its all-to-alls and expert
-    FLOPs that much (:mod:`autopar.cost_models.experts`).  Routing stays dropless whatever it is.
+    ``capacity_factor``: a mixture of experts' busiest expert-parallel rank receives this many times the mean
+    of (token, choice) pairs; the estimate charges its all-to-alls and expert FLOPs that much. None (the
+    default): the expectation under uniform dropless routing at the tokens a rank holds, a few tenths of a
+    percent at Mixtral-8x7B's (:mod:`autopar.cost_models.experts`); a number: a padded router's capacity or a
+    measured imbalance. Routing stays dropless whatever it is.
     """
     t0 = time.perf_counter()
-    if not (isinstance(capacity_factor, (int, float)) and capacity_factor >= 1):
-        raise PlanError(f"capacity_factor must be a number >= 1 (1: perfectly balanced routing), not {capacity_factor!r}")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor >= 1):
+        raise PlanError(
+            f"capacity_factor must be None or a number >= 1 (1: perfectly balanced routing), not {capacity_factor!r}"
+        )
     prec, fixed, limit, gbs = _checked_request(
         cluster, example_inputs, optimizer, (precision, reduce_dtype), global_batch_size, memory_limit, fixed
     )
@@ -97,7 +101,7 @@ def plan(
     captured, stats = captured_with_stats(
         model, example_inputs, loss_fn, example_targets, batch=gbs if sharding else None
     )
-    captured.capacity_factor = float(capacity_factor)
+    captured.capacity_factor = None if capacity_factor is None else float(capacity_factor)
     t_capture = time.perf_counter() - t0
     fixed, coupling_note = _keep_batches_whole(captured, fixed)
     warnings = [coupling_note] if coupling_note else []
@@ -276,6 +280,11 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
         if not any(r.estimate.fits for r in pipes):
             flat, none_fits = None, None
             search_flat(start + time_limit_s, optional=False)
+        elif flat is not None and flat.best.estimate.fits and flat.best.estimate.step_time_s < min(
+            r.estimate.step_time_s for r in pipes if r.estimate.fits
+        ):
+            # costed with seeds only, the meshes without a pipeline won after all: searched in full in the time left
+            flat = polish_flat(captured, cluster, prec, optimizer, limit, fixed, flat, start + time_limit_s, notes)
     else:
         if flat_allowed:
             search_flat(start + time_limit_s * share, optional=False)
@@ -287,15 +296,15 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     pipe = None
     if pipe_meshes:
         pipe = min(pipes, key=lambda r: r.estimate.step_time_s) if pipes else None
-    if pipe is not None:  # solved on the folded layers: carried onto the whole graph
-        request = MeshRequest(captured, cluster, pipe.mesh, prec, optimizer, limit, recompute=fixed.recompute is None)
-        folded, pipe = pipe, unfold_pipeline(pipe, request)
-        pipes = [pipe if r is folded else r for r in pipes]
     if pipe is not None and (
         flat is None
         or not flat.best.estimate.fits
         or pipe.estimate.step_time_s < flat.best.estimate.step_time_s * (1 - TIE_TOLERANCE)
     ):
+        # solved on the folded layers: carried onto the whole graph once it wins (its estimate stays)
+        request = MeshRequest(captured, cluster, pipe.mesh, prec, optimizer, limit, recompute=fixed.recompute is None)
+        folded, pipe = pipe, unfold_pipeline(pipe, request)
+        pipes = [pipe if r is folded else r for r in pipes]
         return _pipelined(captured, cluster, pipe, pipes, gbs, flat, fixed)
     if none_fits is not None:
         raise none_fits

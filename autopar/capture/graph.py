@@ -49,8 +49,9 @@ class CapturedGraph:
     batch_size: int
     model_name: str
     updated: list[int] = field(default_factory=list)
-    # the busiest expert-parallel rank's (token, choice) pairs over the mean (autopar.cost_models.experts)
-    capacity_factor: float = 1.25
+    # the busiest expert-parallel rank's (token, choice) pairs over the mean; None: its expectation under
+    # uniform routing (autopar.cost_models.experts)
+    capacity_factor: float | None = None
     # how the graph was written from a trace of four of its layers (None: traced whole); a graph
     # rewritten from this one is no longer that graph and must not carry it
     fold: Fold | None = None

@@ -77,7 +77,8 @@ class BuildContext:
     # the gradient chain (:func:`autopar.capture.joint.gradient_chain`), where the reduce dtype differs
     # from the activations'; empty otherwise
     gradient_chain: set[str] = field(default_factory=set)
-    capacity_factor: float = CAPACITY_FACTOR  # the busiest expert-parallel rank's pairs over the mean
+    # the busiest expert-parallel rank's pairs over the mean; None: expected under uniform routing
+    capacity_factor: float | None = CAPACITY_FACTOR
     memo: Memo = field(default_factory=Memo)
 
     def pieces(self, p: Placements) -> int:

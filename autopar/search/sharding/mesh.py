@@ -122,6 +122,7 @@ def search_meshes(
     cp: int | None = None,
     cp_axis: int | None = None,
     finish: bool = True,
+    solve_by: float | None = None,
 ) -> tuple[ShardingResult | None, list[ShardingResult]]:
     """Solve every dp × tp mesh of the cluster (pp = 1) that ``tp``/``dp`` allow; the fastest that fits wins.
 
@@ -146,7 +147,9 @@ def search_meshes(
     (:func:`ep_filter`), ``cp`` attention's split of the sequence (:func:`cp_filter`): meshes with no axis
     of that size are left out; ``cp_axis`` (0 or 1) names the axis the sequence is split over.
     ``finish=False`` returns the best as solved (on the folded problem, its gap not bounded, its placements
-    not read): a caller that may not keep it finishes it with :func:`finish_best` once it wins.
+    not read): a caller that may not keep it finishes it with :func:`finish_best` once it wins. ``solve_by``
+    (a ``time.perf_counter()`` instant): no solve of a mesh is given time past it, whatever the least a mesh's
+    seeds and MILP otherwise get (:func:`_best_on_mesh`).
     """
     world = cluster.world_size
     fold = fold and captured.fold is not None
@@ -173,7 +176,7 @@ def search_meshes(
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         mp = prepare_folded(request) if fold else prepare_mesh(request)
         best_step = min((r.estimate.step_time_s for r in results if r.solution.choice and r.estimate.fits), default=None)
-        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step, ep, cp, cp_axis)
+        res = _best_on_mesh(mp, per_mesh, zero, milp, microbatches, best_step, ep, cp, cp_axis, solve_by)
         log.info(
             "mesh %s: %s, step %.4g s, peak %.3g GB (%s)",
             mesh,
@@ -235,6 +238,7 @@ def _best_on_mesh(
     ep: int | None = None,
     cp: int | None = None,
     cp_axis: int | None = None,
+    solve_by: float | None = None,
 ) -> ShardingResult:
     """The better of the MILP's answer on ``mp`` and its seed layouts' (the seeds alone when not ``milp``).
 
@@ -244,7 +248,9 @@ def _best_on_mesh(
     linear objective does not see, so the final choice is by the estimate. When the best
     seed is more than ``HOPELESS`` slower than ``best_step`` (the best plan of the meshes
     solved before), the MILP only polishes it (LLaMA-7B on 64 H100s: dp 4 x tp 16's MILP
-    spent 15 s bringing it from 1.149 s to 1.148 s, against 0.849 s for dp 8 x tp 8).
+    spent 15 s bringing it from 1.149 s to 1.148 s, against 0.849 s for dp 8 x tp 8). No solve is given time
+    past ``solve_by``, not even the second a solve otherwise gets at least (a seed then answers as its greedy
+    start does), and the MILP does not run past it once a seed fits.
     """
     captured = mp.captured
     params = {p.placeholder: p.name for p in captured.params}
@@ -261,8 +267,10 @@ def _best_on_mesh(
     if cp is None and any(not contiguous_only("", s) for ss in mp.sp.strategies for s in ss):
         plain_order = contiguous_only if fixed is None else both(mp.sp, fixed, contiguous_only)
     # no solve spends time on a bound here: only the chosen mesh's gap is worth one (search_meshes)
-    solve = functools.partial(solve_prepared, mp, describe=False, bound=False, microbatches=microbatches)
-    kinds = seeds_for(mp.mesh.tp, list(params.values()))
+    solve = functools.partial(
+        solve_prepared, mp, describe=False, bound=False, microbatches=microbatches, solve_by=solve_by
+    )
+    kinds = seeds_for(mp.mesh.tp, list(params.values()), beside_zero3=True)
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if cp is not None:  # the seeds that split the sequence as fixed
@@ -278,6 +286,7 @@ def _best_on_mesh(
             seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
             # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
             share = max(seeds_budget - (time.perf_counter() - began), 0.25 * seeds_budget) / (len(kinds) - k)
+            share = _until(solve_by, share, len(kinds) - k)
             order = fixed if kind.startswith("cp") else plain_order
             allowed = seed if order is None else both(mp.sp, seed, order)
             seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET, dividing_only=True)
@@ -294,9 +303,10 @@ def _best_on_mesh(
         kinds = kinds + more
         run_seeds(more)
     plain = None
-    if milp or not kinds:  # no seed layout on this mesh: the MILP it is
+    past = solve_by is not None and time.perf_counter() >= solve_by and seeded_best is not None
+    if (milp or not kinds) and not past:  # no seed layout on this mesh: the MILP it is
         start = seeded_best.solution.choice if seeded_best is not None else None
-        left = max(time_limit_s - (time.perf_counter() - began), 0.5 * time_limit_s)
+        left = _until(solve_by, max(time_limit_s - (time.perf_counter() - began), 0.5 * time_limit_s))
         if _far_behind(seeded_best, best_step):
             left = min(left, MILP_POLISH_OF * (time.perf_counter() - began))
             log.info("mesh %s: the seed layouts are more than %.0f%% slower than the best plan: a polish only", mp.mesh, 100 * HOPELESS)
@@ -316,6 +326,13 @@ def _best_on_mesh(
         _against_bound(res, plain.solution.stats.lower_bound, plain.microbatches == res.microbatches)
     res.timings = dict(mp.timings)
     return res
+
+
+def _until(solve_by: float | None, seconds: float, shares: int = 1) -> float:
+    """``seconds``, or no more than a ``shares``-th of the time left before ``solve_by`` (none past it)."""
+    if solve_by is None:
+        return seconds
+    return min(seconds, max(solve_by - time.perf_counter(), 0.0) / shares)
 
 
 def _far_behind(seeded: ShardingResult | None, best_step: float | None) -> bool:

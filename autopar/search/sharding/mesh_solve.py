@@ -197,6 +197,7 @@ def solve_prepared(
     start: list[int] | None = None,
     target_gap: float = GAP_TARGET,
     dividing_only: bool = False,
+    solve_by: float | None = None,
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
@@ -214,12 +215,16 @@ def solve_prepared(
     ``dividing_only``: at each count past one, only the placements that divide a micro-batch are
     solved over, at once, rather than after an answer that does not (the answer is the same: one
     that does not divide is never kept; a seed layout's restricted problem is rebuilt cheaply, so
-    the seeds take this, and the MILP, whose answers mostly divide, does not).
+    the seeds take this, and the MILP, whose answers mostly divide, does not). Each solve of the call (a
+    micro-batch count, an answer solved again to fit) gets what is left of ``time_limit_s`` and at least a
+    second, but none past ``solve_by`` (a ``time.perf_counter()`` instant), where it answers as its greedy start
+    does.
     """
     counts = _microbatch_counts(mp, microbatches)
     restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
     run = _Solves(
-        mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap, dividing_only
+        mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap, dividing_only,
+        solve_by=solve_by,
     )
     states = None  # the least memory the parameters' states can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
@@ -280,13 +285,16 @@ class _Solves:
     target_gap: float = GAP_TARGET
     dividing_only: bool = False  # past one micro-batch, solve over the placements that divide one only
     solve_s: float = 0.0  # seconds spent solving so far
+    solve_by: float | None = None  # no solve runs past it, not even its least second
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.mp.mesh.dp, self.mp.mesh.tp)
 
     def left(self) -> float:
-        return max(self.deadline - time.perf_counter(), 1.0)
+        now = time.perf_counter()
+        left = max(self.deadline - now, 1.0)
+        return left if self.solve_by is None else min(left, max(self.solve_by - now, 0.0))
 
     def at(self, k: int) -> tuple[ShardingProblem, StrategyProblem]:
         """The problem at ``k`` micro-batches, restricted as this call's strategies are."""

@@ -237,7 +237,7 @@ def node_row(
         else:
             row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name], attention)
             if routed is not None:
-                expert_parallel_terms(ctx, row, options, in_bytes, routed, _top_k(ctx, ns))
+                expert_parallel_terms(ctx, row, options, in_bytes, routed, *_routing(ctx, ns))
             if causal_q is not None:
                 causal_shard_terms(ctx, row, options, causal_q)
         ctx.memo.rows[key] = row
@@ -302,19 +302,24 @@ def compute_row(
     return row
 
 
-def _top_k(ctx: BuildContext, ns: NodeStrategies) -> int:
-    """k of an experts op: its top-k index input is (tokens, k)."""
-    backward = ns.op == experts_op.BACKWARD_NAME
-    index = ns.inputs[2 if backward else 1]
-    node = next(n for n in ctx.captured.gm.graph.nodes if n.name == index)
-    return int(node.meta["val"].shape[-1])
+def _routing(ctx: BuildContext, ns: NodeStrategies) -> tuple[int, tuple[int, int]]:
+    """k of an experts op, and (tokens, experts): its top-k index input is (tokens, k), its experts' weights
+    (experts, ., .)."""
+    first = 1 if ns.op == experts_op.BACKWARD_NAME else 0
+    index, weights = ns.inputs[first + 1], ns.inputs[first + 3]
+    shape = {n.name: n.meta["val"].shape for n in ctx.captured.gm.graph.nodes if n.name in (index, weights)}
+    return int(shape[index][-1]), (int(shape[index][0]), int(shape[weights][0]))
 
 
 def expert_parallel_terms(
-    ctx: BuildContext, row: NodeRow, options: list[Strategy], in_bytes: list, op: str, k: int
+    ctx: BuildContext, row: NodeRow, options: list[Strategy], in_bytes: list, op: str, k: int, shapes: tuple[int, int]
 ) -> None:
     """An experts op's strategies that split the experts pay their all-to-alls, and the busiest rank's share
-    of the expert FLOPs (:mod:`autopar.cost_models.experts`: uniform routing, ``capacity_factor``)."""
+    of the expert FLOPs (:mod:`autopar.cost_models.experts`: uniform dropless routing, its expected busiest
+    rank at the tokens a rank holds, or the ``capacity_factor`` the user gave).
+
+    The tokens are a rank's for the step: with m micro-batches each exchange holds 1/m of them and its
+    busiest rank's excess is sqrt(m) times larger, which the rows, built once for every count, leave out."""
     backward = op == experts_op.BACKWARD_NAME
     first = 1 if backward else 0
     for i, s in enumerate(options):
@@ -322,9 +327,13 @@ def expert_parallel_terms(
         if not axes:
             continue
         a = axes[0]
+        factor = ctx.capacity_factor
+        if factor is None:
+            tokens, experts = shapes[0] / ctx.pieces(s.inputs[first + 1]), shapes[1]
+            factor = experts_cost.busiest_rank_share(tokens, k, experts, ctx.mesh_shape[a])
         pairs = ctx.local([in_bytes[first]], [s.inputs[first]])[0] * ctx.scale * k
-        extra = experts_cost.all_to_all_seconds(pairs, ctx.mesh_shape[a], ctx.links[a], backward, ctx.capacity_factor)
-        row.costs[i] = row.costs[i] * ctx.capacity_factor + extra
+        extra = experts_cost.all_to_all_seconds(pairs, ctx.mesh_shape[a], ctx.links[a], backward, factor)
+        row.costs[i] = row.costs[i] * factor + extra
 
 
 def causal_shard_terms(ctx: BuildContext, row: NodeRow, options: list[Strategy], q_at: int) -> None:

@@ -1,4 +1,5 @@
-"""Hand-set layouts the search must never lose to: pure data parallel, ZeRO-3, Megatron tensor parallel.
+"""Hand-set layouts the search must never lose to: pure data parallel, ZeRO-3, Megatron tensor parallel,
+and Megatron's tensor parallelism beside ZeRO-3 over the data-parallel axis.
 
 Each is a restriction of the parameters' placements; the solver places
 everything else. Solving them beside the unrestricted MILP gives the search
@@ -58,6 +59,12 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             return out[0].is_shard() and all(p.is_replicate() for p in out[1:])
         if kind == "megatron":
             return out[0].is_replicate() and out[1] == megatron_tp(params[node], conv1d)
+        if kind == "megatron_zero3":  # FSDP beside tensor parallelism (torchtitan's 2-D layout)
+            # a mixture's experts, most of its states and whole under Megatron's tp ([gate; up] concatenated),
+            # are stored split over tp too: Mixtral-8x7B's do not fit 80 GB split over dp 8 alone
+            if EXPERTS.search(params[node]):
+                return out[0].is_shard() and out[1].is_shard()
+            return out[0].is_shard() and out[1] == megatron_tp(params[node], conv1d)
         if kind in CP_LAYOUTS:
             return True  # context parallel: its parameters' placements are set by layout_filter
         if kind == "experts_whole":
@@ -68,7 +75,10 @@ def seed_filter(kind: str, params: dict[str, str], conv1d: bool) -> Callable[[st
             if EXPERTS.search(params[node]):
                 return out[axis].is_shard(0) and all(p.is_replicate() for a, p in enumerate(out) if a != axis)
             return all(p.is_replicate() for p in out) and not strategy.zero
-        raise ValueError(f"unknown seed layout {kind!r}; use dp, zero3, megatron, ep, ep_dp, cp, cp_dp or experts_whole")
+        raise ValueError(
+            f"unknown seed layout {kind!r}; use dp, zero3, megatron, megatron_zero3, ep, ep_dp, cp, cp_dp or "
+            "experts_whole"
+        )
 
     return keyed(allowed, params.get)  # a parameter by its name; every other node alike
 
@@ -124,8 +134,15 @@ def _cp_layout(
     return keyed(allowed, lambda node: (node if node in inputs else None, params.get(node), cp_key(node)))
 
 
-def seeds_for(tp: int, param_names: list[str]) -> list[str]:
+def seeds_for(tp: int, param_names: list[str], beside_zero3: bool = False) -> list[str]:
     """The seed layouts that make sense on a mesh with this tensor-parallel size.
+
+    ``beside_zero3`` (the search of meshes without a pipeline) adds, beside a tp axis, Megatron's layout
+    with the parameters also split over dp ("megatron_zero3"): of the unrestricted MILP's answers, the
+    fewest micro-batches that fit may need exactly that, and that MILP, stopped at its time limit, found
+    none at one micro-batch on Mixtral-8x7B's dp 8 x tp 8 and went on to two (7.91 s; ZeRO-3 at one
+    costs 7.02 s). A layout with every parameter's placement set solves in seconds. Pipelines, which
+    gather ZeRO-3's parameters again for every micro-batch, leave it to their MILP.
 
     A mixture of experts adds expert parallelism: over the dp axis's ranks on a dp-only mesh
     ("ep_dp", as DeepSpeed-MoE shares them), over the second axis beside dp otherwise ("ep"); and
@@ -136,13 +153,15 @@ def seeds_for(tp: int, param_names: list[str]) -> list[str]:
     if tp == 1:
         return ["dp", "zero3"] + (["ep_dp"] if experts else [])
     megatron = ["megatron"] if has_megatron_names(param_names) else []
+    if megatron and beside_zero3:
+        megatron.append("megatron_zero3")
     return megatron + (["ep", "experts_whole"] if experts else [])
 
 
 def ep_seeds(ep: int, dp: int, tp: int) -> set[str]:
-    """The seeds that split the experts ``ep`` ways on a dp x tp mesh (1: the one that keeps them whole)."""
+    """The seeds that split the experts ``ep`` ways on a dp x tp mesh (1: those that keep them whole)."""
     if ep == 1:
-        return {"experts_whole"}
+        return {"dp", "zero3", "megatron", "megatron_zero3", "experts_whole"}
     return {kind for kind, size in (("ep_dp", dp), ("ep", tp)) if size == ep}
 
 
