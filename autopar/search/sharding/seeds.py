@@ -137,7 +137,8 @@ def _cp_layout(
 def seeds_for(tp: int, param_names: list[str], beside_zero3: bool = False) -> list[str]:
     """The seed layouts that make sense on a mesh with this tensor-parallel size.
 
-    ``beside_zero3`` (the search of meshes without a pipeline) adds, beside a tp axis, Megatron's layout
+    ``beside_zero3`` (the full search of meshes without a pipeline; costed with seeds only, a mesh tries it
+    only where no other seed fits: ``_best_on_mesh``) adds, beside a tp axis, Megatron's layout
     with the parameters also split over dp ("megatron_zero3"): of the unrestricted MILP's answers, the
     fewest micro-batches that fit may need exactly that, and that MILP, stopped at its time limit, found
     none at one micro-batch on Mixtral-8x7B's dp 8 x tp 8 and went on to two (7.91 s; ZeRO-3 at one
