@@ -270,9 +270,11 @@ def _best_on_mesh(
     solve = functools.partial(
         solve_prepared, mp, describe=False, bound=False, microbatches=microbatches, solve_by=solve_by
     )
-    # Megatron beside ZeRO-3 is a seed of the full search; costed with seeds only (a pipeline fits already) a mesh
-    # tries it where no other seed fits (below): LLaMA-2-70B's four meshes took 21 s of seeds with it, 10 s without
-    kinds = seeds_for(mp.mesh.tp, list(params.values()), beside_zero3=milp)
+    # Megatron beside ZeRO-3 is tried by the full search where no other seed fits (below): as one more seed of
+    # every mesh it took LLaMA-2-70B's four meshes without a pipeline 21 s of seeds where they took 10 s, and
+    # LLaMA-7B's plan 10.8 s; costed with seeds only (a pipeline fits already), its 5 s on the 70B's dp 32 x tp 2,
+    # where Megatron alone does not fit, were the last 5 s of the call
+    kinds = seeds_for(mp.mesh.tp, list(params.values()))
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if cp is not None:  # the seeds that split the sequence as fixed
@@ -299,7 +301,7 @@ def _best_on_mesh(
                 seeded_best = seeded
 
     run_seeds(kinds)
-    fallback = [] if milp or cp is not None or "megatron" not in kinds else ["megatron_zero3"]
+    fallback = [] if not milp or cp is not None or "megatron" not in kinds else ["megatron_zero3"]
     fallback = [k for k in fallback if ep is None or k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if seeded_best is None and fallback:
         kinds = kinds + fallback

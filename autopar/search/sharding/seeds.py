@@ -137,12 +137,12 @@ def _cp_layout(
 def seeds_for(tp: int, param_names: list[str], beside_zero3: bool = False) -> list[str]:
     """The seed layouts that make sense on a mesh with this tensor-parallel size.
 
-    ``beside_zero3`` (the full search of meshes without a pipeline; costed with seeds only, a mesh tries it
-    only where no other seed fits: ``_best_on_mesh``) adds, beside a tp axis, Megatron's layout
+    ``beside_zero3`` adds, beside a tp axis, Megatron's layout
     with the parameters also split over dp ("megatron_zero3"): of the unrestricted MILP's answers, the
     fewest micro-batches that fit may need exactly that, and that MILP, stopped at its time limit, found
     none at one micro-batch on Mixtral-8x7B's dp 8 x tp 8 and went on to two (7.91 s; ZeRO-3 at one
-    costs 7.02 s). A layout with every parameter's placement set solves in seconds. Pipelines, which
+    costs 7.02 s). A layout with every parameter's placement set solves in seconds. The full search of a
+    mesh without a pipeline tries it where no other seed fits (``_best_on_mesh``). Pipelines, which
     gather ZeRO-3's parameters again for every micro-batch, leave it to their MILP.
 
     A mixture of experts adds expert parallelism: over the dp axis's ranks on a dp-only mesh
