@@ -7,8 +7,9 @@ stack is folded only when an ``nn.ModuleList`` ends with a run of at least
 attributes agree (an attribute equal to the layer's own index, such as
 ``layer_idx``, may differ); layers before the run (DeepSeek-V3's three dense
 layers before its mixtures of experts) are traced whole. Otherwise, or when
-the traced layers do not repeat cleanly, the whole model is traced. Either way the names are canonical, so the
-graph equals the whole model's trace node for node.
+the traced layers do not repeat cleanly, the whole model is traced. Either way
+the names are canonical, so the graph equals the whole model's trace node for
+node.
 """
 
 from __future__ import annotations

@@ -78,12 +78,12 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
     """
     layers = fold.layers
     w = float(layers - 3)
-    phantoms = float(layers - 4)
     middle = [fold.template_layer.get(name, (None,))[0] == MIDDLE for name in sp.nodes]
     weight = [w if m else 1.0 for m in middle]
     p = sp.problem
     params = set(sp.param_nodes)
     ghosts = PhantomLayers(layers - 4, *_marks(sp, fold), sp.facts.n_nodes)
+    phantoms = float(ghosts.count)
 
     node_costs = [_scaled(row, x) for row, x in zip(p.node_costs, weight, strict=True)]
     node_memory = [

@@ -41,7 +41,14 @@ from autopar.search.sharding.mesh_solve import (
 )
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
+from autopar.search.sharding.seeds import (
+    cp_seeds,
+    ep_filter,
+    ep_seeds,
+    fallback_seeds,
+    layout_filter,
+    seeds_for,
+)
 from autopar.solver import (
     GAP_TARGET,
     PROVED_GAP,
@@ -270,10 +277,6 @@ def _best_on_mesh(
     solve = functools.partial(
         solve_prepared, mp, describe=False, bound=False, microbatches=microbatches, solve_by=solve_by
     )
-    # Megatron beside ZeRO-3 is tried by the full search where no other seed fits (below): as one more seed of
-    # every mesh it took LLaMA-2-70B's four meshes without a pipeline 21 s of seeds where they took 10 s, and
-    # LLaMA-7B's plan 10.8 s; costed with seeds only (a pipeline fits already), its 5 s on the 70B's dp 32 x tp 2,
-    # where Megatron alone does not fit, were the last 5 s of the call
     kinds = seeds_for(mp.mesh.tp, list(params.values()))
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
@@ -301,7 +304,9 @@ def _best_on_mesh(
                 seeded_best = seeded
 
     run_seeds(kinds)
-    fallback = [] if not milp or cp is not None or "megatron" not in kinds else ["megatron_zero3"]
+    # the full search only: costed with seeds only (a pipeline fits already), Megatron beside ZeRO-3 on the
+    # 70B's dp 32 x tp 2, where Megatron alone does not fit, took the last 5 s of the call
+    fallback = [] if not milp or cp is not None else fallback_seeds(kinds)
     fallback = [k for k in fallback if ep is None or k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if seeded_best is None and fallback:
         kinds = kinds + fallback

@@ -134,16 +134,8 @@ def _cp_layout(
     return keyed(allowed, lambda node: (node if node in inputs else None, params.get(node), cp_key(node)))
 
 
-def seeds_for(tp: int, param_names: list[str], beside_zero3: bool = False) -> list[str]:
+def seeds_for(tp: int, param_names: list[str]) -> list[str]:
     """The seed layouts that make sense on a mesh with this tensor-parallel size.
-
-    ``beside_zero3`` adds, beside a tp axis, Megatron's layout
-    with the parameters also split over dp ("megatron_zero3"): of the unrestricted MILP's answers, the
-    fewest micro-batches that fit may need exactly that, and that MILP, stopped at its time limit, found
-    none at one micro-batch on Mixtral-8x7B's dp 8 x tp 8 and went on to two (7.91 s; ZeRO-3 at one
-    costs 7.02 s). A layout with every parameter's placement set solves in seconds. The full search of a
-    mesh without a pipeline tries it where no other seed fits (``_best_on_mesh``). Pipelines, which
-    gather ZeRO-3's parameters again for every micro-batch, leave it to their MILP.
 
     A mixture of experts adds expert parallelism: over the dp axis's ranks on a dp-only mesh
     ("ep_dp", as DeepSpeed-MoE shares them), over the second axis beside dp otherwise ("ep"); and
@@ -154,9 +146,21 @@ def seeds_for(tp: int, param_names: list[str], beside_zero3: bool = False) -> li
     if tp == 1:
         return ["dp", "zero3"] + (["ep_dp"] if experts else [])
     megatron = ["megatron"] if has_megatron_names(param_names) else []
-    if megatron and beside_zero3:
-        megatron.append("megatron_zero3")
     return megatron + (["ep", "experts_whole"] if experts else [])
+
+
+def fallback_seeds(kinds: list[str]) -> list[str]:
+    """The seed layouts the full search of a mesh without a pipeline tries when none of ``kinds`` fits.
+
+    Beside Megatron's, its layout with the parameters also split over dp ("megatron_zero3"): of the
+    unrestricted MILP's answers, the fewest micro-batches that fit may need exactly that, and that MILP,
+    stopped at its time limit, found none at one micro-batch on Mixtral-8x7B's dp 8 x tp 8 and went on to
+    two (7.91 s; ZeRO-3 at one costs 7.02 s); a layout with every parameter's placement set solves in
+    seconds. Only where nothing else fits: as one more seed of every mesh it took LLaMA-2-70B's four meshes
+    without a pipeline 21 s of seeds where they took 10 s, and LLaMA-7B's plan to 10.8 s. Pipelines, which
+    gather ZeRO-3's parameters again for every micro-batch, leave it to their MILP.
+    """
+    return ["megatron_zero3"] if "megatron" in kinds else []
 
 
 def ep_seeds(ep: int, dp: int, tp: int) -> set[str]:
