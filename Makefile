@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest -n auto --dist loadfile
+	$(BIN)/pytest -n auto --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV)

@@ -26,6 +26,8 @@ the sampler where the interrupted run was.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import importlib
 import logging
 import math
@@ -78,7 +80,8 @@ def _latest(checkpoints: Path) -> tuple[int, Path | None]:
     return (int(found[-1].name.removeprefix("step-")), found[-1]) if found else (0, None)
 
 
-def main(argv: list[str] | None = None) -> None:
+def train(argv: list[str] | None = None) -> None:
+    """Parse the command line, build the model under its plan, and train it with its checkpoints."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", required=True, help="plan.json written by `autopar plan --json` or Plan.save()")
     p.add_argument("--model", required=True, help="module:factory returning (model, example_inputs)")
@@ -125,7 +128,16 @@ def main(argv: list[str] | None = None) -> None:
                 log.info("step %d loss %.6f", step, float(loss))
             if args.checkpoint is not None and (step == args.steps or args.save_every and step % args.save_every == 0):
                 pm.save(args.checkpoint / f"step-{step:06d}", opt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a rank killed by a signal prints where it was
+    train(argv)
+    # Every rank's last collective is done before any rank closes its connections, and what the run
+    # built is freed while the interpreter is whole, not by its finalization.
+    dist.barrier()
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

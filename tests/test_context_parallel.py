@@ -344,8 +344,11 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
 
 # head-tail order for causal LLaMA (HuggingFace's mask tensor, and SDPA's is_causal) and GPT-2; contiguous
 # shards for SDPA's is_causal here, for the mask tensors' kernels in the searched plans below
-LAYOUTS = [(n, f"{k}_balanced") for n in ("llama", "llama_causal", "gpt2") for k in ("cp", "cp_dp")] + [
-    ("llama_pairs", "cp_balanced"),
+# the seed layouts the searched plans below do not already take: cp over the second axis beside dp for all
+# three, cp over the dp ranks beside Megatron's split for causal LLaMA in both orders (SEARCHED plans it for
+# LLaMA and GPT-2 with tp, and causal LLaMA's cp 2 over the second axis)
+LAYOUTS = [(n, "cp_balanced") for n in ("llama", "gpt2", "llama_pairs")] + [
+    ("llama_causal", "cp_dp_balanced"),
     ("llama_causal", "cp_dp_contiguous"),
 ]
 FLOWING = ("llama_causal", "gpt2")  # random plans, head-tail order on many ops (and GPT-2's dropout)

@@ -234,7 +234,9 @@ def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: in
             assert mine[2] == pytest.approx(whole[2], rel=1e-9)
         return mine
 
-    free = solve_strategies(folded.problem, time_limit_s=10).choice
+    # the figures of whatever answer a solve ends on are compared: the mixture's need not be proven optimal
+    limit = 2 if layers == "deepseek-v3" else 10
+    free = solve_strategies(folded.problem, time_limit_s=limit).choice
     _, _, peak = check(free)
     # a pipeline's figures per segment: the template's, each middle one standing for its layers
     from autopar.search.pipeline.segments import layer_figures
@@ -252,7 +254,7 @@ def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: in
     no_zero = restrict(folded.problem, folded, lambda name, s: not s.zero)
     for share in (0.97, 0.9):
         tight = replace(no_zero, memory_limit=share * peak)
-        recomputing = solve_strategies(tight, time_limit_s=10).choice
+        recomputing = solve_strategies(tight, time_limit_s=limit).choice
         held = check(recomputing)[2]
         # LLaMA's answer recomputes and fits; the tiny mixture's moves other values, whose buffers the
         # MILP's memory rows leave out (the mesh search solves again when its answer is over the limit)
@@ -261,7 +263,7 @@ def test_the_folded_problem_costs_and_holds_what_the_whole_graph_does(layers: in
             assert held <= share * peak * (1 + 1e-9)
     for kind in ("megatron", "zero3"):
         problem = restrict(folded.problem, folded, seed_filter(kind, params, False))
-        check(solve_strategies(problem, time_limit_s=10).choice)
+        check(solve_strategies(problem, time_limit_s=limit).choice)
     rng = random.Random(0)
     for _ in range(3):  # forbidden moves included: costs agree, though the memory of a forbidden move is moot
         choice = [rng.randrange(len(s)) for s in folded.strategies]
@@ -285,7 +287,7 @@ def test_the_mesh_search_on_the_folded_problem_finds_the_plan_the_whole_graph_gi
     c = capture_folded(model, inputs)
     cluster = Cluster.local(4)
     prec = precision_spec("bf16-mixed")
-    runs = {fold: search_meshes(c, cluster, prec, "adamw", float("inf"), 30.0, fold=fold) for fold in (True, False)}
+    runs = {fold: search_meshes(c, cluster, prec, "adamw", float("inf"), 15.0, fold=fold) for fold in (True, False)}
     (best, every), (whole_best, whole_every) = runs[True], runs[False]
     assert [r.mesh for r in every] == [r.mesh for r in whole_every]
     # a mesh whose MILP stops at its time limit (dp 2 x tp 2 here, "feasible") may end on another answer in
@@ -301,7 +303,7 @@ def test_the_mesh_search_on_the_folded_problem_finds_the_plan_the_whole_graph_gi
     assert set(best.placements) == set(whole_best.placements) and set(best.placements) <= names
 
     limit = 5e6  # every mesh's unlimited answer peaks above 7 MB
-    best, _ = search_meshes(c, cluster, prec, "adamw", limit, 30.0)
+    best, _ = search_meshes(c, cluster, prec, "adamw", limit, 15.0)
     assert best.sp.template is None and len(best.solution.choice) == len(best.sp.nodes)
     assert best.estimate.fits and best.estimate.memory.peak <= limit
     assert any(best.sp.strategies[i][k].recompute for i, k in enumerate(best.solution.choice))

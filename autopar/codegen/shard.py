@@ -54,7 +54,7 @@ from autopar.core.placements import Placements, balanced_at, local_boxes, replic
 from autopar.ops import experts as experts_op
 from autopar.ops import rng  # noqa: F401  (registers torch.ops.autopar.random)
 from autopar.search.sharding import random_ops, reshape_shards, strategy_rules
-from autopar.search.sharding.dtensor_rules import decomposition
+from autopar.search.sharding.dtensor_rules import costs_off, decomposition
 
 log = logging.getLogger(__name__)
 
@@ -512,7 +512,8 @@ def _trace_local(
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext():
+        # the plan laid every input out as one of the op's strategies reads it: DTensor need only find that one
+        with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext(), costs_off("match"):
             # the model's tensor constants (get_attr nodes: a literal such as Falcon's ``torch.tensor(...)``)
             # are real tensors: the trace records them as constants of the local graph
             return make_fx(local_joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*fake_local)

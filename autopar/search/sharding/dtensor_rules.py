@@ -49,20 +49,32 @@ def _install_cost_gate() -> None:
     original = dt_utils.redistribute_cost
 
     @functools.wraps(original)
-    def gated(*args: Any, **kwargs: Any) -> float:
-        if getattr(_quiet, "on", False):
+    def gated(current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any) -> float:
+        mode = getattr(_quiet, "on", False)
+        if mode == "match":  # a placement on a mesh dim of one device moves nothing, as DTensor prices it
+            if current.placements == target.placements:
+                return 0.0
+            sizes = current.mesh.shape
+            pairs = zip(current.placements, target.placements, strict=True)
+            return float(sum(a != b and sizes[i] > 1 for i, (a, b) in enumerate(pairs)))
+        if mode:
             return 0.0
-        return original(*args, **kwargs)
+        return original(current, target, *args, **kwargs)
 
     dt_utils.redistribute_cost = gated
 
 
 @contextlib.contextmanager
-def costs_off() -> Iterator[None]:
-    """DTensor's rules price no redistribution on this thread while inside (see :func:`_install_cost_gate`)."""
+def costs_off(mode: bool | str = True) -> Iterator[None]:
+    """DTensor's rules price no redistribution on this thread while inside (see :func:`_install_cost_gate`).
+
+    ``mode="match"``: a move costs the number of mesh dims whose placements differ, so that
+    DTensor, dispatching an op whose inputs are laid out as one of its strategies reads them, picks that
+    strategy, as it would on real prices, without computing them (what :mod:`autopar.codegen.shard` needs).
+    """
     _install_cost_gate()
     before = getattr(_quiet, "on", False)
-    _quiet.on = True
+    _quiet.on = mode
     try:
         yield
     finally:
