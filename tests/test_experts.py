@@ -89,9 +89,11 @@ def test_expert_parallel_strategies_are_offered() -> None:
 
 @functools.cache
 def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
+    """A dp 2 x tp 2 plan whose placements the layouts replace: a short search (the tiny DeepSeek-V3's MILP
+    spends a default 60-s budget closing its gap)."""
     torch.manual_seed(0)
     model, inputs = families.FAMILIES[name]()
-    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1})
+    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1}, time_limit_s=3)
     return model, inputs, plan
 
 
