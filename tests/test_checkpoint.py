@@ -224,7 +224,7 @@ def test_checkpoints_round_trip_across_plans_and_one_device_bit_for_bit(tmp_path
         steps = [(p.to_dict(), dirs[k], dirs[k + 1], own) for k, (_, p, own) in enumerate(plans)]
         chains.append((factory, steps))
         named.append((factory, plans, dirs, first))
-    results = autopar.launch(_chains, cluster, cluster, chains)[0]
+    results = autopar.launch(_chains, cluster, cluster, chains, crash_retries=1)[0]
 
     for (factory, plans, dirs, first), chain in zip(named, results, strict=True):
         writer, held = "one device", first

@@ -322,7 +322,8 @@ def test_a_failing_rank_reports_its_error():
 
 @pytest.mark.parametrize("signal", [6, None])
 def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
-    from autopar.verify import oracle as verify
+    """check_plans asks launch for its retries; launch runs a job again only when a rank was killed."""
+    from autopar.runtime import launch as launching
 
     calls = []
 
@@ -330,7 +331,7 @@ def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
         calls.append(1)
         raise autopar.LaunchError("rank 1 was killed", signal=signal)
 
-    monkeypatch.setattr(verify, "launch", crashing_launch)
+    monkeypatch.setattr(launching, "_launch_once", crashing_launch)
     with pytest.raises(autopar.LaunchError, match="rank 1 was killed"):
         check_plans([(mlp_tiny, None)], autopar.Cluster.local(2), steps=1, crash_retries=2)
     assert len(calls) == (3 if signal else 1)

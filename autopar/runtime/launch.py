@@ -117,13 +117,32 @@ def launch(
     *args: Any,
     timeout_s: float = 900.0,
     collective_timeout_s: float = 120.0,
+    crash_retries: int = 0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on every rank of ``cluster`` (a Cluster or a process count); results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). The job is
     stopped after ``timeout_s`` seconds, and a collective that waits longer than
-    ``collective_timeout_s`` fails on its rank.
+    ``collective_timeout_s`` fails on its rank. A job whose rank is killed by a
+    signal runs again, with a warning, up to ``crash_retries`` times: torch's gloo
+    backend on rare occasions corrupts its heap in a collective's worker thread
+    (``scripts/gloo_inflight_repro.py`` shows it without autopar). A rank that
+    raises fails the job at once.
     """
+    for attempt in range(crash_retries + 1):
+        try:
+            return _launch_once(fn, cluster, args, timeout_s, collective_timeout_s)
+        except LaunchError as exc:
+            if exc.signal is None or attempt == crash_retries:
+                raise
+            log.warning("%s; running the job again (%d of %d)", exc, attempt + 1, crash_retries)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable[..., Any], cluster: Cluster | int, args: tuple, timeout_s: float, collective_timeout_s: float
+) -> list[Any]:
+    """One run of the job: see :func:`launch`."""
     if isinstance(cluster, int):
         cluster = Cluster.local(cluster)
     world = cluster.world_size

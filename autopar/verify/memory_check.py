@@ -119,4 +119,4 @@ def measure_plans(factory: Callable, processes: int, plans: Sequence[Plan]) -> l
     ``factory`` must be picklable (a module-level function) and give the same model on every call.
     """
     cluster = Cluster.local(processes)
-    return launch(_measure_all, cluster, factory, cluster, [p.to_dict() for p in plans])
+    return launch(_measure_all, cluster, factory, cluster, [p.to_dict() for p in plans], crash_retries=1)

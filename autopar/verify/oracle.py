@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from autopar.api.parallelizer import parallelize
 from autopar.capture.joint import CapturedGraph, capture
-from autopar.core.errors import LaunchError
 from autopar.core.placements import Placements
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
 from autopar.cost_models.memory import precision_spec
@@ -365,9 +364,7 @@ def check_plans(
     ``local_batch`` (for all cases, or per case): each rank passes only its
     data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
     a job with a sampler per rank does.  A launch whose rank is killed by a
-    signal runs again, up to ``crash_retries`` times, with a warning: torch's
-    gloo backend on rare occasions corrupts its heap in a collective's worker
-    thread (``scripts/gloo_inflight_repro.py`` shows it without autopar).  A
+    signal runs again, up to ``crash_retries`` times (:func:`launch`).  A
     rank that raises, and every mismatch, fails at once.
     """
     local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
@@ -396,16 +393,10 @@ def check_plans(
         (factory, plan.to_dict() if plan is not None else None, flag)
         for (factory, _), plan, flag in zip(cases, plans, local, strict=True)
     ]
-    for attempt in range(crash_retries + 1):
-        try:
-            per_rank = launch(
-                _rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast", precision
-            )
-            break
-        except LaunchError as exc:
-            if exc.signal is None or attempt == crash_retries:
-                raise
-            log.warning("%s; running the check again (%d of %d)", exc, attempt + 1, crash_retries)
+    per_rank = launch(
+        _rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast", precision,
+        crash_retries=crash_retries,
+    )  # fmt: skip
     return [_compare([r[k] for r in per_rank], refs[k]) for k in range(len(cases))]
 
 
