@@ -294,8 +294,7 @@ def test_fixed_cp_refuses_what_cannot_be_built(fixed: dict, seq: int, message: s
 
 @functools.cache
 def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
-    """A dp 2 x tp 2 plan whose placements the layouts replace: a short search (the tiny DeepSeek-V3's MILP
-    spends a default 60-s budget closing its gap)."""
+    """A dp 2 x tp 2 plan whose placements the layouts replace: a short search, as its answer is not kept."""
     torch.manual_seed(0)
     model, inputs = FACTORIES[name]()
     plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1}, time_limit_s=3)
@@ -346,9 +345,10 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
 
 # head-tail order for causal LLaMA (HuggingFace's mask tensor, and SDPA's is_causal) and GPT-2; contiguous
 # shards for SDPA's is_causal here, for the mask tensors' kernels in the searched plans below
-# the seed layouts the searched plans below do not already take: cp over the second axis beside dp for all
-# three, cp over the dp ranks beside Megatron's split for causal LLaMA in both orders (SEARCHED plans it for
-# LLaMA and GPT-2 with tp, and causal LLaMA's cp 2 over the second axis)
+# the seed layouts the searched plans below do not already take: cp over the second axis beside dp, head-tail,
+# for LLaMA, GPT-2 and the pairs' loss; cp over the dp ranks beside Megatron's split for causal LLaMA in both
+# orders. SEARCHED runs causal LLaMA's cp 2 over the second axis head-tail, and LLaMA's and GPT-2's cp over the
+# dp ranks beside tp in contiguous shards (their mask tensors' kernels).
 LAYOUTS = [(n, "cp_balanced") for n in ("llama", "gpt2", "llama_pairs")] + [
     ("llama_causal", "cp_dp_balanced"),
     ("llama_causal", "cp_dp_contiguous"),

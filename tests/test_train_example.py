@@ -37,8 +37,9 @@ def _torchrun(plan: Path, checkpoint: Path, *extra: str) -> dict[int, str]:
     before = set(checkpoint.iterdir()) if checkpoint.exists() else set()
     for attempt in range(2):
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        # a rank killed by a signal runs the job once more, from the checkpoints it started with, as check_plans
-        # does: torch's gloo backend on rare occasions aborts a process (scripts/gloo_inflight_repro.py)
+        # a rank killed by a signal runs the job once more, from the checkpoints it started with, as
+        # autopar.launch(crash_retries=1) does for its own jobs: torch's gloo backend on rare occasions aborts a
+        # process (scripts/gloo_inflight_repro.py)
         if done.returncode == 0 or attempt or not re.search(r"\(SIG(ABRT|SEGV|BUS)\)", done.stderr):
             break
         warnings.warn(f"a rank was killed by a signal; running the job again: {done.stderr[-600:]}", stacklevel=2)
