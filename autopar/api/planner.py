@@ -25,6 +25,7 @@ from autopar.api.fixed import check_fixed, recompute_label, searches_sharding
 from autopar.api.flat_plan import FlatFound, flat_records, flat_result, plan_flat, polish_flat
 from autopar.api.search_record import Sharded, mesh_record, zero_stage
 from autopar.core.errors import PlanError
+from autopar.core.heap import long_lived_heap
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.experts import CAPACITY_FACTOR
 from autopar.cost_models.graph_cache import captured_with_stats, example_batch
@@ -49,6 +50,8 @@ from autopar.search.sharding.request import MeshRequest
 
 log = logging.getLogger(__name__)
 
+
+@long_lived_heap()
 def plan(
     model,
     example_inputs,

@@ -313,11 +313,14 @@ def placements_of(
     """
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     param_of = {p.placeholder: p.name for p in captured.params}
+    op_names: dict[Any, str] = {}  # str() of an OpOverload is slow, and a graph has few distinct ops
     out = {}
     for name, s in zip(nodes, chosen, strict=True):
         node = by_name[name]
+        if node.op == "call_function" and node.target not in op_names:
+            op_names[node.target] = str(node.target)
         out[name] = {
-            "op": str(node.target) if node.op == "call_function" else node.op,
+            "op": op_names[node.target] if node.op == "call_function" else node.op,
             "module": node_module(node),
             "outputs": list(s.outputs),
             "inputs": list(s.inputs),

@@ -45,7 +45,9 @@ class Memo:
     rows: dict[tuple, NodeRow] = field(default_factory=dict)
     list_numbers: dict[tuple[int, ...], int] = field(default_factory=dict)  # distinct strategy lists
     matrices: dict[tuple, list[float]] = field(default_factory=dict)
-    moves: dict[tuple, float] = field(default_factory=dict)  # (have, need, bytes, zero, bucketed) -> seconds
+    # (have, need, bytes, zero, bucketed) -> seconds, the placements by their numbers in ``placement_ids``
+    moves: dict[tuple, float] = field(default_factory=dict)
+    placement_ids: dict[Placements | None, int] = field(default_factory=dict)  # hashing placements is slow
     # the placements an edge's ends have and need, per strategy, numbered once per strategy list
     haves: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)
     needs: dict[tuple[int, int], tuple[int, tuple]] = field(default_factory=dict)

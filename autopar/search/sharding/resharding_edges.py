@@ -109,10 +109,16 @@ def resharding_matrix(ctx: BuildContext, t: Terms, info: EdgeInfo) -> list[float
     row = ctx.memo.matrices.get(key)
     if row is None:  # repeated layers ask for the same matrix: build it once
         (have_values, have_of), (need_values, need_of) = haves, need
+        ids = ctx.memo.placement_ids
+        have_keys = [ids.setdefault(h, len(ids)) for h in have_values]
+        need_keys = [ids.setdefault(b, len(ids)) for b, _ in need_values]
         table = np.array(
             [
-                [_move_time(ctx, h, b, info.moved_bytes(h, b), z, pinned, bucketed) for b, z in need_values]
-                for h in have_values
+                [
+                    _move_time(ctx, h, b, info.moved_bytes(h, b), z, pinned, bucketed, (hk, nk))
+                    for (b, z), nk in zip(need_values, need_keys, strict=True)
+                ]
+                for h, hk in zip(have_values, have_keys, strict=True)
             ]
         ).reshape(len(have_values), len(need_values))
         row = ctx.memo.matrices[key] = table[have_of][:, need_of].ravel().tolist()
@@ -127,9 +133,11 @@ def _distinct(values) -> tuple[list, np.ndarray]:
 
 
 def _move_time(
-    ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool, bucketed: bool = False
+    ctx: BuildContext, have, need, nbytes: float, zero: int, pinned: bool, bucketed: bool, ids: tuple[int, int]
 ) -> float:
     """Seconds to bring a value placed ``have`` to ``need`` (FORBIDDEN_S where it cannot be).
+
+    ``ids``: the two placements' numbers in ``ctx.memo.placement_ids``, the memo's key for them.
 
     ``bucketed``: a gradient's synchronisation, sent in buckets with the other gradients, costs its share
     of a full bucket's collective, ``t(bucket) · bytes / bucket`` (the runtime's bucket,
@@ -139,7 +147,7 @@ def _move_time(
     """
     if have is None or need is None:
         return 0.0
-    key = (have, need, nbytes, zero, bucketed)
+    key = (*ids, nbytes, zero, bucketed)
     t = ctx.memo.moves.get(key)
     if t is None:
         steps = grad_sync_steps(have, need, zero, nbytes, ctx.mesh_shape, ctx.dp_dim)
