@@ -258,11 +258,12 @@ def _kernel_axes(plan: autopar.Plan, balanced: bool | None = None) -> set[tuple[
 
 def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
     """``fixed={"cp": 2}`` as ``"tp"``: the attention kernels split their queries over an axis of 2 ranks
-    (beside a fixed tp, the dp axis's; beside a fixed dp alone, the second axis's), and ``plan.mesh`` names
+    (beside a fixed tp, the dp axis's; beside a fixed dp alone, the second axis's, where dp leaves one: with
+    ``pp`` open, a two-stage pipeline's dp 2 leaves none), and ``plan.mesh`` names
     the split (it adds no devices); a causal kernel's queries in head-tail order."""
     torch.manual_seed(0)
     model, inputs = models.llama_tiny()
-    cases = (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 2, "dp": 2}, {(1,)}), ({"cp": 4, "dp": 4}, {(0,)}))
+    cases = (({"cp": 2}, None), ({"cp": 2, "tp": 2}, {(0,)}), ({"cp": 2, "dp": 2, "pp": 1}, {(1,)}), ({"cp": 4, "dp": 4}, {(0,)}))
     for fixed, axes in cases:
         plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed=fixed)
         assert plan.mesh["cp"] == fixed["cp"] and f"(cp={fixed['cp']})" in plan.mesh_str()
@@ -281,7 +282,7 @@ def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
     [
         ({"cp": 3}, 16, "does not divide the cluster's 4 devices"),
         ({"cp": 4}, 6, "does not divide the sequence of 6 tokens"),
-        ({"cp": 2, "pp": 2}, 16, "fix cp without pp"),
+        ({"cp": 4, "pp": 2}, 16, "a stage has 2 devices, no mesh axis of 4"),
         ({"cp": 0}, 16, "must be a positive integer"),
     ],
 )
@@ -359,6 +360,8 @@ SEARCHED = [
     ("llama_causal", (("cp", 4), ("dp", 4))),  # 8 chunks: rank r holds chunks r and 7-r
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
     ("llama", (("cp", 2), ("tp", 2), ("zero", 3))),
+    ("llama_causal", (("cp", 2), ("pp", 2))),  # inside each stage of a pipeline, over its second axis
+    ("llama_causal", (("cp", 2), ("pp", 2), ("tp", 1))),  # over the dp ranks of each stage
 ]
 
 
@@ -380,7 +383,8 @@ def test_a_head_tail_layout_is_recosted_from_its_placements() -> None:
 def test_context_parallel_trains_like_one_device() -> None:
     """The layouts and searched plans above train like one device, and so do random plans of causal LLaMA's
     and GPT-2's strategies; the searched ones split as expected: the causal kernel's queries in head-tail order (the
-    cheaper), the mask tensors' in contiguous shards (as cheap, with no reorder)."""
+    cheaper), the mask tensors' in contiguous shards (as cheap, with no reorder); with a pipeline, inside its
+    stages over either axis."""
     labels = [f"{n} {k}" for n, k in LAYOUTS] + [f"{n} {dict(f)}" for n, f in SEARCHED] + [f"{n} flowing" for n in FLOWING]
     cases = [(FACTORIES[n], functools.partial(_layout, n, k)) for n, k in LAYOUTS] + [
         (FACTORIES[n], functools.partial(_searched, n, f)) for n, f in SEARCHED
@@ -388,7 +392,8 @@ def test_context_parallel_trains_like_one_device() -> None:
     cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
-    assert orders == [True, True, False, False], orders
+    assert orders == [True, True, False, False, True, True], orders
+    assert [_searched(n, f).mesh["pp"] for n, f in SEARCHED[-2:]] == [2, 2]
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)
     for c in checks:

@@ -42,7 +42,7 @@ from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search
 from autopar.search.pipeline.order import pipeline_order, total_state_bytes
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
-from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh
+from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
 from autopar.search.sharding.recompute import recomputed
 from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
@@ -148,7 +148,9 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
     prec = precision_spec(*precision)
     optimizer_states(optimizer)
     fixed = check_fixed(fixed)
-    beside = fixed.tp or (cluster.world_size // fixed.dp if fixed.cp and fixed.dp and fixed.tp is None else 1)
+    beside = fixed.tp or (
+        cluster.world_size // (fixed.dp * (fixed.pp or 1)) if fixed.cp and fixed.dp and fixed.tp is None else 1
+    )
     cluster.check_mesh(dp=fixed.dp, tp=beside, pp=fixed.pp or 1)  # before any capture (cp: its axis beside dp)
     limit = float(memory_limit) if memory_limit is not None else float(cluster.memory_bytes)
     if limit <= 0:
@@ -227,12 +229,12 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
     pp = fixed.pp
     if (fixed.cp or 1) > 1:
         check_cp(fixed.cp, captured, cluster.world_size)
-        if (pp or 1) > 1:
+        stage = cluster.world_size // (pp or 1)
+        if stage % fixed.cp:
             raise PlanError(
-                f"fixed cp={fixed.cp} with pp={pp}: the pipeline search does not split the sequence yet; "
-                "fix cp without pp"
+                f"fixed cp={fixed.cp} with pp={pp}: a stage has {stage} devices, no mesh axis of {fixed.cp}; "
+                f"choose a cp that divides {stage}"
             )
-        pp = 1
     segments = len(forward_segments(captured))
     pipe_meshes = [] if pp == 1 else pipeline_meshes(cluster, gbs, segments, fixed)
     if pp is not None and pp > 1 and not pipe_meshes:
@@ -331,6 +333,8 @@ def _pipelines(
         preview=preview,
         notes=notes,
         ep=fixed.ep,
+        cp=fixed.cp,
+        cp_axes={m: cp_axis_of(fixed, m.dp * m.tp) for m in meshes},
     )
     found = search_pipelines(captured, cluster, prec, optimizer, limit, meshes, time_limit_s, **kwargs)
     if not found and (fixed.pp or 1) > 1:

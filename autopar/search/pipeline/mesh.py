@@ -53,6 +53,7 @@ from autopar.search.pipeline.segments import (
 )
 from autopar.search.pipeline.stages import GraphSegment, forward_segments
 from autopar.search.sharding.answer import evaluate
+from autopar.search.sharding.context_parallel import cp_axis_of, cp_axis_sizes, cp_filter
 from autopar.search.sharding.derived import restrict, with_microbatches
 from autopar.search.sharding.instance import ShardingProblem
 from autopar.search.sharding.mesh import SEED_GAP
@@ -68,7 +69,7 @@ from autopar.search.sharding.mesh_solve import (
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import ep_filter, ep_seeds, layout_filter, seeds_for
+from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.solver import GAP_TARGET, solve_strategies
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class PipelineMesh:
     activation_scale: float
     memory_limit: float
     ep: int | None = None  # the experts' split fixed (seeds.ep_filter); None: searched
+    cp: int | None = None  # attention's split of the sequence fixed (context_parallel.cp_filter); None: searched
+    cp_axis: int | None = None  # the mesh axis a fixed cp splits the sequence over; None: either
 
     @property
     def solve_microbatches(self) -> int:
@@ -185,11 +188,19 @@ def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: t
     if pm.ep is not None:
         by_ep = ep_filter(captured, (pm.mesh.dp, pm.mesh.tp), pm.ep)
         fixed = by_ep if fixed is None else both(pm.mp.sp, fixed, by_ep)
+    if pm.cp is not None:
+        by_cp = cp_filter(captured, (pm.mesh.dp, pm.mesh.tp), pm.cp, pm.cp_axis)
+        fixed = by_cp if fixed is None else both(pm.mp.sp, fixed, by_cp)
     params = {p.placeholder: p.name for p in captured.params}
     out = [("milp", fixed)] if milp else []
     kinds = layouts if layouts is not None else seeds_for(pm.mesh.tp, list(params.values()))
     if pm.ep is not None:
         kinds = [k for k in kinds if k in ep_seeds(pm.ep, pm.mesh.dp, pm.mesh.tp)]
+    if pm.cp is not None and pm.cp > 1:  # the seeds that split the sequence as fixed
+        cp_kinds = cp_seeds(pm.cp, pm.mesh.dp, pm.mesh.tp, pm.cp_axis)
+        kinds = cp_kinds if layouts is None else [k for k in kinds if k in cp_kinds]
+    elif pm.cp is not None:  # cp 1: none that splits it
+        kinds = [k for k in kinds if not k.startswith("cp")]
     for kind in kinds:
         seed = layout_filter(kind, captured, (pm.mesh.dp, pm.mesh.tp))
         out.append((kind, seed if fixed is None else both(pm.mp.sp, seed, fixed)))
@@ -352,6 +363,8 @@ def search_pipelines(
     preview: Preview | None = None,
     notes: list[str] | None = None,
     ep: int | None = None,
+    cp: int | None = None,
+    cp_axes: dict[MeshShape, int | None] | None = None,
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
@@ -368,7 +381,8 @@ def search_pipelines(
     plan at 11.1 s a step, against 10.1 s for the same mesh polished). The MILP then runs on the
     ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
     improve them, as long as the time left is at least what costing a mesh took.
-    ``notes`` (when given) collects why the search left meshes out, as the log says it.
+    ``notes`` (when given) collects why the search left meshes out, as the log says it. ``ep`` and ``cp``
+    fix the experts' and attention's splits inside the stages (``cp_axes``: a mesh's axis for it, where one is fixed).
     """
     start = time.perf_counter()
     seeds_end = start + time_limit_s * SEED_ROUND
@@ -396,7 +410,7 @@ def search_pipelines(
         request = MeshRequest(captured, cluster, mesh, precision, optimizer, memory_limit, recompute=recompute)
         pm = prepare_pipeline_mesh(request, microbatches=microbatches)
         if pm is not None:
-            pm.ep = ep
+            pm.ep, pm.cp, pm.cp_axis = ep, cp, (cp_axes or {}).get(mesh)
             costed += 1
             costing += time.perf_counter() - now
             # a share of what is left that lets a large mesh's solve find an answer: the limit ends
@@ -578,6 +592,8 @@ def pipeline_meshes(cluster: Cluster, batch: int, segments: int, fixed: Fixed) -
             if batch % dp or (fixed.dp is not None and fixed.dp != dp):
                 continue
             if (fixed.ep or 1) > 1 and fixed.ep not in (dp, tp):
+                continue
+            if not cp_axis_sizes(fixed.cp or 1, dp, tp, cp_axis_of(fixed, dp * tp)):
                 continue
             out.append(cluster.check_mesh(dp=dp, tp=tp, pp=pp))
     return out
