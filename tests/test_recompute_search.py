@@ -216,3 +216,40 @@ def test_selective_on_an_unfused_attention_replays_its_core():
     probabilities = 2 * (B // 2) * 4 * S * S * 4  # two layers, a local batch of B / 2, 4 heads
     mask = 2 * S * S * 4
     assert none.memory.activations - selective.memory.activations == probabilities - mask
+
+
+@pytest.mark.parametrize(("bubble", "full_wins"), [(7.0, True), (3.0, False)])
+def test_an_idle_pipeline_where_nothing_else_fits_is_weighed_against_full_recompute(monkeypatch, bubble, full_wins):
+    """With recompute left to the search, no mesh without a pipeline fitting op by op, and a pipeline idle for
+    more than ``IDLE_PIPELINE`` of its work (15 s a step, ``bubble`` of it idle), those meshes are costed again
+    under full recompute, in the time left, and the faster plan wins; a busier pipeline is kept without it.
+    (LLaMA-3-8B at 262,144 tokens on 64 H100s: ``benchmarks/plan_long_context.py --seq 262144``.)"""
+    from autopar.api import planner
+    from autopar.api.search_record import Sharded
+    from autopar.cost_models.estimate import Estimate
+    from autopar.plans.records import Fixed, MeshRecord, SearchRecord
+
+    calls = []
+
+    def searched(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, flat_optional=False):
+        calls.append((fixed.recompute, fixed.pp, flat_optional))
+        if fixed.recompute == "full":
+            record = SearchRecord(meshes=[MeshRecord(mesh={"dp": 2, "tp": 2, "pp": 1}, fits=True)])
+            return Sharded((None, Estimate(step_time_s=10.0, fits=True)), record, {}, [])
+        record = SearchRecord(
+            meshes=[MeshRecord(mesh={"dp": 2, "tp": 2, "pp": 1}, fits=False), MeshRecord(mesh={"dp": 1, "tp": 2, "pp": 2})]
+        )
+        return Sharded((None, Estimate(step_time_s=15.0, bubble_s=bubble, fits=True)), record, {}, [])
+
+    monkeypatch.setattr(planner, "_sharded_as_fixed", searched)
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny()
+    captured = capture(model, inputs)
+    got = planner._sharded_plan(captured, None, None, 8, None, "adamw", 1e9, Fixed(), 60.0)
+    assert got.args[1].step_time_s == (10.0 if full_wins else 15.0)
+    assert calls == ([(None, None, False), ("full", 1, True)] if full_wins else [(None, None, False)])
+    if full_wins:
+        assert "full recompute" in got.solver.stopped
+    calls.clear()
+    planner._sharded_plan(captured, None, None, 8, None, "adamw", 1e9, Fixed(recompute="op-sac"), 60.0)
+    assert calls == [("op-sac", None, False)]  # a setting the user fixed is kept

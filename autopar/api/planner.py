@@ -45,7 +45,7 @@ from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
 from autopar.search.sharding.recompute import recomputed
-from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements
+from autopar.search.sharding.recompute_settings import NONE, apply_setting, mark_placements, setting_marks
 from autopar.search.sharding.request import MeshRequest
 
 log = logging.getLogger(__name__)
@@ -163,12 +163,96 @@ def _checked_request(cluster, example_inputs, optimizer, precision, global_batch
     return prec, fixed, limit, gbs
 
 
+FULL_RECOMPUTE_AT_LEAST = 5.0
+"""The least time left (seconds) in which the meshes without a pipeline are searched again under full
+recompute (:func:`_sharded_plan`)."""
+
+
 def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed, time_limit_s) -> Sharded:
-    """Per-op sharding (and pipelines) searched on the graph, a fixed recompute setting carried out first."""
+    """Per-op sharding (and pipelines) searched on the graph, a fixed recompute setting carried out first.
+
+    With no setting fixed, recompute is the MILP's choice op by op, and where memory binds hard that
+    choice can fall short of Megatron's full recompute, every layer replayed from its input:
+    LLaMA-3-8B at 262,144 tokens on 64 H100s fits no mesh without a pipeline op by op (the best
+    layouts keep 243-334 GB), and the search lands on an 8-stage pipeline of one sequence a
+    micro-batch, 87.5% idle, 75.8 s a step; under full recompute dp 8 x tp 8 fits in 40 GB at 47.8 s.
+    So where no mesh without a pipeline fits op by op, they are costed again under full recompute in
+    the time left (with their seed layouts, when a plan is in hand), and the faster plan that fits wins.
+    """
+    start = time.perf_counter()
+    first, failed = None, None
+    try:
+        first = _sharded_as_fixed(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s)
+    except PlanError as err:
+        failed = err
+    left = time_limit_s - (time.perf_counter() - start)
+    if not _full_recompute_worth(captured, fixed, first) or left < FULL_RECOMPUTE_AT_LEAST:
+        if first is None:
+            raise failed
+        return first
+    full_fixed = dataclasses.replace(fixed, recompute="full", pp=1)
+    in_hand = first is not None and first.args[1].fits
+    try:  # with a plan that fits in hand, costed with the seed layouts only, within the time left
+        full = _sharded_as_fixed(
+            captured, stats, cluster, gbs, prec, optimizer, limit, full_fixed, left, flat_optional=in_hand
+        )
+    except PlanError:
+        full = None
+    if full is None or not full.args[1].fits or (
+        first is not None and _fitting_step(full) >= _fitting_step(first) * (1 - TIE_TOLERANCE)
+    ):
+        if first is None:
+            raise failed
+        found = f"{_fitting_step(full):.4g} s a step" if full is not None and full.args[1].fits else "none fits"
+        first.solver.stopped += f"; full recompute on the meshes without a pipeline: {found}"
+        return first
+    before = f"{_fitting_step(first):.4g} s a step" if first is not None else "no plan"
+    full.solver.stopped += f"; no mesh without a pipeline fits with recompute op by op ({before}): full recompute"
+    return full
+
+
+def _fitting_step(sharded: Sharded) -> float:
+    """The step time of a plan that fits; inf for one that does not."""
+    est = sharded.args[1]
+    return est.step_time_s if est.fits else math.inf
+
+
+IDLE_PIPELINE = 0.75
+"""A pipeline idle for more than this share of its work, the summary's bubble (p - 1) / (v m), makes the
+meshes without one worth costing under full recompute (:func:`_full_recompute_worth`)."""
+
+
+def _full_recompute_worth(captured, fixed: Fixed, sharded: Sharded | None) -> bool:
+    """Whether the meshes without a pipeline are worth costing under full recompute: recompute left to the
+    search, pipelines not fixed, none of those meshes fitting op by op, the plan found (if any) a pipeline
+    idle for more than ``IDLE_PIPELINE`` of its work, and layers to replay.
+
+    Full recompute costs a third more compute, which only a pipeline idle for more than a third of its work
+    could lose to, before the communication the meshes without one add. LLaMA-3-8B at 262,144 tokens: 87.5%
+    idle, and full recompute 1.59 times faster. LLaMA-3-405B on 8,192 and 16,384 H100s: 48% and 47% idle, and
+    costing its meshes without a pipeline under full recompute took the call from 35 to 72 s and from 31 to
+    68 s for the same plans.
+    """
+    if fixed.recompute is not None or (fixed.pp or 1) > 1:
+        return False
+    if sharded is not None:
+        flat = [r for r in sharded.solver.meshes if r.mesh.get("pp", 1) == 1]
+        if any(r.fits for r in flat):  # (a search whose meshes without a pipeline all failed records none of them)
+            return False
+        est = sharded.args[1]
+        if est.fits and est.bubble_s <= IDLE_PIPELINE * (est.step_time_s - est.bubble_s):
+            return False
+    return bool(setting_marks(captured, "full"))
+
+
+def _sharded_as_fixed(
+    captured, stats, cluster, gbs, prec, optimizer, limit, fixed: Fixed, time_limit_s, flat_optional=False
+) -> Sharded:
+    """:func:`_sharded_plan` under ``fixed`` as it stands (``flat_optional``: see :func:`_plan_sharded`)."""
     # a fixed recompute setting is costed on the graph that runs it: replays are backward ops there
     captured, marks = apply_setting(captured, fixed.recompute or NONE)
     notes: list[str] = []
-    sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes)
+    sharded = _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes, flat_optional)
     sharded.solver.stopped = "; ".join(notes) or "every mesh costed"
     sharded.placements = mark_placements(sharded.placements, marks, recomputed(captured))
     if (fixed.recompute or NONE) != NONE and not marks:
@@ -214,13 +298,17 @@ OPTIONAL_FLAT = 0.25
 took 3 to 10 s of the 24 s they were given for LLaMA-3-405B on 8,192 and 16,384 H100s."""
 
 
-def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None) -> Sharded:
+def _plan_sharded(
+    captured, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, notes=None, flat_optional=False
+) -> Sharded:
     """Search per-op sharding, ZeRO stages, micro-batches and pipelines on every mesh; PlanError if none fits.
 
     Meshes without a pipeline (dp × tp) and with one (pp × dp × tp, pp ≥ 2) share the
     solver's time limit by their number; the fastest plan that fits wins, and a plan
     without a pipeline wins a tie within TIE_TOLERANCE (it is simpler to run). ``notes`` collects
-    why the searches left meshes out.
+    why the searches left meshes out. ``flat_optional`` (a plan is known already): the meshes without a
+    pipeline, searched alone, are costed with their seed layouts only, and past the time limit all may be
+    left out.
     """
     if fixed.dp is not None and gbs % fixed.dp:
         raise PlanError(
@@ -292,7 +380,7 @@ def _plan_sharded(captured, cluster, gbs, prec, optimizer, limit, fixed, time_li
             flat = polish_flat(captured, cluster, prec, optimizer, limit, fixed, flat, start + time_limit_s, notes)
     else:
         if flat_allowed:
-            search_flat(start + time_limit_s * share, optional=False)
+            search_flat(start + time_limit_s * share, optional=flat_optional)
         if pipe_meshes:
             preview.learn_flat(flat.results if flat else [])
             # what is left of the time limit, and at least half the share pipelines were given
