@@ -79,7 +79,8 @@ def plan(
     layer), "op-sac" (torchtitan's per-op checkpointing: every other matmul and the
     attention kept, the rest of each layer replayed), "full" (every layer replayed
     from its input), or absent: the MILP chooses op by op
-    (:mod:`autopar.search.sharding.recompute_settings`).
+    (:mod:`autopar.search.sharding.recompute_settings`), or "full" where op by op only an idle
+    pipeline fits (:func:`_sharded_plan`).
     ``precision``: "bf16-mixed", "fp16-mixed" or "fp32"; under mixed precision
     gradients are reduced in ``reduce_dtype``, "fp32" by default or the compute
     dtype ("bf16", "fp16") for half the gradient traffic (:mod:`autopar.runtime.precision`).
