@@ -174,9 +174,9 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
 
     With no setting fixed, recompute is the MILP's choice op by op, and where memory binds hard that
     choice can fall short of Megatron's full recompute, every layer replayed from its input:
-    LLaMA-3-8B at 262,144 tokens on 64 H100s fits no mesh without a pipeline op by op (the best
-    layouts keep 243-334 GB), and the search lands on an 8-stage pipeline of one sequence a
-    micro-batch, 87.5% idle, 75.8 s a step; under full recompute dp 8 x tp 8 fits in 40 GB at 47.8 s.
+    LLaMA-3-8B at 262,144 tokens on 64 H100s fits no mesh without a pipeline op by op, and the
+    search lands on an 8-stage pipeline of one sequence a micro-batch, 87.5% idle, 75.8 s a step;
+    under full recompute dp 8 x tp 8 fits in 40 GB at 47.8 s.
     So where no mesh without a pipeline fits op by op and the plan is an idle pipeline or none
     (:func:`_full_recompute_worth`), they are costed again under full recompute in the time left (with
     their seed layouts, when a plan that fits is in hand), and the faster plan that fits wins.

@@ -69,7 +69,7 @@ from autopar.search.sharding.mesh_solve import (
 )
 from autopar.search.sharding.microbatches import microbatch_divides, microbatch_filter
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.seeds import cp_seeds, ep_filter, ep_seeds, layout_filter, seeds_for
+from autopar.search.sharding.seeds import cp_kinds, ep_filter, ep_seeds, layout_filter, seeds_for
 from autopar.solver import GAP_TARGET, solve_strategies
 
 log = logging.getLogger(__name__)
@@ -196,11 +196,9 @@ def layout_candidates(pm: PipelineMesh, zero: int | None, milp: bool, layouts: t
     kinds = layouts if layouts is not None else seeds_for(pm.mesh.tp, list(params.values()))
     if pm.ep is not None:
         kinds = [k for k in kinds if k in ep_seeds(pm.ep, pm.mesh.dp, pm.mesh.tp)]
-    if pm.cp is not None and pm.cp > 1:  # the seeds that split the sequence as fixed
-        cp_kinds = cp_seeds(pm.cp, pm.mesh.dp, pm.mesh.tp, pm.cp_axis)
-        kinds = cp_kinds if layouts is None else [k for k in kinds if k in cp_kinds]
-    elif pm.cp is not None:  # cp 1: none that splits it
-        kinds = [k for k in kinds if not k.startswith("cp")]
+    if pm.cp is not None:  # the seeds that split the sequence as fixed (of those asked for, when asked)
+        allowed = cp_kinds(kinds, pm.cp, pm.mesh.dp, pm.mesh.tp, pm.cp_axis)
+        kinds = allowed if layouts is None else [k for k in kinds if k in allowed]
     for kind in kinds:
         seed = layout_filter(kind, captured, (pm.mesh.dp, pm.mesh.tp))
         out.append((kind, seed if fixed is None else both(pm.mp.sp, seed, fixed)))

@@ -42,6 +42,7 @@ from autopar.search.sharding.mesh_solve import (
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import (
+    cp_kinds,
     cp_seeds,
     ep_filter,
     ep_seeds,
@@ -281,7 +282,7 @@ def _best_on_mesh(
     if ep is not None:  # the seeds that split the experts as fixed, or none
         kinds = [k for k in kinds if k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if cp is not None:  # the seeds that split the sequence as fixed
-        kinds = cp_seeds(cp, mp.mesh.dp, mp.mesh.tp, cp_axis) if cp > 1 else [k for k in kinds if not k.startswith("cp")]
+        kinds = cp_kinds(kinds, cp, mp.mesh.dp, mp.mesh.tp, cp_axis)
     began = time.perf_counter()
     seeded_best: ShardingResult | None = None
     seeded: ShardingResult | None = None

@@ -382,14 +382,14 @@ def _fewest_microbatches(
             while not _may_fit(solution, m, tries[lo], states, limit):
                 proven.add(tries[lo])
                 lo += 1
-        k = tries[lo] if solution is None else tries[(lo + hi) // 2]
+        at = lo if solution is None else (lo + hi) // 2
+        k = tries[at]
         sp, problem, raw, solution, give_up = run.solve_count(k)
         if raw.status == "infeasible":  # proven (an answer not found in time is "unknown")
             proven.add(k)
         m = k
         if states is None and not solution.choice:
             states = sum(_least_memory(problem, i) for i in sp.param_nodes)
-        at = tries.index(k)
         if solution.choice:
             fit = (solution, m, sp)
             hi = at - 1

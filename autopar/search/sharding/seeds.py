@@ -177,6 +177,12 @@ def cp_seeds(cp: int, dp: int, tp: int, axis: int | None = None) -> list[str]:
     return [kind for kind, size, a in kinds if size == cp > 1 and axis in (None, a)]
 
 
+def cp_kinds(kinds: list[str], cp: int, dp: int, tp: int, axis: int | None = None) -> list[str]:
+    """The seed layouts a fixed ``cp`` leaves of ``kinds``: past 1, the seeds that split the sequence ``cp`` ways
+    (:func:`cp_seeds`) in their place; at 1, those of ``kinds`` that do not split it."""
+    return cp_seeds(cp, dp, tp, axis) if cp > 1 else [k for k in kinds if not k.startswith("cp")]
+
+
 def ep_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], ep: int) -> Callable[[str, Strategy], bool]:
     """``fixed={"ep": ep}``: the experts ops split the experts over one mesh axis of size ``ep`` (1: not at
     all); other nodes are free."""
