@@ -43,6 +43,7 @@ from autopar.codegen import sequence_attention
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.codegen.redistribute import (
     from_whole,
+    local_of,
     match_layout,
     redistribute,
     to_planned,
@@ -278,7 +279,7 @@ class _ShardInterpreter(fx.Interpreter):
             ]
             return parts[0] if len(parts) == 1 else torch.cat(parts, cat[1])
 
-        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, local_of, (args, kwargs))
         out = random_ops.run_local(n.target, local_args, local_kwargs, draw, whole)
         return self._wrap(out, vals, entry)
 
@@ -294,7 +295,7 @@ class _ShardInterpreter(fx.Interpreter):
         scores = [*q.shape[:-1], k.shape[-2]]
         pieces = self._pieces(scores, tuple(entry["inputs"][q_at]))
         streams = {tuple(offset): stream for _, offset, stream in pieces}
-        local = pytree.tree_map_only(DTensor, lambda d: d.to_local(), args)
+        local = pytree.tree_map_only(DTensor, local_of, args)
 
         def run(a: tuple, kw: dict, box: tuple[list[int], list[int]]) -> Any:
             offset = box[1]
@@ -373,9 +374,9 @@ class _ShardInterpreter(fx.Interpreter):
             if p.is_shard(0):
                 rows //= self.mesh.size(i)
                 offset += coord[i] * rows
-        idx = indices.to_local() if isinstance(indices, DTensor) else indices
+        idx = local_of(indices) if isinstance(indices, DTensor) else indices
         outside = (idx < offset) | (idx >= offset + rows)
-        local = aten.embedding.default(weight.to_local(), (idx - offset).masked_fill(outside, 0), *rest)
+        local = aten.embedding.default(local_of(weight), (idx - offset).masked_fill(outside, 0), *rest)
         local = local.masked_fill(outside.unsqueeze(-1), 0)
         out_spec = entry["outputs"][0]
         return DTensor.from_local(
@@ -397,7 +398,7 @@ class _ShardInterpreter(fx.Interpreter):
 
     def _local_reshape(self, n: fx.Node, args: Any, entry: dict) -> Any:
         """A reshape on this rank's elements, which the planned placements hold on both sides."""
-        local = args[0].to_local()
+        local = local_of(args[0])
         shape = list(n.meta["val"].shape)
         for p, size in zip(entry["outputs"][0], self.mesh.shape, strict=True):
             if p.is_shard():
@@ -408,7 +409,7 @@ class _ShardInterpreter(fx.Interpreter):
     def _local(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
         """Run ``n`` on local shards; its outputs are what the plan says they are."""
         self.local_only[str(n.target)] += 1
-        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda d: d.to_local(), (args, kwargs))
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, local_of, (args, kwargs))
         if n.target in experts_op.EXPERT_OPS:
             axes = experts_op.ep_axes(
                 [tuple(p) if p else None for p in entry["inputs"]], n.target is torch.ops.autopar.experts_backward.default
