@@ -277,6 +277,23 @@ def test_fixed_cp_splits_the_sequence_and_the_mesh_names_it() -> None:
     assert _kernel_axes(_searched("llama_causal", (("cp", 2),)), True) not in ({()}, set())
 
 
+def test_cp_over_the_dp_ranks_cuts_micro_batches_below_one_sequence_a_rank() -> None:
+    """With the sequence split over the dp axis's ranks, a rank holds part of every sequence, not its part of
+    the batch: the micro-batches go down to one sequence (fewer than dp has ranks), each cut over dp by its
+    sequence, the inputs loaded so (dim 1 over dp), and the summary says how the batch is cut."""
+    plan = _searched("llama_pairs", (("cp", 2), ("tp", 2), ("microbatches", 2)))
+    assert (plan.microbatches, plan.micro_batch_size, plan.global_batch_size) == (2, 1, 2)
+    assert _kernel_axes(plan) == {(0,)}
+    ids = plan.placements["input_ids"]["outputs"][0]
+    assert ids[0].is_shard(1), ids
+    assert "micro-batch 1 x 2 micro-batches, every sequence split over the dp axis's 2 ranks" in plan.summary(width=300)
+    # without cp a micro-batch of one sequence cannot be cut over dp 2: refused, in one line
+    model, inputs = FACTORIES["llama_pairs"]()
+    with pytest.raises(autopar.PlanError) as refused:
+        autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "microbatches": 2})
+    assert "\n" not in str(refused.value) and "micro-batches" in str(refused.value), refused.value
+
+
 @pytest.mark.parametrize(
     ("fixed", "seq", "message"),
     [
@@ -360,6 +377,7 @@ SEARCHED = [
     ("llama_causal", (("cp", 4), ("dp", 4))),  # 8 chunks: rank r holds chunks r and 7-r
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
     ("llama", (("cp", 2), ("tp", 2), ("zero", 3))),
+    ("llama_pairs", (("cp", 2), ("tp", 2), ("microbatches", 2))),  # over the dp ranks, a sequence a micro-batch
     ("llama_causal", (("cp", 2), ("pp", 2))),  # inside each stage of a pipeline, over its second axis
     ("llama_causal", (("cp", 2), ("pp", 2), ("tp", 1))),  # over the dp ranks of each stage
 ]
@@ -392,7 +410,7 @@ def test_context_parallel_trains_like_one_device() -> None:
     cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
-    assert orders == [True, True, False, False, True, True], orders
+    assert orders == [True, True, False, False, True, True, True], orders
     assert [_searched(n, f).mesh["pp"] for n, f in SEARCHED[-2:]] == [2, 2]
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)

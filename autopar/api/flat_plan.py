@@ -205,6 +205,7 @@ def flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed: Fixed, fl
     est = best.estimate
     est.samples_per_s = gbs / est.step_time_s if est.step_time_s > 0 else 0.0
     m = best.microbatches
+    split_sequences = gbs % (best.mesh.dp * m) != 0  # a micro-batch smaller than dp: cp over the dp ranks
     cfg = Config(
         dp=best.mesh.dp,
         tp=best.mesh.tp,
@@ -212,7 +213,8 @@ def flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed: Fixed, fl
         zero=zero_stage(captured, best.placements, best.mesh.dp),
         recompute=recompute_label(fixed, best.placements),
         microbatches=m,
-        micro_batch_size=gbs // (best.mesh.dp * m),
+        micro_batch_size=gbs // (m if split_sequences else best.mesh.dp * m),
+        split_sequences=split_sequences,
     )
     left_out, meshes = flat_records(captured, cluster, fixed, flat)
     solver = SearchRecord(

@@ -89,10 +89,11 @@ class Config:
     microbatches: int = 1
     micro_batch_size: int = 1
     recompute: str = "none"
+    split_sequences: bool = False  # the dp ranks split each micro-batch's sequences, not its batch (cp over them)
 
     @property
     def global_batch_size(self) -> int:
-        return self.dp * self.microbatches * self.micro_batch_size
+        return (1 if self.split_sequences else self.dp) * self.microbatches * self.micro_batch_size
 
 
 def estimate_config(

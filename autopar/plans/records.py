@@ -22,6 +22,19 @@ def mesh_text(mesh: dict[str, int]) -> str:
     return " x ".join(f"{k}={mesh.get(k, 1)}" for k in MESH_AXES)
 
 
+def batch_line(plan) -> str:
+    """How the plan's global batch is cut: ``global 256 = micro-batch 2 x 4 micro-batches x dp 32``, or, where
+    a micro-batch has fewer sequences than dp has ranks (context parallelism over them), how its
+    sequences are split instead."""
+    dp, m, mbs = plan.mesh["dp"], plan.microbatches, plan.micro_batch_size
+    if dp * m * mbs == plan.global_batch_size:
+        return f"global {plan.global_batch_size} = micro-batch {mbs} x {m} micro-batches x dp {dp}"
+    return (
+        f"global {plan.global_batch_size} = micro-batch {mbs} x {m} micro-batches, every sequence split over "
+        f"the dp axis's {dp} ranks (cp)"
+    )
+
+
 @dataclass
 class MeshRecord:
     """One mesh (and micro-batch count) the search costed, and what it found there."""

@@ -20,7 +20,7 @@ from autopar.plans.data import PlanData
 from autopar.plans.format import count, precision, secs, size
 from autopar.plans.op_records import OpAlternative
 from autopar.plans.pictures import all_pngs
-from autopar.plans.records import mesh_text, solver_line
+from autopar.plans.records import batch_line, mesh_text, solver_line
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,7 @@ def _configuration(plan: PlanData) -> str:
         ("mesh", plan.mesh_str()),
         ("ZeRO stage", str(plan.zero)),
         ("recompute", plan.recompute),
-        (
-            "batch",
-            f"global {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
-            f"{plan.microbatches} micro-batches x dp {plan.mesh['dp']}",
-        ),
+        ("batch", batch_line(plan)),
         ("precision / optimizer", f"{precision(plan.precision, plan.reduce_dtype)} / {plan.optimizer}"),
         ("cluster", plan.cluster_description),
     ]

@@ -21,7 +21,7 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import replicated, texts
 from autopar.plans.data import PlanData, param_zero_stage
 from autopar.plans.format import GB, precision, secs, size
-from autopar.plans.records import ShardingFacts, mesh_text, solver_line
+from autopar.plans.records import ShardingFacts, batch_line, mesh_text, solver_line
 
 _STATES = {
     0: "replicated",
@@ -206,11 +206,7 @@ def _config_table(plan: PlanData) -> Table:
     cfg.add_row("mesh", plan.mesh_str())
     for key, value in summary_rows(plan):  # what is sharded, ZeRO, what is recomputed
         cfg.add_row(key, value)
-    cfg.add_row(
-        "batch",
-        f"global {plan.global_batch_size} = micro-batch {plan.micro_batch_size} x "
-        f"{plan.microbatches} micro-batches x dp {plan.mesh['dp']}",
-    )
+    cfg.add_row("batch", batch_line(plan))
     cfg.add_row("precision / optimizer", f"{precision(plan.precision, plan.reduce_dtype)} / {plan.optimizer}")
     if plan.solver:
         cfg.add_row("search", solver_line(plan.solver, plan.mesh))

@@ -87,13 +87,19 @@ def solve_mesh(
 
 
 def flat_tp_sizes(
-    cluster: Cluster, batch: int, tp: int | None = None, dp: int | None = None, microbatches: int | None = None
+    cluster: Cluster,
+    batch: int,
+    tp: int | None = None,
+    dp: int | None = None,
+    microbatches: int | None = None,
+    cp_dp: int | None = None,
 ) -> list[int]:
     """The tensor-parallel sizes of the dp × tp meshes to search, in the order to search them.
 
     Those inside a node come first, largest first (a large model wants them, and a
     small one solves quickly anyway); those that cross nodes follow, smallest first.
-    dp must divide the batch, and ``microbatches`` (when given) the local batch.
+    dp must divide the batch, and ``microbatches`` (when given) the local batch, or the whole batch
+    where a fixed cp of ``cp_dp`` may split the sequence over the dp axis's ranks instead.
     """
     world = cluster.world_size
     sizes = [t for t in range(1, world + 1) if world % t == 0]
@@ -103,7 +109,7 @@ def flat_tp_sizes(
         sizes = [t for t in sizes if world // t == dp]
     sizes = [t for t in sizes if batch % (world // t) == 0]
     if microbatches is not None:
-        sizes = [t for t in sizes if (batch // (world // t)) % microbatches == 0]
+        sizes = [t for t in sizes if (batch // (world // t)) % microbatches == 0 or (world // t == cp_dp and batch % microbatches == 0)]
     inside = [t for t in sizes if cluster.gpus_per_node % t == 0]
     return sorted(inside, reverse=True) + [t for t in sizes if t not in inside]
 
@@ -161,7 +167,7 @@ def search_meshes(
     """
     world = cluster.world_size
     fold = fold and captured.fold is not None
-    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches)
+    sizes = flat_tp_sizes(cluster, captured.batch_size, tp, dp, microbatches, cp_over_dp(cp, cp_axis))
     if not milp:  # the baselines keep tensor parallelism inside a node
         sizes = [t for t in sizes if cluster.gpus_per_node % t == 0] or sizes[:1]
     results: list[ShardingResult] = []
@@ -200,6 +206,12 @@ def search_meshes(
         request = MeshRequest(captured, cluster, best.mesh, precision, optimizer, memory_limit, recompute=recompute)
         best = finish_best(best, results, request, time_limit_s)
     return best, results
+
+
+def cp_over_dp(cp: int | None, cp_axis: int | None) -> int | None:
+    """A fixed cp that may split the sequence over the dp axis's ranks (where that axis has ``cp`` of them),
+    or None."""
+    return cp if cp is not None and cp > 1 and cp_axis in (None, 0) else None
 
 
 def finish_best(
@@ -288,8 +300,15 @@ def _best_on_mesh(
     seeded: ShardingResult | None = None
     seeds_budget = time_limit_s / 2 if milp else time_limit_s
 
+    def whole_batch(kind: str) -> bool:  # cp over the dp axis's ranks: each holds the whole batch
+        return kind.startswith("cp_dp")
+
+    def counts_divide(whole: bool) -> bool:  # a fixed micro-batch count divides what a rank holds
+        return microbatches is None or captured.batch_size // (1 if whole else mp.mesh.dp) % microbatches == 0
+
     def run_seeds(kinds: list[str]) -> None:
         nonlocal seeded, seeded_best
+        kinds = [kind for kind in kinds if counts_divide(whole_batch(kind))]
         for k, kind in enumerate(kinds):
             seed = layout_filter(kind, captured, (mp.mesh.dp, mp.mesh.tp))
             # what an earlier seed left unspent (one that is infeasible at once) goes to the later ones
@@ -297,7 +316,10 @@ def _best_on_mesh(
             share = _until(solve_by, share, len(kinds) - k)
             order = fixed if kind.startswith("cp") else plain_order
             allowed = seed if order is None else both(mp.sp, seed, order)
-            seeded = solve(share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET, dividing_only=True)
+            seeded = solve(
+                share, allowed=allowed, least_peak=False, target_gap=SEED_GAP if milp else GAP_TARGET,
+                dividing_only=True, whole_batch=whole_batch(kind),
+            )  # fmt: skip
             seeded.source = kind
             if seeded.solution.choice and seeded.estimate.fits and (
                 seeded_best is None or seeded.estimate.step_time_s < seeded_best.estimate.step_time_s
@@ -310,23 +332,23 @@ def _best_on_mesh(
     fallback = [] if not milp or cp is not None else fallback_seeds(kinds)
     fallback = [k for k in fallback if ep is None or k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if seeded_best is None and fallback:
-        kinds = kinds + fallback
         run_seeds(fallback)
     if seeded_best is None and cp is None and ep is None and attention_kernels(captured.gm):
         # no other layout fits: the activations may, split on the sequence over either axis
-        more = cp_seeds(mp.mesh.dp, mp.mesh.dp, 1) + cp_seeds(mp.mesh.tp, 1, mp.mesh.tp)
-        kinds = kinds + more
-        run_seeds(more)
+        run_seeds(cp_seeds(mp.mesh.dp, mp.mesh.dp, 1) + cp_seeds(mp.mesh.tp, 1, mp.mesh.tp))
     plain = None
     past = solve_by is not None and time.perf_counter() >= solve_by and seeded_best is not None
-    if (milp or not kinds) and not past:  # no seed layout on this mesh: the MILP it is
+    if (milp or seeded is None) and not past:  # no seed layout ran on this mesh: the MILP it is
         start = seeded_best.solution.choice if seeded_best is not None else None
         left = _until(solve_by, max(time_limit_s - (time.perf_counter() - began), 0.5 * time_limit_s))
         if _far_behind(seeded_best, best_step):
             left = min(left, MILP_POLISH_OF * (time.perf_counter() - began))
             log.info("mesh %s: the seed layouts are more than %.0f%% slower than the best plan: a polish only", mp.mesh, 100 * HOPELESS)
         cp_seeded = seeded_best is not None and seeded_best.source.startswith("cp")
-        plain = solve(left, allowed=fixed if cp_seeded else plain_order, start=start)
+        # the counts of a layout with the sequence split over the dp axis's ranks: fixed so, or started so
+        whole = cp_over_dp(cp, cp_axis) == mp.mesh.dp or (cp_seeded and whole_batch(seeded_best.source))
+        if counts_divide(whole):
+            plain = solve(left, allowed=fixed if cp_seeded else plain_order, start=start, whole_batch=whole)
     res = plain
     if seeded_best is not None and (
         res is None or seeded_best.estimate.step_time_s < res.estimate.step_time_s * (1 - 1e-9)

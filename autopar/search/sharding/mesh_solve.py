@@ -198,6 +198,7 @@ def solve_prepared(
     target_gap: float = GAP_TARGET,
     dividing_only: bool = False,
     solve_by: float | None = None,
+    whole_batch: bool = False,
 ) -> ShardingResult:
     """The cheapest answer to ``mp`` that fits, with only the strategies ``allowed`` permits.
 
@@ -218,9 +219,10 @@ def solve_prepared(
     the seeds take this, and the MILP, whose answers mostly divide, does not). Each solve of the call (a
     micro-batch count, an answer solved again to fit) gets what is left of ``time_limit_s`` and at least a
     second, but none past ``solve_by`` (a ``time.perf_counter()`` instant), where it answers as its greedy start
-    does.
+    does. ``whole_batch``: the layout keeps the batch whole over the dp axis (context parallelism over its
+    ranks), so the counts divide the global batch, down to one sequence a micro-batch.
     """
-    counts = _microbatch_counts(mp, microbatches)
+    counts = _microbatch_counts(mp, microbatches, whole_batch)
     restricted = None if allowed is None else restrict(mp.sp.problem, mp.sp, allowed)
     run = _Solves(
         mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap, dividing_only,
@@ -254,9 +256,14 @@ def solve_prepared(
     return res
 
 
-def _microbatch_counts(mp: MeshProblem, microbatches: int | None) -> list[int]:
-    """The micro-batch counts to try on ``mp``, fewest first: the divisors of the local batch (or the one given)."""
-    local = mp.captured.batch_size // mp.mesh.dp
+def _microbatch_counts(mp: MeshProblem, microbatches: int | None, whole_batch: bool = False) -> list[int]:
+    """The micro-batch counts to try on ``mp``, fewest first: the divisors of the local batch (or the one given).
+
+    ``whole_batch``: the batch is not split over the dp axis, whose ranks split the sequence instead; a rank
+    then holds the whole batch, and the counts go down to one sequence a micro-batch (a count past the local
+    batch keeps only the placements that divide a micro-batch: :func:`microbatch_filter`).
+    """
+    local = mp.captured.batch_size // (1 if whole_batch else mp.mesh.dp)
     counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
     if not counts:
         raise PlanError(

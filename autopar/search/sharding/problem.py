@@ -173,19 +173,31 @@ def node_terms(ctx: BuildContext, t: Terms) -> None:
 
 
 def candidate_strategies(ctx: BuildContext, name: str, ns: NodeStrategies, recomputable: bool) -> list[Strategy]:
-    """S_v: a node's strategies, a user input's batch-sharded over dp, with the ZeRO and recompute variants."""
+    """S_v: a node's strategies, a user input's as a data loader hands it out, with the ZeRO and recompute
+    variants.
+
+    A data loader gives each dp rank its part of the batch (the input split on dim 0 over dp) or, where the
+    dp axis's ranks split the sequence instead (context parallelism over them, Megatron-LM's loader), its
+    part of every sequence (dim 1 over dp): the only layout left once a micro-batch is smaller than dp.
+    """
     options = list(ns.strategies)
     if name == ctx.captured.loss:  # returned whole on every rank: its reduction is an edge the objective sees
         whole = [s for s in options if s.outputs[0] is not None and all(p.is_replicate() for p in s.outputs[0])]
         options = whole or options
     if name in ctx.inputs and ctx.dp_dim is not None:
-        batch = [s for s in options if s.outputs[0] is not None and s.outputs[0][ctx.dp_dim].is_shard(0)]
-        options = batch or options
+        loaded = [s for s in options if s.outputs[0] is not None and _loaded(s.outputs[0][ctx.dp_dim])]
+        options = loaded or options
     if name in ctx.params:
         options = zero_variants(ctx, options)
     if recomputable:
         options = recompute_variants(ctx, options)
     return options
+
+
+def _loaded(p) -> bool:
+    """Whether a data loader hands an input out in placement ``p`` over dp: split on the batch or the sequence
+    (in natural order: a loader does not reorder a sequence into head-tail chunks)."""
+    return (p.is_shard(0) or p.is_shard(1)) and not p.is_balanced()
 
 
 def zero_variants(ctx: BuildContext, options: list[Strategy]) -> list[Strategy]:
