@@ -208,7 +208,7 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
         found = f"{_fitting_step(full):.4g} s a step" if full is not None and full.args[1].fits else "none fits"
         first.solver.stopped += f"; full recompute on the meshes without a pipeline: {found}"
         return first
-    before = f"{_fitting_step(first):.4g} s a step" if first is not None else "no plan"
+    before = f"{_fitting_step(first):.4g} s a step" if first is not None and first.args[1].fits else "none fits"
     full.solver.stopped += f"; no mesh without a pipeline fits with recompute op by op ({before}): full recompute"
     return full
 
