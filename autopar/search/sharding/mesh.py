@@ -33,6 +33,7 @@ from autopar.search.sharding.mesh_solve import (
     ShardingResult,
     both,
     describe_result,
+    held_batch,
     prepare_folded,
     prepare_mesh,
     solve_prepared,
@@ -304,7 +305,7 @@ def _best_on_mesh(
         return kind.startswith("cp_dp")
 
     def counts_divide(whole: bool) -> bool:  # a fixed micro-batch count divides what a rank holds
-        return microbatches is None or captured.batch_size // (1 if whole else mp.mesh.dp) % microbatches == 0
+        return microbatches is None or held_batch(captured.batch_size, mp.mesh.dp, whole) % microbatches == 0
 
     def run_seeds(kinds: list[str]) -> None:
         nonlocal seeded, seeded_best

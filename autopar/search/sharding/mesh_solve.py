@@ -256,6 +256,12 @@ def solve_prepared(
     return res
 
 
+def held_batch(batch: int, dp: int, whole_batch: bool) -> int:
+    """The sequences of the batch a rank holds: its dp share, or all of them where the dp axis's ranks split
+    the sequence instead (``whole_batch``); the micro-batch counts divide it."""
+    return batch if whole_batch else batch // dp
+
+
 def _microbatch_counts(mp: MeshProblem, microbatches: int | None, whole_batch: bool = False) -> list[int]:
     """The micro-batch counts to try on ``mp``, fewest first: the divisors of the local batch (or the one given).
 
@@ -263,7 +269,7 @@ def _microbatch_counts(mp: MeshProblem, microbatches: int | None, whole_batch: b
     then holds the whole batch, and the counts go down to one sequence a micro-batch (a count past the local
     batch keeps only the placements that divide a micro-batch: :func:`microbatch_filter`).
     """
-    local = mp.captured.batch_size // (1 if whole_batch else mp.mesh.dp)
+    local = held_batch(mp.captured.batch_size, mp.mesh.dp, whole_batch)
     counts = [k for k in range(1, local + 1) if local % k == 0 and microbatches in (None, k)]
     if not counts:
         raise PlanError(
