@@ -246,6 +246,57 @@ def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence
     assert not same_elements((8, 16, 5), (shard(1), shard(0)), (128, 5), batch, (4, 8))
 
 
+def test_a_flatten_local_only_at_one_sequence_a_micro_batch_is_offered_at_that_count_alone() -> None:
+    """With the batch whole on every rank and the sequence split over both axes, the loss's flatten is local
+    only once a micro-batch is one sequence: the strategy pass offers it at that count (``only_at``), the
+    problem forbids it at one micro-batch and allows it at that count, the micro-batch filter agrees, and a
+    pipeline's problem, whose answers are costed at every count, keeps it forbidden."""
+    import math
+
+    from autopar.capture.joint import capture
+    from autopar.cost_models.memory import precision_spec
+    from autopar.hardware.cluster import MeshShape
+    from autopar.search.sharding.derived import with_microbatches
+    from autopar.search.sharding.mesh_solve import prepare_mesh
+    from autopar.search.sharding.microbatches import microbatch_filter
+    from autopar.search.sharding.request import MeshRequest
+
+    torch.manual_seed(0)
+    model, inputs = llama_pairs()
+    captured = capture(model, inputs)
+    request = MeshRequest(captured, FOUR, MeshShape(dp=2, tp=2, pp=1), precision_spec("fp32"), "adamw", math.inf)
+    sp = prepare_mesh(request).sp
+    seq, rows = (shard(1), shard(1)), (shard(0), shard(0))
+    held = [(i, j) for (i, j) in sp.held if sp.strategies[i][j].inputs[0] == seq and sp.strategies[i][j].outputs[0] == rows]
+    assert held and all(sp.strategies[i][j].only_at == (2,) for i, j in held)
+    assert all(math.isinf(sp.problem.node_costs[i][j]) for i, j in held)
+    at_two = with_microbatches(sp, 2)
+    assert all(math.isfinite(at_two.problem.node_costs[i][j]) for i, j in held)
+    closed = with_microbatches(sp, 2, reopen=False)
+    assert all(math.isinf(closed.problem.node_costs[i][j]) for i, j in held)
+    one, two = microbatch_filter(captured, (2, 2), 1), microbatch_filter(captured, (2, 2), 2)
+    i, j = held[0]
+    assert two(sp.nodes[i], sp.strategies[i][j]) and not one(sp.nodes[i], sp.strategies[i][j])
+
+
+def test_the_dims_that_scale_with_the_batch_are_read_off_a_second_capture() -> None:
+    """LLaMA's 4 heads at a batch of 4 look like a batch dim; a capture at twice the batch says they are not,
+    so a micro-batch of one sequence still splits the heads over 2 ranks (without it the filter would take
+    4 heads to be 1 a micro-batch). A graph with no second capture falls back to the sizes."""
+    from autopar.cost_models.graph_cache import captured_with_stats
+    from autopar.search.sharding.batch_dims import guessed, scaled_dims
+
+    torch.manual_seed(0)
+    model, inputs = models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=4, device="cpu", attention="causal")
+    captured, _ = captured_with_stats(model, inputs)
+    dims = scaled_dims(captured)
+    kernel = next(n for n in captured.gm.graph.nodes if n.target is FLASH)
+    q = kernel.args[0]
+    assert tuple(q.meta["val"].shape[:2]) == (4, 4)
+    assert dims[q.name][0] == (True, False, False, False)  # batch, heads, sequence, head dim
+    assert guessed(tuple(q.meta["val"].shape), 4) == (True, True, True, True)
+
+
 def _kernel_axes(plan: autopar.Plan, balanced: bool | None = None) -> set[tuple[int, ...]]:
     """The mesh axes each attention kernel splits its queries' sequence over (in head-tail order, or in
     contiguous shards, where ``balanced`` says)."""
@@ -287,6 +338,15 @@ def test_cp_over_the_dp_ranks_cuts_micro_batches_below_one_sequence_a_rank() -> 
     ids = plan.placements["input_ids"]["outputs"][0]
     assert ids[0].is_shard(1), ids
     assert "micro-batch 1 x 2 micro-batches, every sequence split over the dp axis's 2 ranks" in plan.summary(width=300)
+    # a micro-batch is one sequence, so the flattens of the sequence-split activations (the projections', the
+    # loss's) run on each rank's rows: offered at that count alone (Strategy.only_at), since on the graph of 2
+    # sequences a rank's rows of (batch x sequence) are two runs; the slow test trains this plan
+    views = ("aten.view.default", "aten._unsafe_view.default")
+    local = [
+        v for v in plan.placements.values()
+        if v["op"] in views and v["inputs"][0] and v["inputs"][0][0].is_shard(1) and v["outputs"][0][0].is_shard(0)
+    ]  # fmt: skip
+    assert local
     # without cp a micro-batch of one sequence cannot be cut over dp 2: refused, in one line
     model, inputs = FACTORIES["llama_pairs"]()
     with pytest.raises(autopar.PlanError) as refused:
@@ -410,7 +470,9 @@ def test_context_parallel_trains_like_one_device() -> None:
     cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
-    assert orders == [True, True, False, False, True, True, True], orders
+    # the pairs' order is left to the costs: with its flattens local at one sequence a micro-batch, both orders
+    # are within a few microseconds on this tiny model
+    assert orders[:4] + orders[5:] == [True, True, False, False, True, True], orders
     assert [_searched(n, f).mesh["pp"] for n, f in SEARCHED[-2:]] == [2, 2]
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)

@@ -229,6 +229,7 @@ def flat_result(captured, cluster, gbs, prec, optimizer, limit, fixed: Fixed, fl
         graph_nodes=sol.stats.nodes,
         nodes_after_reduction=sol.stats.nodes_after_reduction,
         ops=explain_records(captured, best),
+        context_parallel_why=best.why_cp,
     )
     return Sharded((cfg, est), solver, best.placements, flat.warnings)
 

@@ -9,6 +9,7 @@ pass that only reads a captured graph need not know how it was traced.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,9 @@ class CapturedGraph:
     # how the graph was written from a trace of four of its layers (None: traced whole); a graph
     # rewritten from this one is no longer that graph and must not carry it
     fold: Fold | None = None
+    # the same model captured at another batch (a planner's capture; None: not at hand), from which
+    # autopar.search.sharding.batch_dims reads which dims of each value scale with the batch
+    recapture: Callable[[int], CapturedGraph] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

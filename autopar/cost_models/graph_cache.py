@@ -44,9 +44,33 @@ def captured_with_stats(
         log.info("reusing the capture of %s", type(model).__name__)
         return _last[1], _last[2]
     captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    _offer_recapture(captured, model, example_inputs, loss_fn, example_targets)
     stats = graph_stats(captured)
     _last = (key, captured, stats)
     return captured, stats
+
+
+def _offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, example_targets) -> None:
+    """Give ``captured`` (and its fold's template) the capture of the same model at another batch, made on
+    first use and kept: which dims scale with the batch is read off the two."""
+    made: dict[int, CapturedGraph] = {}
+
+    def at(batch: int) -> CapturedGraph:
+        if batch not in made:
+            made[batch] = capture_folded(
+                model, resize_batch(example_inputs, batch), loss_fn, resize_batch(example_targets, batch)
+            )
+        return made[batch]
+
+    def template_at(batch: int) -> CapturedGraph:
+        fold = at(batch).fold
+        if fold is None:
+            raise ValueError("the capture at another batch is not folded")
+        return fold.template
+
+    captured.recapture = at
+    if captured.fold is not None:
+        captured.fold.template.recapture = template_at
 
 
 def example_batch(example_inputs) -> int | None:

@@ -130,6 +130,8 @@ class SearchRecord:
     time_s: float | None = None
     time_limit_s: float | None = None  # the plan's time limit (the whole call, capture included)
     stopped: str = ""  # why the search left meshes out ("every mesh costed" when it did not)
+    # why the plan splits the sequence for attention where nothing fixed it: what did not fit without that
+    context_parallel_why: str = ""
 
     def __bool__(self) -> bool:
         return bool(self.status)

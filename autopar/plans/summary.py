@@ -129,6 +129,7 @@ def summary_rows(plan) -> list[tuple[str, str]]:
             f"attention's queries split {mesh['cp']} ways on the sequence over {'+'.join(cp_axes)} (context "
             "parallel: keys and values gathered, their gradients reduce-scattered"
             + ("; in head-tail order, causal work balanced)" if context_parallel_axes(plan.placements, balanced=True) else ")")
+            + (f", because {plan.solver.context_parallel_why}" if plan.solver.context_parallel_why else "")
         ))
     if dp > 1 and "dp" not in cp_axes:
         parts.insert(0, f"batch split {dp} ways over dp")

@@ -88,7 +88,9 @@ def estimate_plan(
     mesh = cluster.check_mesh(dp=plan.mesh["dp"], tp=plan.mesh.get("tp", 1), pp=1)
     request = MeshRequest(captured, cluster, mesh, precision, plan.optimizer)  # no limit: costed as it is
     shape, links = request.shape, request.links
-    strategies = enumerate_strategies(captured.gm, shape, SHARDING_AXES, balance_masks=holds_balanced(placements))
+    strategies = enumerate_strategies(
+        captured.gm, shape, SHARDING_AXES, balance_masks=holds_balanced(placements), batch=captured.batch_size
+    )
     sp = build_problem(request, strategies)
     sp = with_microbatches(sp, max(plan.microbatches, 1))
     choice = chosen_strategies(sp, placements, plan.zero)

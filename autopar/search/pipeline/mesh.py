@@ -174,7 +174,8 @@ def prepare_pipeline_mesh(
     if not counts:
         return None
     mp = prepare_folded(request) if fold else prepare_mesh(request)
-    sp = pipeline_memory_problem(with_microbatches(mp.sp, counts[-1]), mesh.pp)
+    # its answers are costed at every count: none takes a strategy that holds at the most alone
+    sp = pipeline_memory_problem(with_microbatches(mp.sp, counts[-1], reopen=False), mesh.pp)
     link = request.cluster.axis_link(mesh, "pp")
     return PipelineMesh(
         captured, mesh, mp, sp, counts, graph_segments, link, request.activation_scale, mp.memory_limit

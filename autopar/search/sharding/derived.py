@@ -20,8 +20,11 @@ from autopar.search.sharding.step_memory import accumulated
 from autopar.solver import StrategyProblem
 
 
-def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem:
+def with_microbatches(sp: ShardingProblem, microbatches: int, reopen: bool = True) -> ShardingProblem:
     """``sp`` (built for one micro-batch) for ``microbatches``: its activation memory divided by that.
+
+    The strategies that hold at this count alone (``sp.held``) are allowed, unless not ``reopen``: an
+    answer costed at other counts too (a pipeline's) must not take them.
 
     Exactly what :func:`autopar.search.sharding.problem.build_problem` computes with ``microbatches`` (the same floating-point
     operations), without building again: only the memory of non-parameter nodes depends on it.
@@ -62,9 +65,20 @@ def with_microbatches(sp: ShardingProblem, microbatches: int) -> ShardingProblem
         for k, (v, iv, row) in enumerate(sp.problem.memory_items or [])
     ]
     grad_items = accumulated(items, sp.grad_items)
-    problem = replace(sp.problem, node_memory=memory, edge_costs=edge_costs, memory_items=items or None)
-    template = None if sp.template is None else with_microbatches(sp.template, microbatches)
-    return replace(sp, problem=problem, microbatches=microbatches, grad_items=grad_items, template=template)
+    # the strategies that hold at this count alone (a reshape local once a micro-batch is one sequence)
+    reopened = tuple(ij for ij, (_, counts) in sp.held.items() if reopen and microbatches in counts)
+    node_costs = sp.problem.node_costs
+    if reopened:
+        node_costs = list(node_costs)
+        for i, j in reopened:
+            node_costs[i] = [sp.held[(i, j)][0] if k == j else c for k, c in enumerate(node_costs[i])]
+    problem = replace(
+        sp.problem, node_costs=node_costs, node_memory=memory, edge_costs=edge_costs, memory_items=items or None
+    )
+    template = None if sp.template is None else with_microbatches(sp.template, microbatches, reopen)
+    return replace(
+        sp, problem=problem, microbatches=microbatches, grad_items=grad_items, template=template, reopened=reopened
+    )
 
 
 def restrict(

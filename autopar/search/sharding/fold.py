@@ -125,6 +125,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
         edge_weight=edge_weight,
         template=sp,
         phantoms=ghosts,
+        held={(i, j): (cost * weight[i], counts) for (i, j), (cost, counts) in sp.held.items()},
     )
 
 

@@ -102,6 +102,11 @@ class ShardingProblem:
     template: ShardingProblem | None = None
     # a folded problem's phantom layers (autopar.search.sharding.fold): how many, and where their values live
     phantoms: PhantomLayers | None = None
+    # (node, strategy) -> (its cost, the micro-batch counts it holds at): a strategy that holds at some counts
+    # alone (``Strategy.only_at``), forbidden in ``problem`` at every other count
+    held: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = field(default_factory=dict)
+    # the ``held`` strategies ``problem`` allows, those of its micro-batch count
+    reopened: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

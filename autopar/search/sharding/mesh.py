@@ -22,6 +22,7 @@ from autopar.core.heap import long_lived_heap
 from autopar.core.notes import note
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster
+from autopar.plans.format import size_brief
 from autopar.search.sharding.context_parallel import (
     attention_kernels,
     contiguous_only,
@@ -334,9 +335,12 @@ def _best_on_mesh(
     fallback = [k for k in fallback if ep is None or k in ep_seeds(ep, mp.mesh.dp, mp.mesh.tp)]
     if seeded_best is None and fallback:
         run_seeds(fallback)
+    why_cp = ""
     if seeded_best is None and cp is None and ep is None and attention_kernels(captured.gm):
         # no other layout fits: the activations may, split on the sequence over either axis
+        failed = [k for k in kinds + fallback if counts_divide(whole_batch(k))]
         run_seeds(cp_seeds(mp.mesh.dp, mp.mesh.dp, 1) + cp_seeds(mp.mesh.tp, 1, mp.mesh.tp))
+        why_cp = _why_context_parallel(mp, failed, microbatches)
     plain = None
     past = solve_by is not None and time.perf_counter() >= solve_by and seeded_best is not None
     if (milp or seeded is None) and not past:  # no seed layout ran on this mesh: the MILP it is
@@ -361,10 +365,24 @@ def _best_on_mesh(
         res = seeded_best
     if res is None:  # seeds only, and none fits: report the last one
         res = seeded
+    res.why_cp = why_cp
     if plain is not None and res is not plain:
         _against_bound(res, plain.solution.stats.lower_bound, plain.microbatches == res.microbatches)
     res.timings = dict(mp.timings)
     return res
+
+
+def _why_context_parallel(mp: MeshProblem, failed: list[str], microbatches: int | None) -> str:
+    """Why a mesh's answer splits the sequence for attention where no layout was asked to: the seed layouts
+    without it that did not fit, at the most micro-batches a dp rank's batch allows."""
+    local = held_batch(mp.captured.batch_size, mp.mesh.dp, False)
+    most = microbatches or local
+    layouts = ", ".join(failed) if failed else "none"
+    return (
+        f"no layout without it fits {size_brief(mp.memory_limit)} on {mp.mesh}, recompute op by op allowed "
+        f"(seed layouts {layouts}, at up to {most} micro-batch{'es' if most > 1 else ''} of a dp rank's "
+        f"{local} sequence{'s' if local > 1 else ''})"
+    )
 
 
 def _until(solve_by: float | None, seconds: float, shares: int = 1) -> float:

@@ -68,6 +68,8 @@ class ShardingResult:
     template_strategies: dict[str, NodeStrategies] | None = None
     # gap bounded, carried onto the whole graph, placements read (mesh.finish_best): the answer a plan keeps
     finished: bool = False
+    # why the answer may split the sequence for attention unasked: no layout without that fitted (mesh.py)
+    why_cp: str = ""
 
 
 @dataclass
@@ -118,7 +120,9 @@ def prepare_mesh(request: MeshRequest, strategies: dict[str, NodeStrategies] | N
     timings: dict[str, float] = {}
     t = time.perf_counter()
     if strategies is None:
-        strategies = enumerate_strategies(request.captured.gm, request.shape, SHARDING_AXES)
+        strategies = enumerate_strategies(
+            request.captured.gm, request.shape, SHARDING_AXES, batch=request.captured.batch_size
+        )
     timings["strategies_s"] = time.perf_counter() - t
     t = time.perf_counter()
     sp = build_problem(request, strategies, microbatches=1)
@@ -312,7 +316,7 @@ class _Solves:
     def at(self, k: int) -> tuple[ShardingProblem, StrategyProblem]:
         """The problem at ``k`` micro-batches, restricted as this call's strategies are."""
         sp = with_microbatches(self.mp.sp, k)
-        return sp, sp.problem if self.restricted is None else _microbatched(self.restricted, sp.problem)
+        return sp, sp.problem if self.restricted is None else _microbatched(self.restricted, sp, self.allowed)
 
     def fitted(self, sp: ShardingProblem, problem: StrategyProblem, bound_work: bool) -> tuple[Solution, Solution]:
         """The solver's answer to ``problem``, and that answer made to fit by ``_fit_exactly``."""
@@ -467,13 +471,22 @@ def _seen_peak(problem: StrategyProblem, choice: list[int]) -> float:
     return peak
 
 
-def _microbatched(restricted: StrategyProblem, problem: StrategyProblem) -> StrategyProblem:
-    """``restricted`` (from :func:`restrict`) with ``problem``'s memory and edges: another micro-batch count.
+def _microbatched(
+    restricted: StrategyProblem, sp: ShardingProblem, allowed: Callable[[str, Strategy], bool] | None
+) -> StrategyProblem:
+    """``restricted`` (from :func:`restrict`) with ``sp``'s memory and edges: another micro-batch count.
 
-    A restriction changes only node costs and groups, and micro-batching never touches those,
-    so the mesh's problem is restricted once and each count reuses it.
+    A restriction changes only node costs and groups, and micro-batching touches node costs only
+    where a strategy holds at this count alone (``sp.reopened``): those ``allowed`` permits are
+    opened, so the mesh's problem is restricted once and each count reuses it.
     """
-    return replace(problem, node_costs=restricted.node_costs, groups=restricted.groups)
+    costs = restricted.node_costs
+    opened = [(i, j) for i, j in sp.reopened if allowed is None or allowed(sp.nodes[i], sp.strategies[i][j])]
+    if opened:
+        costs = list(costs)
+        for i, j in opened:
+            costs[i] = [sp.problem.node_costs[i][j] if k == j else c for k, c in enumerate(costs[i])]
+    return replace(sp.problem, node_costs=costs, groups=restricted.groups)
 
 
 def _may_fit(solution: Solution, m0: int, m: int, states: float, memory_limit: float) -> bool:

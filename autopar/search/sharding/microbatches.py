@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.capture.joint import CapturedGraph
+from autopar.search.sharding.batch_dims import guessed, scaled_dims
 from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.instance import ShardingProblem
 
@@ -31,12 +32,12 @@ def microbatch_divides(
 
     The problem is built on the graph at the whole batch; the runtime runs the graph
     at ``1/m`` of it, where a dim that scales with the batch (the batch dim, or batch
-    and sequence flattened) is ``m`` times smaller.  Which dims scale is not recorded,
-    so every dim whose size is a multiple of the batch is taken to: at worst a
-    micro-batch count that would have worked is refused.
+    and sequence flattened) is ``m`` times smaller (which dims scale:
+    :mod:`autopar.search.sharding.batch_dims`). A strategy that holds at some
+    counts alone (``Strategy.only_at``) divides at those only.
     """
     if microbatches == 1:
-        return True
+        return not any(sp.strategies[i][j].only_at for i, j in enumerate(choice))
     allowed = microbatch_filter(captured, mesh_shape, microbatches)
     return all(allowed(name, sp.strategies[i][choice[i]]) for i, name in enumerate(sp.nodes))
 
@@ -46,20 +47,23 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
 
     A strategy allowed at ``m`` micro-batches is allowed at every count that divides
     ``m`` (each batch-scaled dim is then a multiple of its size at ``m``), so one
-    filter at the most micro-batches serves every count the search costs. A node's
+    filter at the most micro-batches serves every count the search costs; save one
+    that holds at some counts alone (``Strategy.only_at``), allowed at those only. A node's
     shapes are read once and each (shape, placement) pair is tested once: the filter
     is asked about every strategy of every node.
     """
     batch = captured.batch_size
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     shapes = _SHAPES.setdefault(captured.gm, {})
+    scaled = scaled_dims(captured)
     tested: dict[tuple, bool] = {}
 
-    def fits(shape, placement) -> bool:
-        if placement is None or shape is None:
+    def fits(value, placement) -> bool:
+        if placement is None or value is None:
             return True
-        key = (shape, placement)
+        key = (value, placement)
         if key not in tested:
+            shape, scales = value
             pieces: dict[int, int] = {}
             for d, p in enumerate(placement):
                 if p.is_shard():
@@ -67,20 +71,29 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
             ok = True
             for dim, k in pieces.items():
                 size = int(shape[dim]) if dim < len(shape) else 0
-                if size and size % batch == 0 and (size % microbatches or (size // microbatches) % k):
+                if size and scales[dim] and (size % microbatches or (size // microbatches) % k):
                     ok = False
             tested[key] = ok
         return tested[key]
 
+    def value_of(name: str, k: int, val) -> tuple | None:
+        """(shape, which dims scale with the batch) of output ``k`` of node ``name``, valued ``val``."""
+        if not hasattr(val, "shape"):
+            return None
+        shape = tuple(val.shape)
+        known = scaled.get(name) if scaled is not None else None
+        scales = known[k] if known is not None and k < len(known) and known[k] is not None else None
+        return shape, scales if scales is not None and len(scales) == len(shape) else guessed(shape, batch)
+
     def node_shapes(node: fx.Node) -> tuple[tuple, tuple]:
-        """The shapes of ``node``'s outputs (None: not a tensor) and of its tensor arguments, in order."""
+        """The (shape, scaled dims) of ``node``'s outputs (None: not a tensor) and of its tensor arguments."""
         if node.name not in shapes:
             vals = node.meta.get("val")
             outs = vals if isinstance(vals, (list, tuple)) else [vals]
-            out_shapes = tuple(tuple(v.shape) if hasattr(v, "shape") else None for v in outs)
+            out_shapes = tuple(value_of(node.name, k, v) for k, v in enumerate(outs))
             leaves = pytree.tree_leaves((node.args, dict(node.kwargs)), is_leaf=lambda x: isinstance(x, fx.Node))
             args = [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-            shapes[node.name] = (out_shapes, tuple(tuple(a.meta["val"].shape) for a in args))
+            shapes[node.name] = (out_shapes, tuple(value_of(a.name, 0, a.meta["val"]) for a in args))
         return shapes[node.name]
 
     # (node shapes, strategy) -> verdict: the copies of a repeated layer ask the same questions; the
@@ -88,6 +101,8 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
     verdicts: dict[tuple, tuple[bool, object]] = {}
 
     def allowed(name: str, s) -> bool:
+        if s.only_at and microbatches not in s.only_at:
+            return False
         node = by_name.get(name)
         if node is None or microbatches == 1:
             return True

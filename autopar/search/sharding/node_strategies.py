@@ -27,6 +27,10 @@ class Strategy:
     # the output is dropped after its last forward use and computed again before its first backward
     # use (selective recompute); the placements are those of the strategy it varies (autopar.search.sharding.problem)
     recompute: bool = False
+    # the micro-batch counts at which alone it holds (a reshape local only once a micro-batch is one sequence,
+    # autopar.search.sharding.reshape_shards); empty: every count. The problem forbids it at the others
+    # (autopar.search.sharding.problem, ``held``)
+    only_at: tuple[int, ...] = ()
 
 
 @dataclass

@@ -26,6 +26,9 @@ Strategies S_v (:func:`candidate_strategies`)
     S_p   ∪= {(s, z) : s ∈ S_p replicated over d, z ∈ {1, 2}}     ZeRO-1/2, when D > 1 (:func:`zero_variants`)
     S_v   ∪= {(s, r) : s ∈ S_v}                                    recomputed in the backward, for v
              recomputable and only under a memory limit (:func:`recompute_variants`)
+    c_v[s] = ∞ for s that holds at some micro-batch counts K_s alone, unless k_mb ∈ K_s
+             (``Strategy.only_at``: a flatten of the sequence split, local once a micro-batch is one
+             sequence; its cost is kept in ``ShardingProblem.held`` and restored by ``with_microbatches``)
 
 Node costs c_v and node memory m_v, live over v's interval [t_v, e_v)
     op v (:func:`compute_row`):
@@ -407,8 +410,15 @@ def gradient_items(ctx: BuildContext, t: Terms) -> None:
 
 def _assemble(ctx: BuildContext, t: Terms, memory_limit: float | None) -> ShardingProblem:
     """The solver's problem and the map back onto the graph, from the steps' terms."""
+    costs = [r.costs for r in t.rows]
+    held = {
+        (i, j): (costs[i][j], s.only_at) for i, options in enumerate(t.strats) for j, s in enumerate(options) if s.only_at
+    }
+    for i, j in held:  # rows are shared by the nodes of a memoized row: copy before forbidding
+        if ctx.microbatches not in held[(i, j)][1]:
+            costs[i] = [math.inf if k == j else c for k, c in enumerate(costs[i])]
     problem = StrategyProblem(
-        node_costs=[r.costs for r in t.rows],
+        node_costs=costs,
         node_memory=[r.memory for r in t.rows],
         node_intervals=t.intervals,
         edges=t.edges,
@@ -435,6 +445,8 @@ def _assemble(ctx: BuildContext, t: Terms, memory_limit: float | None) -> Shardi
         microbatches=ctx.microbatches,
         replayed=[i for i, name in enumerate(t.names) if "autopar_recompute_of" in by_name[name].meta],
         list_ids=t.list_ids,
+        held=held,
+        reopened=tuple(ij for ij, (_, counts) in held.items() if ctx.microbatches in counts),
     )
 
 

@@ -102,12 +102,14 @@ def enumerate_strategies(
     mesh_shape: tuple[int, ...],
     mesh_dim_names: tuple[str, ...] = SHARDING_AXES,
     balance_masks: bool = False,
+    batch: int = 0,
 ) -> dict[str, NodeStrategies]:
     """Candidate strategies for every placeholder, constant and call node of ``gm``.
 
     Strategies that split a causal kernel's sequence have twins in head-tail order
     (:mod:`autopar.search.sharding.balanced_shards`); ``balance_masks``: those of kernels
-    given a mask tensor too.
+    given a mask tensor too. ``batch``: the batch ``gm`` was captured at; a reshape then also
+    gets the local placements that hold only at some micro-batch counts (``Strategy.only_at``).
 
     ``gm`` is the joint graph from :func:`autopar.capture.joint.capture` (every node has
     ``meta["val"]``).  The output node is not an op and gets no entry.  Identical
@@ -117,7 +119,7 @@ def enumerate_strategies(
     mesh_shape = tuple(int(n) for n in mesh_shape)
     names = _names_for(mesh_shape, tuple(mesh_dim_names))
     t0 = time.perf_counter()
-    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm), balance_of(gm, balance_masks))
+    enum = _Enumerator(fake_mesh(mesh_shape, names), mesh_shape, node_keys(gm), balance_of(gm, balance_masks), batch)
     out: dict[str, NodeStrategies] = {}
     with costs_off():
         for node in gm.graph.nodes:
@@ -141,9 +143,15 @@ class _Enumerator:
     """State of one enumeration: the strategies so far and the memo."""
 
     def __init__(
-        self, mesh: DeviceMesh, mesh_shape: tuple[int, ...], keys: dict[fx.Node, NodeKey], balance: Balance | None = None
+        self,
+        mesh: DeviceMesh,
+        mesh_shape: tuple[int, ...],
+        keys: dict[fx.Node, NodeKey],
+        balance: Balance | None = None,
+        batch: int = 0,
     ) -> None:
         self.balance = balance or Balance()
+        self.batch = batch
         self.mesh = mesh
         self.mesh_shape = mesh_shape
         self.keys = keys
@@ -285,16 +293,31 @@ class _Enumerator:
         self, source: fx.Node, strats: list[Strategy], in_shape: tuple[int, ...], out_shape: tuple[int, ...] | None
     ) -> list[Strategy]:
         """A reshape's strategies for the producer's placements DTensor's rule calls strided but that keep
-        every rank's elements (:mod:`autopar.search.sharding.reshape_shards`): run locally."""
+        every rank's elements (:mod:`autopar.search.sharding.reshape_shards`): run locally.
+
+        Those that keep them only on a micro-batch's graph (the batch cut to one sequence a rank: the
+        flatten of a language model's sequence-split logits under context parallelism over the dp
+        axis's ranks) are offered at those counts alone (``only_at``). The batch is taken to lead both
+        shapes, as the runtime resizes it (:func:`autopar.cost_models.graph_cache.resize_batch`).
+        """
         if out_shape is None:
             return []
         offered = {s.inputs[0] for s in strats}
-        return [
-            Strategy((out,), (c,))
-            for c in self.candidates(source)
-            if c not in offered
-            for out in reshape_shards.reshaped_placements(in_shape, c, out_shape, self.mesh_shape)
-        ]
+        cands = [c for c in self.candidates(source) if c not in offered]
+        mesh = self.mesh_shape
+        found = {(c, out): () for c in cands for out in reshape_shards.reshaped_placements(in_shape, c, out_shape, mesh)}
+        batch = self.batch
+        if batch > 1 and in_shape and out_shape and in_shape[0] % batch == 0 and out_shape[0] % batch == 0:
+            for m in range(2, batch + 1):
+                if batch % m:
+                    continue
+                a, b = (in_shape[0] // m, *in_shape[1:]), (out_shape[0] // m, *out_shape[1:])
+                for c in cands:
+                    for out in reshape_shards.reshaped_placements(a, c, b, mesh):
+                        counts = found.get((c, out))
+                        if counts != ():
+                            found[(c, out)] = (*(counts or ()), m)
+        return [Strategy((out,), (c,), only_at=counts) for (c, out), counts in found.items()]
 
     # -- DTensor ------------------------------------------------------------------
 

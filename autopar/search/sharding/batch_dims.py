@@ -1,0 +1,78 @@
+"""Which dims of each value of a captured graph scale with the batch.
+
+A sharding problem is built on the graph at the whole batch; the runtime runs it at
+``1/m`` of the batch, where a dim that scales with it is ``m`` times smaller and a
+shard of it must still divide (:mod:`autopar.search.sharding.microbatches`). Which dims
+scale is read off a second capture of the same model at twice the batch
+(``CapturedGraph.recapture``): a dim scales where its size differs between the two. The
+shape alone cannot say: LLaMA-3-8B's 32 heads at a batch of 8 look like a batch dim,
+and a micro-batch of one sequence would seem to leave 4 heads for tensor parallelism's 8
+ranks. Without a second capture (a graph made some other way) every dim whose size is
+a multiple of the batch is taken to scale: at worst a count that would have worked is
+refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.fx as fx
+
+from autopar.capture.joint import CapturedGraph
+
+log = logging.getLogger(__name__)
+
+Scaled = tuple[bool, ...]
+"""Per dim of a value: whether its size scales with the batch."""
+
+_READ: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[Scaled | None, ...]] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def scaled_dims(captured: CapturedGraph) -> dict[str, tuple[Scaled | None, ...]] | None:
+    """Per node, per output (None: not a tensor), which dims scale with the batch; None where the graph has no
+    second capture to read it from. Read once per graph."""
+    gm = captured.gm
+    if gm in _READ:
+        return _READ[gm]
+    found = None
+    if captured.recapture is not None and captured.batch_size >= 1:
+        try:
+            found = _compare(gm, captured.recapture(2 * captured.batch_size).gm)
+        except Exception as why:  # noqa: BLE001 - a model that does not trace at twice the batch: shapes alone
+            log.info("batch dims of %s: no capture at twice the batch (%s)", captured.model_name, why)
+    _READ[gm] = found
+    return found
+
+
+def guessed(shape: tuple[int, ...], batch: int) -> Scaled:
+    """The dims taken to scale where no second capture says: every one whose size is a multiple of the batch."""
+    return tuple(int(size) % batch == 0 for size in shape)
+
+
+def _compare(a: fx.GraphModule, b: fx.GraphModule) -> dict[str, tuple[Scaled | None, ...]]:
+    """The dims whose sizes differ between ``a`` and ``b``'s node of the same name, op and ranks."""
+    others = {n.name: n for n in b.graph.nodes}
+    out: dict[str, tuple[Scaled | None, ...]] = {}
+    for node in a.graph.nodes:
+        other = others.get(node.name)
+        if other is None or other.target != node.target:
+            continue
+        mine, theirs = _values(node), _values(other)
+        if len(mine) != len(theirs):
+            continue
+        out[node.name] = tuple(
+            tuple(int(p) != int(q) for p, q in zip(x.shape, y.shape, strict=True))
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim()
+            else None
+            for x, y in zip(mine, theirs, strict=True)
+        )
+    return out
+
+
+def _values(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
