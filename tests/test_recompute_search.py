@@ -8,6 +8,8 @@ memory on the MILP and pipeline paths, MFU against HFU, and the settings' plans 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -239,17 +241,40 @@ def test_an_idle_pipeline_where_nothing_else_fits_is_weighed_against_full_recomp
         record = SearchRecord(
             meshes=[MeshRecord(mesh={"dp": 2, "tp": 2, "pp": 1}, fits=False), MeshRecord(mesh={"dp": 1, "tp": 2, "pp": 2})]
         )
-        return Sharded((None, Estimate(step_time_s=15.0, bubble_s=bubble, fits=True)), record, {}, [])
+        return Sharded((SimpleNamespace(pp=2, tp=2), Estimate(step_time_s=15.0, bubble_s=bubble, fits=True)), record, {}, [])
 
     monkeypatch.setattr(planner, "_sharded_as_fixed", searched)
     torch.manual_seed(0)
     model, inputs = gpt2_tiny()
     captured = capture(model, inputs)
-    got = planner._sharded_plan(captured, None, None, 8, None, "adamw", 1e9, Fixed(), 60.0)
+    cluster = autopar.Cluster.local(4)
+    got = planner._sharded_plan(captured, None, cluster, 8, None, "adamw", 1e9, Fixed(), 60.0)
     assert got.args[1].step_time_s == (10.0 if full_wins else 15.0)
     assert calls == ([(None, None, False), ("full", 1, True)] if full_wins else [(None, None, False)])
     if full_wins:
         assert "full recompute" in got.solver.stopped
     calls.clear()
-    planner._sharded_plan(captured, None, None, 8, None, "adamw", 1e9, Fixed(recompute="op-sac"), 60.0)
+    planner._sharded_plan(captured, None, cluster, 8, None, "adamw", 1e9, Fixed(recompute="op-sac"), 60.0)
     assert calls == [("op-sac", None, False)]  # a setting the user fixed is kept
+
+
+def test_a_mesh_that_fits_op_by_op_only_with_tp_across_nodes_is_weighed_against_full_recompute() -> None:
+    """Memory binds there too: LLaMA-3-8B at 524,288 tokens on 64 H100s fits dp 2 x tp 32 op by op at 282.6 s,
+    and dp 8 x cp 8 under full recompute at 183.5 s. A mesh with tp inside a node that fits keeps the plan."""
+    from autopar.api import planner
+    from autopar.api.search_record import Sharded
+    from autopar.cost_models.estimate import Estimate
+    from autopar.plans.records import Fixed, MeshRecord, SearchRecord
+
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny()
+    captured = capture(model, inputs)
+    cluster = autopar.Cluster.preset("dgx-h100", nodes=2)
+
+    def found(*tps_fitting):
+        meshes = [MeshRecord(mesh={"dp": 16 // t, "tp": t, "pp": 1}, fits=ok) for t, ok in tps_fitting]
+        best = min(t for t, ok in tps_fitting if ok)
+        return Sharded((SimpleNamespace(pp=1, tp=best), Estimate(step_time_s=1.0, fits=True)), SearchRecord(meshes=meshes), {}, [])
+
+    assert planner._full_recompute_worth(captured, Fixed(), found((8, False), (16, True)), cluster)
+    assert not planner._full_recompute_worth(captured, Fixed(), found((4, True), (8, False)), cluster)

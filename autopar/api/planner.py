@@ -188,7 +188,7 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
     except PlanError as err:
         failed = err
     left = time_limit_s - (time.perf_counter() - start)
-    if not _full_recompute_worth(captured, fixed, first) or left < FULL_RECOMPUTE_AT_LEAST:
+    if not _full_recompute_worth(captured, fixed, first, cluster) or left < FULL_RECOMPUTE_AT_LEAST:
         if first is None:
             raise failed
         return first
@@ -209,7 +209,10 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
         first.solver.stopped += f"; full recompute on the meshes without a pipeline: {found}"
         return first
     before = f"{_fitting_step(first):.4g} s a step" if first is not None and first.args[1].fits else "none fits"
-    full.solver.stopped += f"; no mesh without a pipeline fits with recompute op by op ({before}): full recompute"
+    full.solver.stopped += (
+        f"; no mesh without a pipeline and with tp inside a node fits with recompute op by op ({before}): "
+        "full recompute"
+    )
     return full
 
 
@@ -224,10 +227,14 @@ IDLE_PIPELINE = 0.75
 meshes without one worth costing under full recompute (:func:`_full_recompute_worth`)."""
 
 
-def _full_recompute_worth(captured, fixed: Fixed, sharded: Sharded | None) -> bool:
+def _full_recompute_worth(captured, fixed: Fixed, sharded: Sharded | None, cluster: Cluster) -> bool:
     """Whether the meshes without a pipeline are worth costing under full recompute: recompute left to the
-    search, pipelines not fixed, none of those meshes fitting op by op, the plan found (if any) a pipeline
-    idle for more than ``IDLE_PIPELINE`` of its work, and layers to replay.
+    search, pipelines not fixed, none of those meshes with tp inside a node fitting op by op, the plan found
+    (if any) a pipeline idle for more than ``IDLE_PIPELINE`` of its work, and layers to replay.
+
+    A mesh that fits op by op only with tp across nodes is memory-bound too: LLaMA-3-8B at 524,288 tokens
+    on 64 H100s fits dp 2 x tp 32 (cp 32) op by op at 282.6 s a step, and dp 8 x cp 8 under full
+    recompute at 183.5 s.
 
     Full recompute costs a third more compute, which only a pipeline idle for more than a third of its work
     could lose to, before the communication the meshes without one add. LLaMA-3-8B at 262,144 tokens: 87.5%
@@ -239,10 +246,12 @@ def _full_recompute_worth(captured, fixed: Fixed, sharded: Sharded | None) -> bo
         return False
     if sharded is not None:
         flat = [r for r in sharded.solver.meshes if r.mesh.get("pp", 1) == 1]
-        if any(r.fits for r in flat):  # (a search whose meshes without a pipeline all failed records none of them)
+        # (a search whose meshes without a pipeline all failed records none of them)
+        if any(r.fits and cluster.gpus_per_node % r.mesh.get("tp", 1) == 0 for r in flat):
             return False
-        est = sharded.args[1]
-        if est.fits and est.bubble_s <= IDLE_PIPELINE * (est.step_time_s - est.bubble_s):
+        cfg, est = sharded.args
+        inside = cfg.pp > 1 or cluster.gpus_per_node % cfg.tp == 0
+        if est.fits and inside and est.bubble_s <= IDLE_PIPELINE * (est.step_time_s - est.bubble_s):
             return False
     return bool(setting_marks(captured, "full"))
 

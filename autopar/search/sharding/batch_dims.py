@@ -54,11 +54,12 @@ def guessed(shape: tuple[int, ...], batch: int) -> Scaled:
 
 
 def _compare(a: fx.GraphModule, b: fx.GraphModule) -> dict[str, tuple[Scaled | None, ...]]:
-    """The dims whose sizes differ between ``a`` and ``b``'s node of the same name, op and ranks."""
+    """The dims whose sizes differ between ``a`` and ``b``'s node of the same name, op and ranks (a forward
+    op that ``a`` replays in the backward, as its original)."""
     others = {n.name: n for n in b.graph.nodes}
     out: dict[str, tuple[Scaled | None, ...]] = {}
     for node in a.graph.nodes:
-        other = others.get(node.name)
+        other = others.get(node.meta.get("autopar_recompute_of", node.name))
         if other is None or other.target != node.target:
             continue
         mine, theirs = _values(node), _values(other)
