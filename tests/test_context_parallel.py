@@ -246,6 +246,34 @@ def test_flattening_a_sequence_split_is_local_where_each_rank_holds_one_sequence
     assert not same_elements((8, 16, 5), (shard(1), shard(0)), (128, 5), batch, (4, 8))
 
 
+def test_comparing_a_few_ranks_decides_a_reshape_as_comparing_every_rank_does() -> None:
+    """``same_elements`` compares the first rank and one step along each mesh dim where both sides split evenly
+    in plain shards (their runs start at linear functions of the coordinates); on random merges and splits
+    of random placements it decides as comparing every rank does."""
+    import itertools
+    import random
+
+    from autopar.search.sharding import reshape_shards
+
+    rng, agreed, local = random.Random(0), 0, 0
+    for _ in range(3000):
+        mesh = (rng.choice([2, 4]), rng.choice([2, 3, 4]))
+        a = tuple(rng.choice([1, 2, 4, 6, 8, 12]) for _ in range(rng.choice([2, 3])))
+        i = rng.randrange(len(a) - 1)
+        b = a[:i] + (a[i] * a[i + 1],) + a[i + 2:]
+        if rng.random() < 0.5:
+            a, b = b, a
+        sa, sb = (tuple(rng.choice([REPLICATE, shard(rng.randrange(len(x)))]) for _ in mesh) for x in (a, b))
+        every = itertools.product(*(range(n) for n in mesh))
+        few = reshape_shards.same_elements(a, sa, b, sb, mesh)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(reshape_shards, "_probes", lambda *_args, ranks=list(every): ranks)
+            all_ranks = reshape_shards.same_elements(a, sa, b, sb, mesh)
+        agreed += few == all_ranks
+        local += all_ranks
+    assert agreed == 3000 and local > 100
+
+
 def test_a_flatten_local_only_at_one_sequence_a_micro_batch_is_offered_at_that_count_alone() -> None:
     """With the batch whole on every rank and the sequence split over both axes, the loss's flatten is local
     only once a micro-batch is one sequence: the strategy pass offers it at that count (``only_at``), the
@@ -470,8 +498,7 @@ def test_context_parallel_trains_like_one_device() -> None:
     cases += [(FACTORIES[n], functools.partial(_flowing, n, 1)) for n in FLOWING]
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
-    # the pairs' order is left to the costs: with its flattens local at one sequence a micro-batch, both orders
-    # are within a few microseconds on this tiny model
+    # the pairs' order is left to the costs (with its flattens local at one sequence a micro-batch, contiguous)
     assert orders[:4] + orders[5:] == [True, True, False, False, True, True], orders
     assert [_searched(n, f).mesh["pp"] for n, f in SEARCHED[-2:]] == [2, 2]
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]

@@ -42,6 +42,7 @@ from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search
 from autopar.search.pipeline.order import pipeline_order, total_state_bytes
 from autopar.search.pipeline.preview import Preview
 from autopar.search.pipeline.stages import forward_segments
+from autopar.search.sharding.batch_dims import scaled_dims
 from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
 from autopar.search.sharding.explain_records import explain_records
 from autopar.search.sharding.recompute import recomputed
@@ -341,6 +342,8 @@ def _plan_sharded(
             f"no mesh with pp={pp} fits this model and cluster: the model has {segments} segments to cut, "
             f"{cluster.world_size} devices and a global batch of {gbs}; choose another pp"
         )
+    if pipe_meshes:  # the pipelines' micro-batch counts read these: a second capture, made before two threads share the GIL
+        scaled_dims(captured)
     start = time.perf_counter()
     flat_allowed = pp is None or pp == 1
     share = 0.4 if flat_allowed and pipe_meshes else 1.0  # of the time limit, for meshes without a pipeline

@@ -45,14 +45,7 @@ def capture_folded(
         stack: nn.ModuleList = getattr(parent, attr)
         if first:
             log.info("capture: %s's first %d layers under %s differ from the rest: traced whole", type(model).__name__, first, path)
-        try:
-            setattr(parent, attr, nn.ModuleList(list(stack)[: first + TEMPLATE_LAYERS]))
-            short = capture(model, example_inputs, loss_fn, example_targets)
-        except Exception as why:  # noqa: BLE001 - a forward that needs every layer is traced whole
-            short = None
-            log.info("capture: %s with %s cut short does not trace (%s)", type(model).__name__, path, why)
-        finally:
-            setattr(parent, attr, stack)
+        short = _cut_short(model, found, example_inputs, loss_fn, example_targets)
         params, fixed = state_infos(model)
         try:
             if short is not None:
@@ -65,6 +58,33 @@ def capture_folded(
                 why,
             )
     return capture(model, example_inputs, loss_fn, example_targets)
+
+
+def capture_template(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[..., Any] | None = None,
+    example_targets: Any = None,
+) -> CapturedGraph | None:
+    """The trace :func:`capture_folded` writes a folded graph from (``Fold.template``), alone; None for a
+    model with no repeated stack or one that does not trace cut short."""
+    found = repeated_stack(model)
+    return None if found is None else _cut_short(model, found, example_inputs, loss_fn, example_targets)
+
+
+def _cut_short(model: nn.Module, found, example_inputs, loss_fn, example_targets) -> CapturedGraph | None:
+    """``model`` captured with its stack (``found``, from :func:`repeated_stack`) cut to its first layers and
+    four of the run; None where that does not trace."""
+    parent, attr, path, first = found
+    stack: nn.ModuleList = getattr(parent, attr)
+    try:
+        setattr(parent, attr, nn.ModuleList(list(stack)[: first + TEMPLATE_LAYERS]))
+        return capture(model, example_inputs, loss_fn, example_targets)
+    except Exception as why:  # noqa: BLE001 - a forward that needs every layer is traced whole
+        log.info("capture: %s with %s cut short does not trace (%s)", type(model).__name__, path, why)
+        return None
+    finally:
+        setattr(parent, attr, stack)
 
 
 def repeated_stack(model: nn.Module) -> tuple[nn.Module, str, str, int] | None:

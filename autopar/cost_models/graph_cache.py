@@ -15,12 +15,13 @@ the runtime traces the whole model and carries the plan onto it by op sequence
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
 
-from autopar.capture.fold import capture_folded
+from autopar.capture.fold import capture_folded, capture_template
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
@@ -52,25 +53,24 @@ def captured_with_stats(
 
 def _offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, example_targets) -> None:
     """Give ``captured`` (and its fold's template) the capture of the same model at another batch, made on
-    first use and kept: which dims scale with the batch is read off the two."""
-    made: dict[int, CapturedGraph] = {}
+    first use and kept: which dims scale with the batch is read off the two. A folded graph's are read off
+    its template's (:mod:`autopar.search.sharding.batch_dims`), so only the four traced layers are
+    captured again."""
+    made: dict[tuple[bool, int], CapturedGraph | None] = {}
 
-    def at(batch: int) -> CapturedGraph:
-        if batch not in made:
-            made[batch] = capture_folded(
-                model, resize_batch(example_inputs, batch), loss_fn, resize_batch(example_targets, batch)
-            )
-        return made[batch]
-
-    def template_at(batch: int) -> CapturedGraph:
-        fold = at(batch).fold
-        if fold is None:
-            raise ValueError("the capture at another batch is not folded")
-        return fold.template
+    def at(batch: int, template: bool = False) -> CapturedGraph:
+        key = (template, batch)
+        if key not in made:
+            inputs, targets = resize_batch(example_inputs, batch), resize_batch(example_targets, batch)
+            made[key] = (capture_template if template else capture_folded)(model, inputs, loss_fn, targets)
+        got = made[key]
+        if got is None:
+            raise ValueError("the model does not trace cut short at that batch")
+        return got
 
     captured.recapture = at
     if captured.fold is not None:
-        captured.fold.template.recapture = template_at
+        captured.fold.template.recapture = functools.partial(at, template=True)
 
 
 def example_batch(example_inputs) -> int | None:

@@ -4,7 +4,8 @@ A sharding problem is built on the graph at the whole batch; the runtime runs it
 ``1/m`` of the batch, where a dim that scales with it is ``m`` times smaller and a
 shard of it must still divide (:mod:`autopar.search.sharding.microbatches`). Which dims
 scale is read off a second capture of the same model at twice the batch
-(``CapturedGraph.recapture``): a dim scales where its size differs between the two. The
+(``CapturedGraph.recapture``; a folded graph's, its template's): a dim scales where its size
+differs between the two. The
 shape alone cannot say: LLaMA-3-8B's 32 heads at a batch of 8 look like a batch dim,
 and a micro-batch of one sequence would seem to leave 4 heads for tensor parallelism's 8
 ranks. Without a second capture (a graph made some other way) every dim whose size is
@@ -39,7 +40,12 @@ def scaled_dims(captured: CapturedGraph) -> dict[str, tuple[Scaled | None, ...]]
     if gm in _READ:
         return _READ[gm]
     found = None
-    if captured.recapture is not None and captured.batch_size >= 1:
+    fold = captured.fold
+    if fold is not None:  # written from its template: each node's dims are those of the node it stands on
+        template = scaled_dims(fold.template)
+        if template is not None:
+            found = {name: template[origin] for name, origin in fold.origin.items() if origin in template}
+    elif captured.recapture is not None and captured.batch_size >= 1:
         try:
             found = _compare(gm, captured.recapture(2 * captured.batch_size).gm)
         except Exception as why:  # noqa: BLE001 - a model that does not trace at twice the batch: shapes alone

@@ -80,7 +80,7 @@ def same_elements(
         for pa, pb, n in zip(a_spec, b_spec, mesh, strict=True)
     ):
         return False
-    for coord in itertools.product(*(range(n) for n in mesh)):
+    for coord in _probes(a, a_spec, b, b_spec, mesh):
         boxes_a, boxes_b = local_boxes(a, a_spec, coord, mesh), local_boxes(b, b_spec, coord, mesh)
         if len(boxes_a) != len(boxes_b):
             return False
@@ -90,6 +90,34 @@ def same_elements(
                 if ra is None or ra != _run(b, lb, ob, gb):
                     return False
     return True
+
+
+def _probes(a: Sequence[int], a_spec: Placements, b: Sequence[int], b_spec: Placements, mesh: Sequence[int]):
+    """The ranks whose elements :func:`same_elements` compares: every rank, or, where both sides split
+    evenly in plain shards, the first rank and each one a step from it along one mesh dim.
+
+    A plain even split puts a rank's box at offsets linear in its mesh coordinates, with the same
+    sizes on every rank, so each side's run of a merged group starts at a linear function of the
+    coordinates with a length that does not depend on them: two such functions agree everywhere when
+    they agree at zero and one step along each mesh dim (LLaMA-3-8B's 2,048-rank meshes: 2,048 ranks
+    compared for each pair of placements, now 12). A head-tail shard holds two runs that do not move
+    linearly: every rank is compared.
+    """
+    if all(_even_plain(shape, spec, mesh) for shape, spec in ((a, a_spec), (b, b_spec))):
+        zero = (0,) * len(mesh)
+        return [zero] + [tuple(int(i == k) for i in range(len(mesh))) for k, n in enumerate(mesh) if n > 1]
+    return itertools.product(*(range(n) for n in mesh))
+
+
+def _even_plain(shape: Sequence[int], spec: Placements, mesh: Sequence[int]) -> bool:
+    """Whether ``spec`` splits ``shape`` in plain (not head-tail) shards that divide every dim evenly."""
+    ways: dict[int, int] = {}
+    for n, p in zip(mesh, spec, strict=True):
+        if p.is_balanced():
+            return False
+        if p.is_shard():
+            ways[p.dim] = ways.get(p.dim, 1) * n
+    return all(shape[d] % w == 0 for d, w in ways.items())
 
 
 def reshaped_placements(a: Sequence[int], a_spec: Placements, b: Sequence[int], mesh: Sequence[int]) -> list[Placements]:
