@@ -310,7 +310,8 @@ def test_a_flatten_local_only_at_one_sequence_a_micro_batch_is_offered_at_that_c
 def test_the_dims_that_scale_with_the_batch_are_read_off_a_second_capture() -> None:
     """LLaMA's 4 heads at a batch of 4 look like a batch dim; a capture at twice the batch says they are not,
     so a micro-batch of one sequence still splits the heads over 2 ranks (without it the filter would take
-    4 heads to be 1 a micro-batch). A graph with no second capture falls back to the sizes."""
+    4 heads to be 1 a micro-batch). A graph with no second capture, or a batch that divides none of the
+    model's own sizes, falls back to the sizes."""
     from autopar.cost_models.graph_cache import captured_with_stats
     from autopar.search.sharding.batch_dims import guessed, scaled_dims
 
@@ -323,6 +324,9 @@ def test_the_dims_that_scale_with_the_batch_are_read_off_a_second_capture() -> N
     assert tuple(q.meta["val"].shape[:2]) == (4, 4)
     assert dims[q.name][0] == (True, False, False, False)  # batch, heads, sequence, head dim
     assert guessed(tuple(q.meta["val"].shape), 4) == (True, True, True, True)
+    # a batch of 3 divides none of the model's sizes (64, 128, 16 tokens): the guess stands, no second capture
+    model, inputs = models.llama(2, 64, 4, 128, vocab=128, seq=16, batch=3, device="cpu", attention="causal")
+    assert scaled_dims(captured_with_stats(model, inputs)[0]) is None
 
 
 def _kernel_axes(plan: autopar.Plan, balanced: bool | None = None) -> set[tuple[int, ...]]:
