@@ -149,3 +149,43 @@ def _splits_inner(spec: Sequence[Placement], groups: list[list[int]]) -> bool:
     of the first dim alone is DTensor's own reshape rule, left to it)."""
     first = {g[0] for g in groups}
     return any(p.is_shard() and p.dim not in first for p in spec)
+
+
+def local_at_one_row(
+    a: Sequence[int], b: Sequence[int], candidates: Sequence[Placements], mesh: Sequence[int], batch: int
+) -> dict[tuple[Placements, Placements], int]:
+    """(placement of ``a``, placement of its reshape to ``b``) -> the micro-batch count at which alone the
+    pair keeps every rank's elements: where the batch (leading both shapes) is cut so that a rank holds one
+    row of the leading dim, the dims before a split are 1 on every rank (the flatten of sequence-split
+    logits under context parallelism over the dp axis's ranks, at one sequence a micro-batch).
+
+    Only where the leading dim is merged with others or split, at the counts where a rank's share of
+    either side's leading dim can be one row, for the placements that split a dim of that group.
+    """
+    groups = merge_groups(a, b) if batch > 1 else None
+    if not groups or a[0] % batch or b[0] % batch or len(groups[0][0]) + len(groups[0][1]) <= 2:
+        return {}
+    lead = groups[0][0]
+    splits = {math.prod(n for n, keep in zip(mesh, sub, strict=True) if keep) for sub in itertools.product((0, 1), repeat=len(mesh))}
+    counts = sorted({d // p for d in (a[0], b[0]) for p in splits if d % p == 0})
+    split_lead = [c for c in candidates if any(p.is_shard() and p.dim in lead for p in c)]
+    found: dict[tuple[Placements, Placements], int] = {}
+    for m in (m for m in counts if m > 1 and batch % m == 0):
+        am, bm = (a[0] // m, *a[1:]), (b[0] // m, *b[1:])
+        for c in split_lead:
+            if _leads_with_one_row(am, c, lead, mesh):
+                for out in reshaped_placements(am, c, bm, mesh):
+                    found.setdefault((c, out), m)
+    return found
+
+
+def _leads_with_one_row(shape: Sequence[int], spec: Placements, lead: list[int], mesh: Sequence[int]) -> bool:
+    """Whether every dim of ``lead`` before the last one ``spec`` splits holds one row on a rank (a merge of
+    those dims can then be one run a rank); what :func:`reshaped_placements` checks in full, over the
+    ranks, only where this holds."""
+    ways = [1] * len(shape)
+    for n, p in zip(mesh, spec, strict=True):
+        if p.is_shard():
+            ways[p.dim] *= n
+    split = [d for d in lead if ways[d] > 1]
+    return not split or all(shape[d] == ways[d] for d in lead if d < split[-1])

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import operator
 import time
 from collections import Counter
@@ -307,22 +306,8 @@ class _Enumerator:
         cands = [c for c in self.candidates(source) if c not in offered]
         mesh = self.mesh_shape
         found = {(c, out): () for c in cands for out in reshape_shards.reshaped_placements(in_shape, c, out_shape, mesh)}
-        batch = self.batch
-        groups = reshape_shards.merge_groups(in_shape, out_shape) if batch > 1 else None
-        lead = groups[0][0] if groups else []
-        if groups and in_shape[0] % batch == 0 and out_shape[0] % batch == 0 and len(groups[0][0]) + len(groups[0][1]) > 2:
-            # the leading dim merged with others, or split: the counts at which a rank's share of either side's
-            # leading dim can be one row, where the dims before a split become 1 on every rank, tried for the
-            # placements that split a dim of that group
-            splits = {math.prod(n for n, keep in zip(mesh, sub, strict=True) if keep) for sub in itertools.product((0, 1), repeat=len(mesh))}
-            counts = sorted({d // p for d in (in_shape[0], out_shape[0]) for p in splits if d % p == 0})
-            split_lead = [c for c in cands if any(p.is_shard() and p.dim in lead for p in c)]
-            for m in (m for m in counts if m > 1 and batch % m == 0):
-                a, b = (in_shape[0] // m, *in_shape[1:]), (out_shape[0] // m, *out_shape[1:])
-                for c in split_lead:
-                    if _leads_with_one_row(a, c, lead, mesh):
-                        for out in reshape_shards.reshaped_placements(a, c, b, mesh):
-                            found.setdefault((c, out), (m,))
+        for key, m in reshape_shards.local_at_one_row(in_shape, out_shape, cands, mesh, self.batch).items():
+            found.setdefault(key, (m,))
         return [Strategy((out,), (c,), only_at=counts) for (c, out), counts in found.items()]
 
     # -- DTensor ------------------------------------------------------------------
@@ -453,16 +438,3 @@ class _Enumerator:
             "replicated-fallback",
         )
 
-
-def _leads_with_one_row(shape: tuple[int, ...], spec: Placements, lead: list[int], mesh: tuple[int, ...]) -> bool:
-    """Whether every dim of ``lead`` before the last one ``spec`` splits holds one row on a rank (a merge
-    of those dims can then be one run a rank); what :func:`reshape_shards.reshaped_placements` checks in
-    full, over every rank, only where this holds."""
-    ways = [1] * len(shape)
-    for n, p in zip(mesh, spec, strict=True):
-        if p.is_shard():
-            ways[p.dim] *= n
-    split = [d for d in lead if ways[d] > 1]
-    if not split:
-        return True
-    return all(shape[d] == ways[d] for d in lead if d < split[-1])
