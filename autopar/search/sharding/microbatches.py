@@ -16,6 +16,7 @@ from autopar.capture.joint import CapturedGraph
 from autopar.search.sharding.batch_dims import guessed, scaled_dims
 from autopar.search.sharding.filters import keyed
 from autopar.search.sharding.instance import ShardingProblem
+from autopar.search.sharding.placement_sets import split_ways
 
 _SHAPES: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[list, list]]] = weakref.WeakKeyDictionary()
 """Per graph, each node's output and tensor-argument shapes, read once for every filter made on it."""
@@ -64,12 +65,8 @@ def microbatch_filter(captured: CapturedGraph, mesh_shape: tuple[int, ...], micr
         key = (value, placement)
         if key not in tested:
             shape, scales = value
-            pieces: dict[int, int] = {}
-            for d, p in enumerate(placement):
-                if p.is_shard():
-                    pieces[p.dim] = pieces.get(p.dim, 1) * mesh_shape[d]
             ok = True
-            for dim, k in pieces.items():
+            for dim, k in split_ways(placement, mesh_shape).items():
                 size = int(shape[dim]) if dim < len(shape) else 0
                 if size and scales[dim] and (size % microbatches or (size // microbatches) % k):
                     ok = False

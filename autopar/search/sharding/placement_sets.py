@@ -14,18 +14,23 @@ from collections.abc import Sequence
 from autopar.core.placements import REPLICATE, Placement, Placements, shard
 
 
+def split_ways(placements: Placements, mesh_shape: Sequence[int]) -> dict[int, int]:
+    """Tensor dim -> how many pieces the mesh dims that shard it cut it into (dims not sharded: absent)."""
+    ways: dict[int, int] = {}
+    for p, n in zip(placements, mesh_shape, strict=True):
+        if p.is_shard():
+            ways[p.dim] = ways.get(p.dim, 1) * n
+    return ways
+
+
 def divides(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
     """Whether every sharded tensor dim splits evenly over the mesh dims that shard it.
 
     Uneven shards are ruled out, not padded: divisibility is a constraint of the plan.
     """
-    ways: dict[int, int] = {}
-    for p, n in zip(placements, mesh_shape, strict=True):
-        if not p.is_shard():
-            continue
-        if p.dim < 0 or p.dim >= len(shape):
-            return False
-        ways[p.dim] = ways.get(p.dim, 1) * n
+    ways = split_ways(placements, mesh_shape)
+    if any(d < 0 or d >= len(shape) for d in ways):
+        return False
     return all(int(shape[d]) % w == 0 for d, w in ways.items())
 
 

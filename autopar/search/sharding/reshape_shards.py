@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from autopar.core.placements import Placement, Placements, balanced, local_boxes, shard
+from autopar.search.sharding.placement_sets import divides, split_ways
 
 Groups = list[tuple[list[int], list[int]]]
 
@@ -99,25 +100,15 @@ def _probes(a: Sequence[int], a_spec: Placements, b: Sequence[int], b_spec: Plac
     A plain even split puts a rank's box at offsets linear in its mesh coordinates, with the same
     sizes on every rank, so each side's run of a merged group starts at a linear function of the
     coordinates with a length that does not depend on them: two such functions agree everywhere when
-    they agree at zero and one step along each mesh dim (LLaMA-3-8B's 2,048-rank meshes: 2,048 ranks
-    compared for each pair of placements, now 12). A head-tail shard holds two runs that do not move
+    they agree at zero and one step along each mesh dim (DeepSeek-V3's 2,048-rank meshes: 2,048 ranks
+    compared for each pair of placements, now 3). A head-tail shard holds two runs that do not move
     linearly: every rank is compared.
     """
-    if all(_even_plain(shape, spec, mesh) for shape, spec in ((a, a_spec), (b, b_spec))):
+    plain = not any(p.is_balanced() for p in (*a_spec, *b_spec))
+    if plain and divides(a_spec, a, mesh) and divides(b_spec, b, mesh):
         zero = (0,) * len(mesh)
         return [zero] + [tuple(int(i == k) for i in range(len(mesh))) for k, n in enumerate(mesh) if n > 1]
     return itertools.product(*(range(n) for n in mesh))
-
-
-def _even_plain(shape: Sequence[int], spec: Placements, mesh: Sequence[int]) -> bool:
-    """Whether ``spec`` splits ``shape`` in plain (not head-tail) shards that divide every dim evenly."""
-    ways: dict[int, int] = {}
-    for n, p in zip(mesh, spec, strict=True):
-        if p.is_balanced():
-            return False
-        if p.is_shard():
-            ways[p.dim] = ways.get(p.dim, 1) * n
-    return all(shape[d] % w == 0 for d, w in ways.items())
 
 
 def reshaped_placements(a: Sequence[int], a_spec: Placements, b: Sequence[int], mesh: Sequence[int]) -> list[Placements]:
@@ -183,9 +174,6 @@ def _leads_with_one_row(shape: Sequence[int], spec: Placements, lead: list[int],
     """Whether every dim of ``lead`` before the last one ``spec`` splits holds one row on a rank (a merge of
     those dims can then be one run a rank); what :func:`reshaped_placements` checks in full, over the
     ranks, only where this holds."""
-    ways = [1] * len(shape)
-    for n, p in zip(mesh, spec, strict=True):
-        if p.is_shard():
-            ways[p.dim] *= n
-    split = [d for d in lead if ways[d] > 1]
-    return not split or all(shape[d] == ways[d] for d in lead if d < split[-1])
+    ways = split_ways(spec, mesh)
+    split = [d for d in lead if ways.get(d, 1) > 1]
+    return not split or all(shape[d] == ways.get(d, 1) for d in lead if d < split[-1])

@@ -437,4 +437,3 @@ class _Enumerator:
             [Strategy(outs, (r,) * len(inputs))],
             "replicated-fallback",
         )
-
