@@ -10,8 +10,12 @@ from autopar.cost_models import comm
 from autopar.cost_models.comm import (
     COLLECTIVES,
     axis_collective_time,
+    bucket_count,
+    bucketed_time,
     bus_bytes,
     collective_time,
+    latency,
+    share_of_bucket,
 )
 from autopar.hardware.cluster import Cluster, Link
 
@@ -130,3 +134,28 @@ def test_a_group_with_several_ranks_a_node_runs_one_ring_per_nic():
     inside = collective_time("all_gather", 1e9, 8, c.intra_node_link)
     across = collective_time("all_gather", 1e9, 16, flat)
     assert inside < across < 1.5 * inside
+
+
+def test_a_tensor_larger_than_a_bucket_is_sent_whole():
+    """Small tensors share buckets; one at least a bucket large is one collective (DDP gives it a bucket of its
+    own, the runtime sends every gradient whole), so its latency is paid once, not once per bucket's worth."""
+    cap = 25e6
+    assert bucket_count([10e6] * 5, cap) == 2
+    assert bucket_count([1.9e9], cap) == 1
+    assert bucket_count([1.9e9, 0.9e9, 10e6, 10e6], cap) == 3
+    assert bucket_count([10e6, 30e6], cap, weights=[5.0, 2.0]) == 4  # a folded layer's tensors, counted 5 and 2 times
+    t, pieces = bucketed_time("reduce_scatter", [1.9e9], 64, IB, cap)
+    assert pieces == 1 and t == pytest.approx(collective_time("reduce_scatter", 1.9e9, 64, IB))
+    assert bucketed_time("all_reduce", [1.9e9], 1, IB, cap) == (0.0, 0)
+
+
+def test_the_milp_share_of_buckets_sums_to_the_bucketed_time():
+    """Each gradient's edge in the MILP costs its share (linear in its bytes); over a model's tensors the sum is
+    the estimate's bucketed time to within one bucket's latency."""
+    cap = 25e6
+    sizes = [1.9e9, 0.9e9, 30e6] + [3e6] * 40 + [64e3] * 100
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        shares = sum(share_of_bucket(kind, s, 64, IB, cap) for s in sizes)
+        whole = bucketed_time(kind, sizes, 64, IB, cap)[0]
+        assert abs(shares - whole) <= latency(kind, 64, IB) + 1e-12
+        assert share_of_bucket(kind, 1.9e9, 64, IB, cap) == collective_time(kind, 1.9e9, 64, IB)

@@ -87,6 +87,28 @@ def test_expert_parallel_strategies_are_offered() -> None:
     assert {(0,), (1,), ()} <= ep_axes and (0, 1) not in ep_axes
 
 
+def test_expert_weight_gradients_are_reduced_in_the_reduce_dtype() -> None:
+    """The experts' weight gradients leave ``experts_backward`` (several outputs) through getitems on the
+    gradient chain: under bf16-mixed their reductions move fp32, as the runtime casts them, not bf16."""
+    from autopar.capture.graph import gradient_chain
+    from autopar.cost_models.memory import precision_spec
+    from autopar.search.sharding.mesh_solve import prepare_mesh
+    from autopar.search.sharding.request import MeshRequest
+
+    torch.manual_seed(0)
+    model, inputs = families.mixtral()
+    captured = capture(model, inputs)
+    chain = gradient_chain(captured.gm, len(captured.params))
+    backward = next(n for n in captured.gm.graph.nodes if str(n.target) == "autopar.experts_backward.default")
+    weights = {u.name for u in backward.users if u.name in chain}
+    assert len(weights) >= 2, "the experts' weight gradients are not on the chain"
+    mesh = FOUR.check_mesh(dp=4, tp=1, pp=1)
+    sp = prepare_mesh(MeshRequest(captured, FOUR, mesh, precision_spec("bf16-mixed"), "adamw")).sp
+    scales = {info.dst: info.reduce_scale for info in sp.edge_info if info.src == backward.name}
+    assert {scales[w] for w in weights} == {2.0}, scales
+    assert all(scales[d] == 1.0 for d in scales if d not in chain), scales  # the input's gradient is no gradient
+
+
 @functools.cache
 def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
     """A dp 2 x tp 2 plan whose placements the layouts replace: a short search (the tiny DeepSeek-V3's MILP

@@ -20,7 +20,8 @@ Conventions, shared by every function below:
 - A group across nodes with several ranks in a node runs one ring per NIC
   (:func:`ring_bandwidth`): a DGX node has one NIC per GPU.
 - Gradients and ZeRO's gathers go in buckets (:func:`bucketed_time`): the
-  latency term is paid per bucket, not per tensor.
+  latency term is paid per bucket, not per small tensor; a tensor larger than
+  a bucket is one collective.
 
 Nothing here compares ``nbytes`` with a number unless it is one, so a sympy
 expression for the size passes through and the time stays symbolic.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 from autopar.hardware.cluster import Cluster, Link, MeshShape
@@ -159,19 +161,57 @@ def latency(kind: str, n: int, link: Link) -> float:
     return link.base_latency_s + hop_time * (1.4 if kind == "all_reduce" and nodes > 1 else 1.0)
 
 
-def bucketed_time(kind: str, nbytes: float, n: int, link: Link, bucket_bytes: float) -> tuple[float, int]:
-    """(seconds, pieces) of ``nbytes`` of ``kind`` sent as ``ceil(nbytes / bucket_bytes)`` equal collectives.
+def bucket_count(sizes: Sequence[float], bucket_bytes: float, weights: Sequence[float] | None = None) -> float:
+    """How many collectives send tensors of ``sizes`` bytes in buckets of ``bucket_bytes``.
+
+    Tensors are packed into a bucket until it holds ``bucket_bytes``, and a tensor
+    at least that large is sent whole, never cut: DDP gives it a bucket of its own
+    (``_compute_bucket_assignment_by_size``), Megatron-Core's gradient buffer closes
+    a bucket on it, FSDP reduces a unit's flat parameter at once, and autopar's
+    runtime sends every gradient in one collective. Counted without the order:
+    one collective per large tensor, the small ones' bytes in full buckets.
+    ``weights``: how many tensors each size stands for (a folded layer's).
+    """
+    ws = weights if weights is not None else [1.0] * len(sizes)
+    large = sum(w for s, w in zip(sizes, ws, strict=True) if s >= bucket_bytes)
+    small = sum(s * w for s, w in zip(sizes, ws, strict=True) if s < bucket_bytes)
+    return large + (math.ceil(small / bucket_bytes - 1e-9) if small > 0 else 0)
+
+
+def bucketed_time(
+    kind: str,
+    sizes: Sequence[float],
+    n: int,
+    link: Link,
+    bucket_bytes: float,
+    weights: Sequence[float] | None = None,
+) -> tuple[float, float]:
+    """(seconds, collectives) of tensors of ``sizes`` bytes of ``kind`` sent in buckets (:func:`bucket_count`).
 
     Gradient reduction and ZeRO's gathers are issued in buckets (DDP's
-    ``bucket_cap_mb``, FSDP's flat parameters), not one collective per tensor nor
-    one for the whole model: the latency term is paid once per bucket. Every path
+    ``bucket_cap_mb``, FSDP's flat parameters), not one collective per small tensor
+    nor one for the whole model: the latency term is paid once per bucket. Every path
     that costs them (the analytic data-parallel model, the sharding MILP's
     estimate) calls this, so the same bytes cost the same seconds.
     """
+    ws = weights if weights is not None else [1.0] * len(sizes)
+    nbytes = sum(s * w for s, w in zip(sizes, ws, strict=True))
     if n == 1 or _is_zero(nbytes):
         return 0.0, 0
-    pieces = max(1, math.ceil(nbytes / bucket_bytes))
+    pieces = max(1.0, bucket_count(sizes, bucket_bytes, ws))
     return pieces * collective_time(kind, nbytes / pieces, n, link), pieces
+
+
+def share_of_bucket(kind: str, nbytes: float, n: int, link: Link, bucket_bytes: float) -> float:
+    """One tensor's part of :func:`bucketed_time`, linear in its bytes as an edge of the MILP must be.
+
+    A tensor smaller than a bucket pays its share of a full bucket's collective; a
+    larger one is a collective of its own. Summed over the tensors, this is
+    :func:`bucketed_time` to within one bucket's latency.
+    """
+    if nbytes >= bucket_bytes:
+        return collective_time(kind, nbytes, n, link)
+    return collective_time(kind, bucket_bytes, n, link) * nbytes / bucket_bytes
 
 
 def axis_collective_time(

@@ -51,6 +51,7 @@ def graph_stats(captured: CapturedGraph) -> GraphStats:
         param_groups=len({p.name.rsplit(".", 1)[0] for p in captured.params}),
         peak_transient_bytes=transient,
         param_names=[p.name for p in captured.params],
+        param_numels=numels,
     )
 
 

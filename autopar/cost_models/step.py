@@ -16,6 +16,7 @@ as DDP and DeepSpeed do):
     ZeRO 2     reduce-scatter(G·Ψ) every micro-batch (hidden), all-gather(P·Ψ) after the step (as ZeRO 1)
     ZeRO 3     per micro-batch: all-gather(P·Ψ) in forward, again in backward (a collective per parameter
                tensor), reduce-scatter(G·Ψ) in buckets; each overlapped with the pass it serves
+    buckets    = one collective per tensor of at least a bucket, the smaller ones' bytes in full buckets
     exposed    = Σ max(comm_pass − compute_pass, tail) where tail is the last bucket's share
     optimizer  = bytes the update reads and writes / HBM bandwidth
     step       = compute + exposed + optimizer
@@ -63,6 +64,7 @@ class GraphStats:
     param_groups: int = 1  # modules that own parameters directly: ZeRO-3's unit of gathering
     peak_transient_bytes: float = 0.0  # largest single op's inputs + outputs at the captured batch
     param_names: list[str] = field(default_factory=list)
+    param_numels: list[int] = field(default_factory=list)  # each parameter's elements, in the model's order
     _phase_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def phase_times(
@@ -149,17 +151,25 @@ def estimate_config(
 
 
 def _dp_collective(
-    kind: str, nbytes: float, count: int, pieces: int | None, n: int, link, collectives: list[dict]
+    kind: str,
+    sizes: list[float],
+    count: int,
+    n: int,
+    link,
+    collectives: list[dict],
+    per_tensor: bool = False,
 ) -> float:
-    """``count`` rounds of ``kind`` over ``nbytes`` on n dp ranks, recorded in ``collectives``.
+    """``count`` rounds of ``kind`` over tensors of ``sizes`` bytes on n dp ranks, recorded in ``collectives``.
 
-    Each round is sent as ``pieces`` equal collectives (ZeRO-3's one per module), or, with
-    ``pieces`` None, in the runtime's buckets (:func:`autopar.cost_models.comm.bucketed_time`).
+    Each round sends each tensor in one collective (``per_tensor``: ZeRO-3's gathers, where an op
+    reads the parameter) or the tensors in the runtime's buckets
+    (:func:`autopar.cost_models.comm.bucketed_time`).
     """
-    if pieces is None:
-        t, pieces = bucketed_time(kind, nbytes, n, link, overlap.bucket_bytes(n))
+    nbytes = float(sum(sizes))
+    if per_tensor:
+        t, pieces = sum(collective_time(kind, b, n, link) for b in sizes), len(sizes)
     else:
-        t = pieces * collective_time(kind, nbytes / pieces, n, link)
+        t, pieces = bucketed_time(kind, sizes, n, link, overlap.bucket_bytes(n))
     if n > 1 and count > 0 and pieces:
         collectives.append(
             {
@@ -218,29 +228,31 @@ def _data_parallel_comm(
     psi, n, m = stats.num_params, cfg.dp, cfg.microbatches
     grad_bytes = precision.reduce_bytes * psi  # gradients are reduced in the plan's reduce dtype
     param_bytes = precision.param_bytes * psi
+    numels = stats.param_numels or [psi]
+    grad_sizes = [precision.reduce_bytes * x for x in numels]
+    param_sizes = [precision.param_bytes * x for x in numels]
 
-    def coll(kind: str, nbytes: float, count: int, pieces: int | None = None) -> float:
-        return _dp_collective(kind, nbytes, count, pieces, n, dp_link, collectives)
+    def coll(kind: str, sizes: list[float], count: int, per_tensor: bool = False) -> float:
+        return _dp_collective(kind, sizes, count, n, dp_link, collectives, per_tensor)
 
     # ZeRO-3 gathers each parameter where an op reads it (autopar's runtime, as the MILP path charges it), and
     # reduces the gradients in buckets
-    tensors = max(1, len(stats.param_names) or stats.param_groups)
     if cfg.zero == 0:
-        c = coll("all_reduce", grad_bytes, 1)
+        c = coll("all_reduce", grad_sizes, 1)
         comm, exposed = c, exposed_part(c, t_bwd, grad_bytes, n)
     elif cfg.zero == 1:
-        rs = coll("reduce_scatter", grad_bytes, 1)
-        ag = coll("all_gather", param_bytes, 1)
+        rs = coll("reduce_scatter", grad_sizes, 1)
+        ag = coll("all_gather", param_sizes, 1)
         comm = rs + ag
         exposed = exposed_part(rs, t_bwd, grad_bytes, n) + param_gather_exposed(ag, t_fwd, param_bytes, n)
     elif cfg.zero == 2:
-        rs = coll("reduce_scatter", grad_bytes, m)
-        ag = coll("all_gather", param_bytes, 1)
+        rs = coll("reduce_scatter", grad_sizes, m)
+        ag = coll("all_gather", param_sizes, 1)
         comm = rs + ag
         exposed = m * exposed_part(rs / m, t_bwd, grad_bytes, n) + param_gather_exposed(ag, t_fwd, param_bytes, n)
     else:
-        ag = coll("all_gather", param_bytes, 2 * m, tensors)
-        rs = coll("reduce_scatter", grad_bytes, m)
+        ag = coll("all_gather", param_sizes, 2 * m, per_tensor=True)
+        rs = coll("reduce_scatter", grad_sizes, m)
         ag1, rs1 = ag / (2 * m), rs / m
         comm = ag + rs
         exposed = m * (exposed_part(ag1, t_fwd, param_bytes, n) + exposed_part(ag1 + rs1, t_bwd, param_bytes, n))

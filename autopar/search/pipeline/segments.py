@@ -138,12 +138,14 @@ def unfold_segments(segments: list[Segment], fold: Fold) -> list[Segment]:
     return out
 
 
-def _param_gather(nbytes: float, forward: float, sp: ShardingProblem, mesh_shape, links) -> float:
-    """Exposed seconds of gathering a segment's ``nbytes`` of stepped ZeRO-1/2 shards over dp, in buckets."""
+def _param_gather(sizes: list[float], forward: float, sp: ShardingProblem, mesh_shape, links) -> float:
+    """Exposed seconds of gathering a segment's stepped ZeRO-1/2 shards (``sizes`` bytes each) over dp, in
+    buckets."""
     d = sp.dp_dim
+    nbytes = sum(sizes)
     if not nbytes or d is None or links is None:
         return 0.0
-    comm = bucketed_time("all_gather", nbytes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+    comm = bucketed_time("all_gather", sizes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
     return param_gather_exposed(comm, forward, nbytes, mesh_shape[d])
 
 
@@ -168,11 +170,11 @@ class _SegmentFigures:
     bwd_compute: list[float]
     fwd_tp: list[float]
     bwd_tp: list[float]
-    gathered: list[float]  # ZeRO-1/2: bytes of the stepped parameter shards gathered after the optimizer
+    gathered: list[list[float]]  # ZeRO-1/2: bytes of each stepped parameter shard gathered after the optimizer
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
-        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(8)))
+        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)), [[] for _ in range(k)])
 
 
 def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
@@ -202,7 +204,7 @@ def _add_node_figures(
             gather = sp.param_comm[i][c] if i in sp.param_comm else 0.0
             f.opt[seg] += t - gather
             if gather and sp.strategies[i][c].zero:
-                f.gathered[seg] += sp.state_parts[i][c][0]
+                f.gathered[seg].append(sp.state_parts[i][c][0])
             parts = sp.state_parts.get(i)
             f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
             val = by_name[sp.nodes[i]].meta.get("val")

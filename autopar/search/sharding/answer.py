@@ -209,7 +209,14 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
     grad = set(sp.grad_edges)
     k = sp.microbatches
     weights = sp.edge_weight
-    buckets: dict[tuple[str, int, int], float] = {}  # (kind, mesh dim, rounds per step) -> bytes
+    # (kind, mesh dim, rounds per step) -> each tensor's bytes and how many tensors it stands for (a fold)
+    buckets: dict[tuple[str, int, int], tuple[list[float], list[float]]] = {}
+
+    def bucket(key: tuple[str, int, int], size: float, w: float) -> None:
+        sizes, ws = buckets.setdefault(key, ([], []))
+        sizes.append(size)
+        ws.append(w)
+
     for e, (u, v) in enumerate(p.edges):
         info = sp.edge_info[e]
         c = p.edge_costs[e][choice[u] * len(p.node_costs[v]) + choice[v]]
@@ -218,18 +225,18 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
             b = sp.strategies[v][choice[v]]
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(b)
             rounds = k if per_microbatch_grad_sync(sp, b) else 1
-            nbytes = info.moved_bytes(have, need) * w
+            nbytes = info.moved_bytes(have, need)
             for kind, d, size in grad_sync_steps(have, need, b.zero, nbytes, mesh_shape, sp.dp_dim) or []:
-                buckets[(kind, d, rounds)] = buckets.get((kind, d, rounds), 0.0) + size
+                bucket((kind, d, rounds), size, w)
             if rounds == 1 and k > 1:
-                out.grad_once_bytes += nbytes
+                out.grad_once_bytes += nbytes * w
             else:
-                out.grad_bytes += nbytes
+                out.grad_bytes += nbytes * w
         elif info.kind == "data" and info.dst in chain and c > 0:
             have, need = info.have(sp.strategies[u][choice[u]]), info.need(sp.strategies[v][choice[v]])
-            nbytes = info.moved_bytes(have, need) * w
+            nbytes = info.moved_bytes(have, need)
             for kind, d, size in grad_sync_steps(have, need, 0, nbytes, mesh_shape, sp.dp_dim) or []:
-                buckets[(kind, d, 1)] = buckets.get((kind, d, 1), 0.0) + size
+                bucket((kind, d, 1), size, w)
         elif info.kind == "data" and info.src in moved and c > 0:
             if info.dst in backward:
                 out.gather_backward += c
@@ -239,16 +246,20 @@ def _step_comm(sp: ShardingProblem, choice: list[int], mesh_shape: tuple[int, ..
                 out.gathered_forward_bytes += info.nbytes * w
         else:
             _add_data(out, sp, e, choice, mesh_shape, links, c, info.dst in backward, w)
-    for (kind, d, rounds), nbytes in buckets.items():
-        t = bucketed_time(kind, nbytes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+    for (kind, d, rounds), (sizes, ws) in buckets.items():
+        t = bucketed_time(kind, sizes, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]), ws)[0]
         if rounds == 1 and k > 1:  # accumulated over the micro-batches, reduced once: under the last backward
             out.grad_once += t
         else:
             out.grad += rounds * t
-    stepped = sum(sp.state_parts[i][choice[i]][0] for i in sp.param_nodes if sp.strategies[i][choice[i]].zero)
+    zeroed = [i for i in sp.param_nodes if sp.strategies[i][choice[i]].zero]
+    ws = [1.0 if sp.node_weight is None else sp.node_weight[i] for i in zeroed]
+    sizes = [sp.state_parts[i][choice[i]][0] / w for i, w in zip(zeroed, ws, strict=True)]
+    stepped = sum(sp.state_parts[i][choice[i]][0] for i in zeroed)
     if stepped and sp.dp_dim is not None:
         d = sp.dp_dim
-        out.zero_gather = bucketed_time("all_gather", stepped, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))[0]
+        bucket_bytes = overlap.bucket_bytes(mesh_shape[d])
+        out.zero_gather = bucketed_time("all_gather", sizes, mesh_shape[d], links[d], bucket_bytes, ws)[0]
         out.zero_gather_bytes = stepped
     return out
 

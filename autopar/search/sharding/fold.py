@@ -123,6 +123,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
         param_comm={i: _scaled(rows, weight[i]) for i, rows in sp.param_comm.items()},
         grad_items=grad_items,
         edge_weight=edge_weight,
+        node_weight=weight,
         template=sp,
         phantoms=ghosts,
         held={(i, j): (cost * weight[i], counts) for (i, j), (cost, counts) in sp.held.items()},

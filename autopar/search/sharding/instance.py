@@ -97,6 +97,9 @@ class ShardingProblem:
     # per problem edge, how many edges of the graph it stands for (a folded problem's,
     # autopar.search.sharding.fold: its costs are already multiplied; the bytes it moves are not); None: one each
     edge_weight: list[float] | None = None
+    # per problem node, how many nodes of the graph it stands for (a folded problem's: its costs and
+    # state_parts are already multiplied); None: one each
+    node_weight: list[float] | None = None
     # a folded problem's template problem as built, every layer counted once (its nodes and indices are this
     # problem's): what one layer's figures are read from
     template: ShardingProblem | None = None

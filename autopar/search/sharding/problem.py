@@ -69,7 +69,8 @@ every matrix built by its :func:`resharding_matrix`
         E[a, (b, z)] = bring the gradient to p's placement b; a partial sum over d is
         all-reduced, or reduce-scattered over d for z > 0 or p sharded over d; each collective
         costs its bytes' share of a full bucket's, t(BUCKET) · bytes / BUCKET, since gradients
-        are sent in buckets (the estimate costs the buckets themselves: autopar.search.sharding.answer)
+        are sent in buckets, or t(bytes) for a gradient larger than a bucket, which is sent whole
+        (the estimate costs the buckets themselves: autopar.search.sharding.answer)
     buffer update (:func:`buffer_update_edges`), new value of an in-place updated buffer → the buffer:
         E[a, b] = redistribute(new value under a → the buffer's placement under b)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from autopar.capture.joint import graph_results
 from autopar.cost_models import overlap
-from autopar.cost_models.comm import collective_time
+from autopar.cost_models.comm import collective_time, share_of_bucket
 from autopar.cost_models.reshard import INF, grad_sync_steps
 from autopar.hardware.cluster import Link
 from autopar.search.sharding.build_context import BuildContext, Terms
@@ -35,8 +35,11 @@ def data_edges(ctx: BuildContext, t: Terms) -> None:
         for k, u in enumerate(ctx.strategies[v].inputs):
             if u not in t.index:
                 continue
-            out_idx = node.args[1] if node.target is operator.getitem and k == 0 else 0
-            scale = _reduce_scale(ctx, u, out_idx)
+            follower = node.target is operator.getitem and k == 0
+            out_idx = node.args[1] if follower else 0
+            # a getitem moves its own value (the shard pass's follower), so its own place on the chain decides
+            # the dtype: the weight gradients of an op with several outputs leave it through getitems on the chain
+            scale = _reduce_scale(ctx, u, out_idx, v if follower else u)
             _add_edge(ctx, t, EdgeInfo(u, v, out_idx, _edge_bytes(ctx, u, out_idx), "data", k, scale))
 
 
@@ -60,9 +63,12 @@ def buffer_update_edges(ctx: BuildContext, t: Terms) -> None:
             _add_edge(ctx, t, EdgeInfo(node.name, ph, 0, _edge_bytes(ctx, node.name, 0), "buffer-update", -1))
 
 
-def _reduce_scale(ctx: BuildContext, u: str, out_idx: int) -> float:
-    """A gradient on the chain is reduced in the plan's reduce dtype (:attr:`EdgeInfo.reduce_scale`)."""
-    if u not in ctx.gradient_chain or not ctx.facts.out_float[u][out_idx]:
+def _reduce_scale(ctx: BuildContext, u: str, out_idx: int, moved: str | None = None) -> float:
+    """A gradient on the chain is reduced in the plan's reduce dtype (:attr:`EdgeInfo.reduce_scale`).
+
+    ``moved``: the node whose value the runtime moves (``u``, or the getitem that takes
+    output ``out_idx`` of it); its place on the chain decides."""
+    if (moved or u) not in ctx.gradient_chain or not ctx.facts.out_float[u][out_idx]:
         return 1.0
     return ctx.precision.reduce_bytes / ctx.precision.activation_bytes
 
@@ -140,9 +146,10 @@ def _move_time(
     ``ids``: the two placements' numbers in ``ctx.memo.placement_ids``, the memo's key for them.
 
     ``bucketed``: a gradient's synchronisation, sent in buckets with the other gradients, costs its share
-    of a full bucket's collective, ``t(bucket) · bytes / bucket`` (the runtime's bucket,
-    :func:`autopar.cost_models.overlap.bucket_bytes`): linear in its bytes, as the
-    objective needs, and summing to the estimate's bucketed time (:func:`autopar.cost_models.comm.bucketed_time`)
+    of a full bucket's collective, ``t(bucket) · bytes / bucket``, or, larger than a bucket (the
+    runtime's, :func:`autopar.cost_models.overlap.bucket_bytes`), a collective of its own
+    (:func:`autopar.cost_models.comm.share_of_bucket`): linear in its bytes, as the objective needs,
+    and summing to the estimate's bucketed time (:func:`autopar.cost_models.comm.bucketed_time`)
     to within one bucket's latency.
     """
     if have is None or need is None:
@@ -160,9 +167,8 @@ def _steps_time(
     steps: list[tuple[str, int, float]], mesh_shape: tuple[int, ...], links: list[Link], bucketed: bool = False
 ) -> float:
     if bucketed:
-        buckets = [overlap.bucket_bytes(mesh_shape[d]) for _, d, _ in steps]
         return sum(
-            collective_time(kind, bucket, mesh_shape[d], links[d]) * b / bucket
-            for (kind, d, b), bucket in zip(steps, buckets, strict=True)
+            share_of_bucket(kind, b, mesh_shape[d], links[d], overlap.bucket_bytes(mesh_shape[d]))
+            for kind, d, b in steps
         )
     return sum(collective_time(kind, b, mesh_shape[d], links[d]) for kind, d, b in steps)
