@@ -278,3 +278,27 @@ def test_a_mesh_that_fits_op_by_op_only_with_tp_across_nodes_is_weighed_against_
 
     assert planner._full_recompute_worth(captured, Fixed(), found((8, False), (16, True)), cluster)
     assert not planner._full_recompute_worth(captured, Fixed(), found((4, True), (8, False)), cluster)
+
+
+def test_where_nothing_fits_the_error_also_names_what_full_recompute_needs(monkeypatch) -> None:
+    """Op by op the least memory can be far above what full recompute needs (LLaMA-7B on 8 H100s at 16 GB: 18.5
+    GB op by op, 16.1 GB under full recompute, ``benchmarks/memory_sweep.py``): the error says both."""
+    from autopar.api import planner
+    from autopar.api.search_record import Sharded
+    from autopar.cost_models.estimate import Estimate, MemoryEstimate
+    from autopar.plans.records import Fixed, MeshRecord, SearchRecord
+
+    def searched(captured, stats, cluster, gbs, prec, optimizer, limit, fixed, time_limit_s, flat_optional=False):
+        if fixed.recompute != "full":
+            raise autopar.PlanError("no plan fits 16 GB per device; the smallest memory that would fit is 18.5 GB")
+        record = SearchRecord(meshes=[MeshRecord(mesh={"dp": 1, "tp": 8, "pp": 1}, fits=False)])
+        est = Estimate(step_time_s=0.5, fits=False, memory=MemoryEstimate(peak=16.06e9))
+        return Sharded((SimpleNamespace(pp=1, tp=8), est), record, {}, [])
+
+    monkeypatch.setattr(planner, "_sharded_as_fixed", searched)
+    monkeypatch.setattr(planner, "_full_recompute_worth", lambda *args: True)
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny()
+    with pytest.raises(autopar.PlanError, match=r"18.5 GB; under full recompute .* needs 16.1 GB") as err:
+        planner._sharded_plan(capture(model, inputs), None, autopar.Cluster.local(8), 8, None, "adamw", 16e9, Fixed(), 60.0)
+    assert "\n" not in str(err.value)

@@ -204,6 +204,12 @@ def _sharded_plan(captured, stats, cluster, gbs, prec, optimizer, limit, fixed: 
     if full is None or not full.args[1].fits or (
         first is not None and _fitting_step(full) >= _fitting_step(first) * (1 - TIE_TOLERANCE)
     ):
+        if first is None and full is not None:
+            # the op-by-op search's least memory can be far above what full recompute needs: say both
+            raise PlanError(
+                f"{failed}; under full recompute (fixed={{'recompute': 'full'}}) the fastest plan found needs "
+                f"{size_brief(full.args[1].memory.peak)}"
+            ) from None
         if first is None:
             raise failed
         found = f"{_fitting_step(full):.4g} s a step" if full is not None and full.args[1].fits else "none fits"
