@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/plan_moe.py                       (both models)
     .venv/bin/python benchmarks/plan_moe.py --model mixtral --time-limit 60
+    .venv/bin/python benchmarks/plan_moe.py --model mixtral --batch 64   (another global batch)
 
 Mixtral-8x7B (HuggingFace MixtralConfig's defaults: 32 layers, 8 experts, top-2) on
 64 H100s (8 DGX nodes) at 512 sequences of 4096 tokens, and a DeepSeek-V3-shaped model
@@ -81,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--time-limit", type=float, default=60.0, help="the plan's time_limit_s (default: the API's)")
+    parser.add_argument("--batch", type=int, help="the global batch in sequences (default: each model's own)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     rows = []
@@ -89,13 +91,14 @@ def main() -> None:
         cluster = autopar.Cluster.preset("dgx-h100", nodes=spec["nodes"])
         start = time.perf_counter()
         model, inputs = spec["make"]()
-        plan = autopar.plan(model, inputs, cluster, global_batch_size=spec["batch"], time_limit_s=args.time_limit)
+        batch = args.batch or spec["batch"]
+        plan = autopar.plan(model, inputs, cluster, global_batch_size=batch, time_limit_s=args.time_limit)
         took = time.perf_counter() - start
         print(plan.summary(width=120))
         rows.append((name, cluster.world_size, "plan", plan, took, plan))
         for label, fixed in spec["refs"].items():
             ref = autopar.plan(
-                model, inputs, cluster, global_batch_size=spec["batch"], fixed=fixed, time_limit_s=args.time_limit
+                model, inputs, cluster, global_batch_size=batch, fixed=fixed, time_limit_s=args.time_limit
             )
             rows.append((name, cluster.world_size, label, ref, None, plan))
     print()

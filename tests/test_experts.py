@@ -109,6 +109,18 @@ def test_expert_weight_gradients_are_reduced_in_the_reduce_dtype() -> None:
     assert all(scales[d] == 1.0 for d in scales if d not in chain), scales  # the input's gradient is no gradient
 
 
+def test_every_mesh_of_a_mixture_also_searches_the_experts_whole() -> None:
+    """Beside the expert-parallel seeds, the experts-whole search runs on a dp-only mesh too: there the ZeRO-3
+    seed holds every parameter at one stage and the MILP's other answers keep the expert split it starts from
+    (Mixtral-8x7B on 64 H100s at 64 sequences: ``benchmarks/plan_moe.py --model mixtral --batch 64``)."""
+    from autopar.search.sharding.seeds import seeds_for
+
+    names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight"]
+    assert seeds_for(1, names) == ["dp", "zero3", "ep_dp", "experts_whole"]
+    assert "experts_whole" in seeds_for(8, names)
+    assert seeds_for(1, names[1:]) == ["dp", "zero3"]  # no experts: no expert seeds
+
+
 @functools.cache
 def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
     """A dp 2 x tp 2 plan whose placements the layouts replace: a short search (the tiny DeepSeek-V3's MILP
