@@ -34,7 +34,7 @@ from autopar.search.sharding.microbatches import microbatch_divides, microbatch_
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.request import MeshRequest
-from autopar.search.sharding.step_memory import step_memory
+from autopar.search.sharding.step_memory import peak_items, step_memory
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import (
     GAP_TARGET,
@@ -427,48 +427,41 @@ def _fit_exactly(
     shape: tuple[int, ...],
     memory_limit: float,
     solve: Callable[[StrategyProblem], Solution],
-    tries: int = 4,
+    tries: int = 6,
 ) -> Solution:
-    """``solution``, solved again under a lower limit while its exact peak is over ``memory_limit``.
+    """``solution``, solved again while its exact peak is over ``memory_limit``, the MILP made to see what put it over.
 
     The MILP's memory rows leave out buffers that depend on the strategies of both ends
     of an edge (a gradient being reduced, a value redistributed); the estimate counts them
     (:mod:`autopar.search.sharding.step_memory`).  Where an answer's exact peak is over the limit,
-    the MILP's limit is lowered to leave room for the most such memory any answer so far
-    needed beyond what the MILP saw, and the problem solved again; an answer still over
-    after ``tries`` is no answer.
+    the buffers live at that peak join the problem as memory items (:func:`peak_items`: each on
+    one end of its edge, at the most it holds under any strategy of the other end) and the problem
+    is solved again; an answer over the limit with no such buffer at its peak is solved again under
+    the MILP's limit lowered by its excess. An answer still over after ``tries`` solves is no answer.
+
+    Lowering the limit alone is not enough: layouts the MILP sees alike can hold different
+    buffers (a gradient reduced in flight or not). LLaMA-7B's shape on 8 H100s under full
+    recompute at 16 GB: the least peak the rows see is 15.85 GB, the MILP's best answers peak at
+    16.06-16.24 GB with 0.2-0.45 GB of buffers at a peak the rows put at 15.85-15.86 GB, so every
+    lower limit leaves nothing, while a layout that fits in 15.97 GB exists.
     """
-    limit, hidden = problem.memory_limit, 0.0
+    tried = problem
     for _ in range(tries):
-        if not solution.choice or limit is None or not math.isfinite(limit):
+        if not solution.choice or tried.memory_limit is None or not math.isfinite(tried.memory_limit):
             return solution
         exact = step_memory(sp, solution.choice, shape).peak
         if exact <= memory_limit * (1 + MEMORY_RTOL):
             return solution
-        hidden = max(hidden, exact - _seen_peak(problem, solution.choice))
-        limit = min(limit - (exact - memory_limit), memory_limit - hidden)
         log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
-        if limit <= 0:
-            break
-        solution = solve(replace(problem, memory_limit=limit))
+        items = peak_items(sp, tried, solution.choice, shape)
+        if items:
+            tried = replace(tried, memory_items=[*(tried.memory_items or []), *items])
+        else:
+            tried = replace(tried, memory_limit=tried.memory_limit - (exact - memory_limit))
+        solution = solve(tried)
     if solution.choice and step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL):
         return replace(solution, choice=[], status="infeasible", objective=math.inf)
     return solution
-
-
-def _seen_peak(problem: StrategyProblem, choice: list[int]) -> float:
-    """The peak of ``choice`` as the MILP's memory rows see it."""
-    item_node, intervals, item_memory = problem.items()
-    events: dict[int, float] = {}
-    for k, (v, (s, e)) in enumerate(zip(item_node.tolist(), intervals.tolist(), strict=True)):
-        m = item_memory[k][choice[v]]
-        events[s] = events.get(s, 0.0) + m
-        events[e] = events.get(e, 0.0) - m
-    live = peak = 0.0
-    for t in sorted(events):
-        live += events[t]
-        peak = max(peak, live)
-    return peak
 
 
 def _microbatched(

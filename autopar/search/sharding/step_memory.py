@@ -39,6 +39,7 @@ an op computes with them, as FSDP does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ from autopar.cost_models.compute import is_view
 from autopar.cost_models.estimate import MemoryEstimate
 from autopar.cost_models.reshard import collectives_between, grad_sync_steps, shard_factor
 from autopar.search.sharding.instance import ShardingProblem
+from autopar.solver import StrategyProblem
 
 if TYPE_CHECKING:
     from autopar.capture.joint import CapturedGraph
@@ -124,59 +126,92 @@ def _readers_end(node: fx.Node, order: dict[str, int]) -> int:
     return last
 
 
-def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> list[tuple[int, int, float]]:
-    """(start, end, bytes) of the new tensor each data edge of the chosen answer makes on its reader's side.
+Buffer = tuple[int, int, float, int]
+"""(start, end, bytes, edge): memory one edge of a chosen answer holds over ``[start, end)``."""
 
-    Bytes are local to one rank; values from a batch are divided by the micro-batch count.
+
+def data_buffer(sp: ShardingProblem, e: int, a: int, b: int, mesh_shape: Sequence[int]) -> tuple[float, bool] | None:
+    """(bytes, gathered twice) of the tensor data edge ``e`` makes on its reader's side with its ends at strategies
+    ``a`` and ``b``; None where it makes none.
+
+    Bytes are local to one rank; values from a batch are divided by the micro-batch count. An all-gather
+    along a tensor dim other than 0 holds the gathered tensor twice for a moment (gathered on dim 0, then
+    concatenated along its own dim).
+    """
+    iu, iv = sp.problem.edges[e]
+    info = sp.edge_info[e]
+    have, need = info.have(sp.strategies[iu][a]), info.need(sp.strategies[iv][b])
+    if have is None or need is None or tuple(have) == tuple(need):
+        return None
+    nbytes = info.moved_bytes(have, need)
+    steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
+    makes_partial = any(n.is_partial() and not h.is_partial() for h, n in zip(have, need, strict=True))
+    if steps is None or not (steps or makes_partial):
+        return None  # a local slice of a replica is a view: no new memory
+    # a parameter (a placeholder) is whole at every micro-batch; the test of the op first keeps this cheap
+    whole = sp.facts.by_name[info.src].op == "placeholder" and iu in sp.param_nodes
+    local = nbytes / shard_factor(tuple(need), mesh_shape) / (1 if whole else sp.microbatches)
+    twice = any(kind == "all_gather" and have[d].is_shard() and have[d].dim != 0 for kind, d, _ in steps)
+    return local, twice
+
+
+def edge_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> list[Buffer]:
+    """(start, end, bytes, edge) of the new tensor each data edge of the chosen answer makes on its reader's side
+    (:func:`data_buffer`).
+
     Starts follow the runtime's schedule: a collective is issued once its input exists,
     and not before the previous redistributed value is first read (one ahead).
     """
     facts = sp.facts
-    params = {sp.nodes[i] for i in sp.param_nodes}
     found = []
     for e, (iu, iv) in enumerate(sp.problem.edges):
         info = sp.edge_info[e]
         if info.kind != "data":
             continue
-        u, v = info.src, info.dst
-        have = info.have(sp.strategies[iu][choice[iu]])
-        need = info.need(sp.strategies[iv][choice[iv]])
-        if have is None or need is None or tuple(have) == tuple(need):
+        made = data_buffer(sp, e, choice[iu], choice[iv], mesh_shape)
+        if made is None:
             continue
-        nbytes = info.moved_bytes(have, need)
-        steps = collectives_between(tuple(have), tuple(need), nbytes, mesh_shape)
-        makes_partial = any(n.is_partial() and not h.is_partial() for h, n in zip(have, need, strict=True))
-        if steps is None or not (steps or makes_partial):
-            continue  # a local slice of a replica is a view: no new memory
-        local = nbytes / shard_factor(tuple(need), mesh_shape) / (1 if u in params else sp.microbatches)
+        u, v = info.src, info.dst
         reader = facts.by_name[v]
-        twice = any(
-            kind_ == "all_gather" and have[d].is_shard() and have[d].dim != 0 for kind_, d, _ in steps
-        )  # gathered on dim 0, then concatenated along its own dim
         ready = 0 if facts.by_name[u].op == "placeholder" else facts.order[u] + 1
         stop = _readers_end(reader, facts.order) if is_view(reader) else facts.order[v] + 1  # a view aliases it
-        found.append((facts.order[v], ready, stop, local, twice, e))
+        found.append((facts.order[v], ready, stop, *made, e))
     found.sort()
     out = []
     previous_read = 0
     ghosts, weights = sp.phantoms, sp.edge_weight
     for read, ready, stop, local, twice, e in found:
         start = min(max(ready, previous_read), read)
-        out.append((start, stop, local))
+        out.append((start, stop, local, e))
         if twice:
-            out.append((read, read + 1, local))
+            out.append((read, read + 1, local, e))
         previous_read = read
         if ghosts is not None and weights is not None and weights[e] > 1:  # a folded middle layer's edge
             span = ghosts.span(start, stop)
             if span is not None:
-                out.append((*span, local * ghosts.count))
+                out.append((*span, local * ghosts.count, e))
     return out
 
 
-def gradient_buffers(
-    sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]
-) -> list[tuple[int, int, float]]:
-    """(start, end, bytes) of each gradient as the backward made it while its reduction is in flight.
+def gradient_buffer(sp: ShardingProblem, e: int, a: int, b: int, mesh_shape: Sequence[int]) -> tuple[float, bool] | None:
+    """(bytes, held at the step's end) of gradient edge ``e``'s buffer with its ends at strategies ``a`` and ``b``;
+    None where it holds none (see :func:`gradient_buffers`)."""
+    iu, iv = sp.problem.edges[e]
+    info, param = sp.edge_info[e], sp.strategies[iv][b]
+    have, need = info.have(sp.strategies[iu][a]), param.outputs[0]
+    if have is None or need is None:
+        return None
+    if param.zero == 1:
+        dp_n = mesh_shape[sp.dp_dim] if sp.dp_dim is not None else 1
+        return sp.state_parts[iv][b][1] / dp_n, True
+    nbytes = info.moved_bytes(have, need)
+    if grad_sync_steps(tuple(have), tuple(need), param.zero, nbytes, mesh_shape, sp.dp_dim):
+        return nbytes / shard_factor(tuple(have), mesh_shape), False
+    return None
+
+
+def gradient_buffers(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> list[Buffer]:
+    """(start, end, bytes, edge) of each gradient as the backward made it while its reduction is in flight.
 
     A gradient made in another placement than its parameter takes (a partial sum over
     dp, a shard to gather, a whole gradient to cut into ZeRO-2 chunks) is reduced in the
@@ -189,20 +224,50 @@ def gradient_buffers(
     made = sorted(
         (facts.order[_storage_owner(facts.by_name[sp.edge_info[e].src]).name], e) for e in sp.grad_edges
     )
-    dp_n = mesh_shape[sp.dp_dim] if sp.dp_dim is not None else 1
     out = []
     for at, e in made:
         iu, iv = sp.problem.edges[e]
-        info, b = sp.edge_info[e], sp.strategies[iv][choice[iv]]
-        have, need = info.have(sp.strategies[iu][choice[iu]]), b.outputs[0]
-        if have is None or need is None:
-            continue
-        nbytes = info.moved_bytes(have, need)
-        if b.zero == 1:
-            out.append((end - 1, end, sp.state_parts[iv][choice[iv]][1] / dp_n))
-        elif grad_sync_steps(tuple(have), tuple(need), b.zero, nbytes, mesh_shape, sp.dp_dim):
-            out.append((at + 1, in_flight_until(made, at, end), nbytes / shard_factor(tuple(have), mesh_shape)))
+        held = gradient_buffer(sp, e, choice[iu], choice[iv], mesh_shape)
+        if held is not None:
+            nbytes, at_end = held
+            out.append((end - 1, end, nbytes, e) if at_end else (at + 1, in_flight_until(made, at, end), nbytes, e))
     return out
+
+
+def peak_items(
+    sp: ShardingProblem, problem: StrategyProblem, choice: list[int], mesh_shape: Sequence[int]
+) -> list[Item]:
+    """Memory items that make the MILP see the buffers live at the chosen answer's peak, whatever the answer.
+
+    A buffer's size depends on the strategies of both ends of its edge, which a node's item cannot
+    express; the item goes on one end and charges each of its strategies the most the buffer holds
+    under any strategy ``problem`` allows the other end (the end whose charges add up to less), over
+    the interval the buffer took in this answer. Conservative where the other end's strategies differ,
+    exact for the pairs that hold the most.
+    """
+    _, at, buffers = _peak(sp, choice, mesh_shape)
+    grads = set(sp.grad_edges)
+    items: list[Item] = []
+    for start, stop, nbytes, e in buffers:
+        if not (start <= at < stop and nbytes > 0):
+            continue
+        iu, iv = sp.problem.edges[e]
+        size = gradient_buffer if e in grads else data_buffer
+        seen = size(sp, e, choice[iu], choice[iv], mesh_shape)
+        assert seen is not None and seen[0] > 0
+        allowed_u = [a for a, c in enumerate(problem.node_costs[iu]) if math.isfinite(c)] or [choice[iu]]
+        allowed_v = [b for b, c in enumerate(problem.node_costs[iv]) if math.isfinite(c)] or [choice[iv]]
+        table = np.zeros((len(sp.strategies[iu]), len(sp.strategies[iv])))
+        for a in allowed_u:
+            for b in allowed_v:
+                held = size(sp, e, a, b, mesh_shape)
+                if held is not None and held[1] == seen[1]:  # held over the same interval
+                    table[a, b] = held[0]
+        table *= nbytes / seen[0]  # a folded layer's span holds the buffer of each layer it stands for
+        on_v, on_u = table.max(axis=0), table.max(axis=1)
+        node, row = (iv, on_v) if on_v.sum() <= on_u.sum() else (iu, on_u)
+        items.append((node, (start, stop), row.tolist()))
+    return items
 
 
 def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> MemoryEstimate:
@@ -213,6 +278,11 @@ def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int
     their intervals.  ``grads`` is every gradient (what ZeRO-2 and 3 divide);
     ``activations``, ``buffers`` and ``at_peak`` are taken at the peak.
     """
+    return _peak(sp, choice, mesh_shape)[0]
+
+
+def _peak(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> tuple[MemoryEstimate, int, list[Buffer]]:
+    """:func:`step_memory`'s answer, the time step of its peak, and the answer's edge buffers."""
     p = sp.problem
     params = set(sp.param_nodes)
     parts = [sp.state_parts[i][choice[i]] for i in sp.param_nodes if i in sp.state_parts]
@@ -244,7 +314,7 @@ def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int
             best = live[k].tolist()
     param_bytes = sum(x[0] for x in parts)
     optimizer = sum(x[2] for x in parts)
-    return MemoryEstimate(
+    estimate = MemoryEstimate(
         params=param_bytes,
         grads=sum(x[1] for x in parts),
         optimizer=optimizer,
@@ -258,6 +328,7 @@ def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int
         },
         peak_at=_where(sp, at),
     )
+    return estimate, at, buffers
 
 
 def _where(sp: ShardingProblem, t: int) -> str:
