@@ -34,7 +34,9 @@ from autopar.search.sharding.microbatches import microbatch_divides, microbatch_
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.request import MeshRequest
+from autopar.search.sharding.resharding_edges import FORBIDDEN_S
 from autopar.search.sharding.step_memory import peak_items, step_memory
+from autopar.solver.evaluate import objective_of, peak_memory_of
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import (
     GAP_TARGET,
@@ -429,39 +431,66 @@ def _fit_exactly(
     solve: Callable[[StrategyProblem], Solution],
     tries: int = 6,
 ) -> Solution:
-    """``solution``, solved again while its exact peak is over ``memory_limit``, the MILP made to see what put it over.
+    """``solution``, solved again while its exact peak is over ``memory_limit``.
 
     The MILP's memory rows leave out buffers that depend on the strategies of both ends
     of an edge (a gradient being reduced, a value redistributed); the estimate counts them
     (:mod:`autopar.search.sharding.step_memory`).  Where an answer's exact peak is over the limit,
-    the buffers live at that peak join the problem as memory items (:func:`peak_items`: each on
-    one end of its edge, at the most it holds under any strategy of the other end) and the problem
-    is solved again; an answer over the limit with no such buffer at its peak is solved again under
-    the MILP's limit lowered by its excess. An answer still over after ``tries`` solves is no answer.
+    the problem is solved again in two ways, the second where the first finds nothing:
 
-    Lowering the limit alone is not enough: layouts the MILP sees alike can hold different
-    buffers (a gradient reduced in flight or not). LLaMA-7B's shape on 8 H100s under full
-    recompute at 16 GB: the least peak the rows see is 15.85 GB, the MILP's best answers peak at
-    16.06-16.24 GB with 0.2-0.45 GB of buffers at a peak the rows put at 15.85-15.86 GB, so every
-    lower limit leaves nothing, while a layout that fits in 15.97 GB exists.
+    1. under the MILP's limit ``L`` lowered to leave room for the most such memory any answer so far
+       needed beyond what the MILP saw (``hidden``): ``L' = min(L - (exact - M), M - hidden)``;
+    2. under the first limit, with the buffers live at each such answer's peak as memory items
+       (:func:`peak_items`: each on one end of its edge, at the most it holds under any strategy of
+       the other end).
+
+    The first keeps the MILP's view as it is and finds the answer where a little room is enough
+    (LLaMA-2-70B's dp 64 under ZeRO-3 at 16 micro-batches: 79.48 GB of 80). It fails where layouts
+    the MILP sees alike hold different buffers (a gradient reduced in flight or not): LLaMA-7B's shape
+    on 8 H100s under full recompute at 16 GB, whose best answers peak at 16.06-16.24 GB with 0.2-0.45
+    GB of buffers at a peak the rows put at 15.85-15.86 GB, the least any layout reaches there, so that
+    every lower limit leaves nothing while a layout that fits in 15.97 GB exists; the second finds it.
+    The items charge more than a layout may hold, so they come second. An answer that uses a forbidden
+    transition is no answer, nor is one still over after ``tries`` solves.
     """
-    tried = problem
+    limit = problem.memory_limit
+    if limit is None or not math.isfinite(limit):
+        return solution
+    hidden, items, lowering = 0.0, [], True
     for _ in range(tries):
-        if not solution.choice or tried.memory_limit is None or not math.isfinite(tried.memory_limit):
-            return solution
-        exact = step_memory(sp, solution.choice, shape).peak
-        if exact <= memory_limit * (1 + MEMORY_RTOL):
-            return solution
-        log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
-        items = peak_items(sp, tried, solution.choice, shape)
-        if items:
-            tried = replace(tried, memory_items=[*(tried.memory_items or []), *items])
+        if solution.choice and objective_of(problem, solution.choice) >= FORBIDDEN_S:
+            solution = _none_of(solution)
+        if solution.choice:
+            exact = step_memory(sp, solution.choice, shape).peak
+            if exact <= memory_limit * (1 + MEMORY_RTOL):
+                return solution
+            log.info("an answer the MILP fits is %.3g bytes over the limit: solving again", exact - memory_limit)
+            items += peak_items(sp, problem, solution.choice, shape)
+            hidden = max(hidden, exact - peak_memory_of(problem, solution.choice))
+            limit = min(limit - (exact - memory_limit), memory_limit - hidden)
+            lowering = lowering and limit > 0
+        elif lowering and items:
+            lowering = False  # the lowered limit left nothing: the first limit, the buffers seen
         else:
-            tried = replace(tried, memory_limit=tried.memory_limit - (exact - memory_limit))
+            return solution
+        tried = replace(problem, memory_limit=limit) if lowering else _with_items(problem, items)
         solution = solve(tried)
-    if solution.choice and step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL):
-        return replace(solution, choice=[], status="infeasible", objective=math.inf)
+    if solution.choice and (
+        objective_of(problem, solution.choice) >= FORBIDDEN_S
+        or step_memory(sp, solution.choice, shape).peak > memory_limit * (1 + MEMORY_RTOL)
+    ):
+        return _none_of(solution)
     return solution
+
+
+def _none_of(solution: Solution) -> Solution:
+    """``solution`` as no answer, its solver's figures kept."""
+    return replace(solution, choice=[], status="infeasible", objective=math.inf)
+
+
+def _with_items(problem: StrategyProblem, items: list) -> StrategyProblem:
+    """``problem`` with more memory items."""
+    return replace(problem, memory_items=[*(problem.memory_items or []), *items])
 
 
 def _microbatched(
