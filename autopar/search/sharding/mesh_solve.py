@@ -36,7 +36,6 @@ from autopar.search.sharding.problem import build_problem, repeated_layer_groups
 from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.resharding_edges import FORBIDDEN_S
 from autopar.search.sharding.step_memory import peak_items, step_memory
-from autopar.solver.evaluate import objective_of, peak_memory_of
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.solver import (
     GAP_TARGET,
@@ -46,6 +45,7 @@ from autopar.solver import (
     StrategyProblem,
     solve_strategies,
 )
+from autopar.solver.evaluate import objective_of, peak_memory_of
 
 log = logging.getLogger(__name__)
 
