@@ -327,44 +327,6 @@ def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch
     assert [c[1] for c in calls] == ["seeds", "seeds", "polish", "polish"]
 
 
-def test_time_the_pipeline_rounds_leave_costs_the_meshes_not_reached(monkeypatch) -> None:
-    """The seed round stops where another mesh would leave no time to polish the best; once polished (here in 1 s,
-    less than the 4 s a solve took), the time left costs the next mesh, as it ends before the limit: on a
-    clock where preparing a mesh takes 1 s, solving it 4 s and polishing it 1 s, a 13-s search costs the first
-    mesh, polishes it, then costs the second (and has no time left to polish that one). Before, it stopped after
-    the first polish with 7 s of its 13 unspent."""
-    from types import SimpleNamespace
-
-    from autopar.search.pipeline import mesh as pipeline_mesh
-
-    clock = [0.0]
-    monkeypatch.setattr(pipeline_mesh.time, "perf_counter", lambda: clock[0])
-
-    def prepare(request, **k):
-        clock[0] += 1.0
-        return SimpleNamespace(mesh=request.mesh)
-
-    calls = []
-
-    def solve(pm, left, **k):
-        polish = k.get("layouts") == ()
-        clock[0] += 1.0 if polish else 4.0
-        calls.append((pm.mesh, "polish" if polish else "seeds"))
-        solution = SimpleNamespace(choice=[0])
-        step = 1.0 if pm.mesh == first else 0.9
-        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(solution=solution))
-
-    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", prepare)
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", solve)
-    first, second = MeshShape(8, 4, 2), MeshShape(4, 8, 2)
-    args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [first, second])
-    notes: list[str] = []
-    found = pipeline_mesh.search_pipelines(*args, 13.0, notes=notes)
-    assert calls == [(first, "seeds"), (first, "polish"), (second, "seeds")]
-    assert notes == ["pipelines: no time left for the MILP on 1 meshes"]
-    assert sorted(r.estimate.step_time_s for r in found) == [0.9, 1.0]
-
-
 def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline_fits(monkeypatch) -> None:
     """A model whose states outgrow a node has its pipelines searched first; the meshes without one are then
     costed with their seed layouts only, in OPTIONAL_FLAT of their share of the time limit (LLaMA-2-70B on 64
