@@ -31,7 +31,8 @@ over the whole step.  The runtime (:mod:`autopar.runtime`) holds more:
 The last two depend on the strategies of both ends of an edge, which a
 node's memory item cannot express; :func:`step_memory` counts them exactly
 for a chosen answer, and where that peak is over the limit the search solves
-again under a lower one (:func:`autopar.search.sharding.mesh.solve_prepared`).  The
+again, under a lower limit or with the buffers at that peak as memory items
+(:func:`peak_items`; :func:`autopar.search.sharding.mesh_solve._fit_exactly`).  The
 sharding problem forbids gathering a parameter into a view, which the
 backward could keep alive from the forward on: parameters are gathered where
 an op computes with them, as FSDP does.
