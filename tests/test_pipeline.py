@@ -272,13 +272,21 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
 # ---------------------------------------------------------------- several processes
 
 
+@functools.cache
+def _base(factory, n: int, tp: int) -> autopar.Plan:
+    """The plan a hand-cut pipeline starts from; its placements are replaced (one search per model and tp)."""
+    torch.manual_seed(0)
+    model, inputs = factory()
+    return autopar.plan(model, inputs, autopar.Cluster.local(n), fixed={"tp": tp, "pp": 1}, precision="fp32")
+
+
 def _hand(
     factory, n: int, pp: int, schedule: str, microbatches: int, tp: int = 1, layout="dp", chunks=1, seed=0
 ):
     torch.manual_seed(0)
     model, inputs = factory()
     cluster = autopar.Cluster.local(n)
-    base = autopar.plan(model, inputs, cluster, fixed={"tp": tp, "pp": 1}, precision="fp32")
+    base = _base(factory, n, tp)
     return plan_with_pipeline(
         base,
         model,
