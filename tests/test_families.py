@@ -85,7 +85,8 @@ FOUR = autopar.Cluster.local(4)
 
 
 # the families whose searched plan is trained too: one of each kind of plan the search gives them (the others'
-# is GPT-2's, dp 2 x pp 2 cut between layers; AUTOPAR_FAMILIES trains each family's searched plan)
+# are of these kinds: GPT-2's dp 2 x pp 2 for the decoders, encoders and ViT, T5's dp 2 x tp 2 for BART;
+# AUTOPAR_FAMILIES trains each family it names under its searched plan)
 SEARCHED = [
     "gpt2",  # dp 2 x pp 2: a tied head across stages, dropout under rng="exact"
     "mixtral",  # tp 4 over the experts

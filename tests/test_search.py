@@ -290,14 +290,15 @@ def test_a_restriction_asks_a_keyed_filter_once_per_strategy_list_and_key_with_t
         assert len(asked) < sum(len(s) for s in sp.strategies) / 2, name
 
 
-def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch) -> None:
-    """Another pipeline mesh is costed only if, at what costing one took, the MILP's polish of the best still fits
-    in the time left: on a clock where preparing a mesh takes 1 s and solving it 4 s, a 12-s search costs one mesh
-    and polishes it, where a second mesh would have left no time for the polish."""
+def _timed_pipeline_search(monkeypatch, polish_s: float) -> tuple[list, tuple, tuple[MeshShape, MeshShape]]:
+    """search_pipelines on two meshes on a clock where preparing a mesh takes 1 s, solving its seed layouts 4 s
+    and polishing it ``polish_s``: (the calls made, the arguments but the time limit, the two meshes). The second
+    mesh's pipeline is the faster (0.9 s a step against 1.0)."""
     from types import SimpleNamespace
 
     from autopar.search.pipeline import mesh as pipeline_mesh
 
+    first, second = MeshShape(8, 4, 2), MeshShape(4, 8, 2)
     clock = [0.0]
     monkeypatch.setattr(pipeline_mesh.time, "perf_counter", lambda: clock[0])
 
@@ -308,23 +309,48 @@ def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch
     calls = []
 
     def solve(pm, left, **k):
-        clock[0] += 4.0
-        calls.append((pm.mesh, "polish" if k.get("layouts") == () else "seeds"))
+        polish = k.get("layouts") == ()
+        clock[0] += polish_s if polish else 4.0
+        calls.append((pm.mesh, "polish" if polish else "seeds"))
         solution = SimpleNamespace(choice=[0])
-        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=1.0), sharding=SimpleNamespace(solution=solution))
+        step = 1.0 if pm.mesh == first else 0.9
+        return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(solution=solution))
 
     monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", prepare)
     monkeypatch.setattr(pipeline_mesh, "solve_pipeline", solve)
-    first, second = MeshShape(8, 4, 2), MeshShape(4, 8, 2)
     args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [first, second])
+    return calls, args, (first, second)
+
+
+def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch) -> None:
+    """Another pipeline mesh is costed only if, at what costing one took, the MILP's polish of the best still fits
+    in the time left: on a clock where preparing a mesh takes 1 s and solving it 4 s, a 12-s search costs one mesh
+    and polishes it, where a second mesh would have left no time for the polish."""
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    calls, args, (first, _) = _timed_pipeline_search(monkeypatch, polish_s=4.0)
     notes: list[str] = []
     pipeline_mesh.search_pipelines(*args, 12.0, notes=notes)
     assert calls == [(first, "seeds"), (first, "polish")]
     assert notes == ["pipelines: time limit reached after 1 of 2 meshes"]
-    calls.clear()
-    clock[0] = 0.0
+    calls, args, _ = _timed_pipeline_search(monkeypatch, polish_s=4.0)  # a clock from 0 again
     pipeline_mesh.search_pipelines(*args, 30.0)  # room for both, and the polish
     assert [c[1] for c in calls] == ["seeds", "seeds", "polish", "polish"]
+
+
+def test_time_the_pipeline_rounds_leave_costs_the_meshes_not_reached(monkeypatch) -> None:
+    """The seed round stops where another mesh would leave no time to polish the best; once polished (here in 1 s,
+    less than the 4 s a solve took), the time left costs the next mesh, as it ends before the limit: a 13-s search
+    costs the first mesh, polishes it, then costs the second (and has no time left to polish that one). Before,
+    it stopped after the first polish with 7 s of its 13 unspent."""
+    from autopar.search.pipeline import mesh as pipeline_mesh
+
+    calls, args, (first, second) = _timed_pipeline_search(monkeypatch, polish_s=1.0)
+    notes: list[str] = []
+    found = pipeline_mesh.search_pipelines(*args, 13.0, notes=notes)
+    assert calls == [(first, "seeds"), (first, "polish"), (second, "seeds")]
+    assert notes == ["pipelines: no time left for the MILP on 1 meshes"]
+    assert sorted(r.estimate.step_time_s for r in found) == [0.9, 1.0]
 
 
 def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline_fits(monkeypatch) -> None:
