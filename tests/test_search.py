@@ -342,7 +342,9 @@ def test_time_the_pipeline_rounds_leave_costs_the_meshes_not_reached(monkeypatch
     """The seed round stops where another mesh would leave no time to polish the best; once polished (here in 1 s,
     less than the 4 s a solve took), the time left costs the next mesh, as it ends before the limit: a 13-s search
     costs the first mesh, polishes it, then costs the second (and has no time left to polish that one). Before,
-    it stopped after the first polish with 7 s of its 13 unspent."""
+    it stopped after the first polish with 7 s of its 13 unspent. With ``spare_s=3`` (the planner's
+    full-recompute pass after it), the second mesh, which would end at 11 s, is left: the time after the first
+    polish ends 3 s before the limit."""
     from autopar.search.pipeline import mesh as pipeline_mesh
 
     calls, args, (first, second) = _timed_pipeline_search(monkeypatch, polish_s=1.0)
@@ -351,6 +353,27 @@ def test_time_the_pipeline_rounds_leave_costs_the_meshes_not_reached(monkeypatch
     assert calls == [(first, "seeds"), (first, "polish"), (second, "seeds")]
     assert notes == ["pipelines: no time left for the MILP on 1 meshes"]
     assert sorted(r.estimate.step_time_s for r in found) == [0.9, 1.0]
+    calls, args, _ = _timed_pipeline_search(monkeypatch, polish_s=1.0)
+    pipeline_mesh.search_pipelines(*args, 13.0, spare_s=3.0)
+    assert calls == [(first, "seeds"), (first, "polish")]
+
+
+def test_the_pipeline_search_keeps_time_for_the_full_recompute_pass_only_while_it_may_run() -> None:
+    """The planner's spare for the pass after the pipelines (:func:`autopar.api.planner._full_recompute_spare`): kept
+    while no pipeline found both fits and is idle for at most IDLE_PIPELINE of its work, none once one does (the
+    pass then does not run)."""
+    from types import SimpleNamespace
+
+    from autopar.api import planner
+
+    def found(fits: bool, bubble: float) -> SimpleNamespace:
+        return SimpleNamespace(estimate=SimpleNamespace(fits=fits, bubble_s=bubble, step_time_s=1.0))
+
+    keep = 2 * planner.FULL_RECOMPUTE_AT_LEAST
+    assert planner._full_recompute_spare([]) == keep
+    assert planner._full_recompute_spare([found(False, 0.1)]) == keep  # none fits
+    assert planner._full_recompute_spare([found(True, 0.9)]) == keep  # 90% of the step idle: 9 times its work
+    assert planner._full_recompute_spare([found(True, 0.9), found(True, 0.2)]) == 0.0
 
 
 def test_meshes_without_a_pipeline_keep_a_quarter_of_their_share_once_a_pipeline_fits(monkeypatch) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -364,6 +365,7 @@ def search_pipelines(
     ep: int | None = None,
     cp: int | None = None,
     cp_axes: dict[MeshShape, int | None] | None = None,
+    spare_s: float | Callable[[list[PipelineResult]], float] = 0.0,
 ) -> list[PipelineResult]:
     """The fastest pipeline that fits on each of ``meshes`` searched, in two rounds, within the time limit.
 
@@ -380,8 +382,9 @@ def search_pipelines(
     plan at 11.1 s a step, against 10.1 s for the same mesh polished). The MILP then runs on the
     ``MILP_MESHES`` meshes whose seeded pipelines were fastest, where it can only
     improve them, as long as the time left is at least what costing a mesh took. Time the two rounds
-    leave goes to more meshes of the seed round (each only where, at what costing one took, it ends before
-    the limit) and to polishing any of them that comes out on top.
+    leave goes to more meshes of the seed round (each only where, at what costing one took, it ends
+    ``spare_s`` before the limit: the caller's own work after the search, or a function of the pipelines found
+    so far that gives it) and to polishing any of them that comes out on top.
     ``notes`` (when given) collects why the search left meshes out, as the log says it. ``ep`` and ``cp``
     fix the experts' and attention's splits inside the stages (``cp_axes``: a mesh's axis for it, where one is fixed).
     """
@@ -392,17 +395,18 @@ def search_pipelines(
     costed, solving, costing, taken = 0, 0.0, 0.0, 0
     hopeless: list[MeshShape] = []
 
-    def no_room(now: float, polish: bool) -> bool:
-        """Another mesh would not end before the deadline: what costing a mesh took, and (``polish``) its solves
+    def no_room(now: float, polish: bool, end: float = deadline) -> bool:
+        """Another mesh would not end before ``end``: what costing a mesh took, and (``polish``) its solves
         again for the MILP's polish of the best."""
-        return bool(costed) and now + (costing + (2 if polish else 1) * solving) / costed > deadline
+        return bool(costed) and now + (costing + (2 if polish else 1) * solving) / costed > end
 
-    def seed_round(seeds_end: float, polish: bool) -> None:
-        """Cost the meshes of ``todo`` with their seed layouts, most promising first, until ``seeds_end`` or no room."""
+    def seed_round(seeds_end: float, polish: bool, end: float = deadline) -> None:
+        """Cost the meshes of ``todo`` with their seed layouts, most promising first, until ``seeds_end`` or no room
+        before ``end``."""
         nonlocal todo, costed, solving, costing, taken
         while todo:
             now = time.perf_counter()
-            if taken and (now > seeds_end or no_room(now, polish)):
+            if taken and (now > seeds_end or no_room(now, polish, end)):
                 return
             if preview is not None and preview.hopeless(todo[0]):
                 # the first pipeline of a tp goes ahead of the previewed order under a wider margin:
@@ -448,16 +452,18 @@ def search_pipelines(
         return []
     flat_best = preview.flat_best if preview is not None else math.inf
     polished: set[int] = set()
+    end = deadline  # the first polish may run to the limit; what comes after it ends spare_s before
     while True:
         per_mesh = solving / max(costed, 1)  # what solving one prepared mesh under its seed layouts took
-        _milp_round(seeded, deadline, per_mesh, schedules, zero, flat_best, notes, polished)
+        _milp_round(seeded, end, per_mesh, schedules, zero, flat_best, notes, polished)
         # the best polished, the time left costs the meshes not reached (each only if it ends before the
         # deadline) and polishes any that comes out on top: DeepSeek-V3 on 2,048 H100s ended with 18 s of
         # its 60 unspent, 2 of 24 pipeline meshes costed
-        before = len(seeded)
-        if not todo or no_room(time.perf_counter(), polish=False):
+        found = [r for _, r in seeded if r is not None]
+        before, end = len(seeded), deadline - (spare_s(found) if callable(spare_s) else spare_s)
+        if not todo or no_room(time.perf_counter(), False, end):
             break
-        seed_round(deadline, polish=False)
+        seed_round(end, False, end)
         if len(seeded) == before:
             break
     if todo:
