@@ -458,7 +458,7 @@ def _full_recompute_spare(found: list[PipelineResult]) -> float:
     once a pipeline fits that is idle for at most ``IDLE_PIPELINE`` of its work, since the pass then does not
     run (:func:`_full_recompute_worth`); twice the least it runs in otherwise (the plan is carried onto the
     whole graph between). DeepSeek-V3 on 2,048 H100s: kept for a pass that would not run, the time cost its
-    pipeline search the mesh of a 33% faster plan."""
+    pipeline search the mesh of its plan (50.818 s a step, against 75.007 s without it)."""
     busy = any(
         r.estimate.fits and r.estimate.bubble_s <= IDLE_PIPELINE * (r.estimate.step_time_s - r.estimate.bubble_s)
         for r in found
