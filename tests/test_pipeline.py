@@ -375,7 +375,7 @@ def test_the_milp_round_polishes_its_meshes_side_by_side_and_keeps_what_is_faste
     import time
     from types import SimpleNamespace
 
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     def result(step):
         return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(
@@ -390,8 +390,8 @@ def test_the_milp_round_polishes_its_meshes_side_by_side_and_keeps_what_is_faste
         given[pm] = left
         return result({"pm-a": 1.5, "pm-b": 1.2}[pm])
 
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", polish)
-    pipeline_mesh._milp_round(seeded, time.perf_counter() + 100.0, 2.0, ("1F1B",), None)
+    monkeypatch.setattr(pipeline_rounds, "solve_pipeline", polish)
+    pipeline_rounds._milp_round(seeded, time.perf_counter() + 100.0, 2.0, ("1F1B",), None)
     assert sorted(given) == ["pm-a", "pm-b"]  # the MILP_MESHES fastest
-    assert all(left == pytest.approx(pipeline_mesh.MILP_ROUND_OF * 2.0) for left in given.values())
+    assert all(left == pytest.approx(pipeline_rounds.MILP_ROUND_OF * 2.0) for left in given.values())
     assert [r.estimate.step_time_s for _, r in seeded] == [1.5, 1.0, 3.0]

@@ -152,7 +152,7 @@ def test_a_hopeless_first_pipeline_of_a_tp_leaves_the_meshes_behind_it_in_the_se
     and the note counts them."""
     from types import SimpleNamespace
 
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     lead, close, far = MeshShape(8, 4, 2), MeshShape(4, 8, 2), MeshShape(2, 8, 4)
     steps = {lead: 1.3, close: 1.05, far: 1.5}
@@ -164,11 +164,11 @@ def test_a_hopeless_first_pipeline_of_a_tp_leaves_the_meshes_behind_it_in_the_se
         flat_best=1.0,
     )
     costed = []
-    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", lambda request, **k: SimpleNamespace(mesh=request.mesh))
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: costed.append(pm.mesh))
+    monkeypatch.setattr(pipeline_rounds, "prepare_pipeline_mesh", lambda request, **k: SimpleNamespace(mesh=request.mesh))
+    monkeypatch.setattr(pipeline_rounds, "solve_pipeline", lambda pm, *a, **k: costed.append(pm.mesh))
     notes: list[str] = []
     args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [lead, close, far], 60.0)
-    pipeline_mesh.search_pipelines(*args, preview=preview, notes=notes)
+    pipeline_rounds.search_pipelines(*args, preview=preview, notes=notes)
     assert costed == [close]
     assert notes[0] == "pipelines: 2 of 3 meshes left out, previewed more than 10% slower than the best plan"
 
@@ -212,19 +212,19 @@ def test_a_seeded_pipeline_far_slower_than_the_best_flat_plan_is_not_polished(mo
     the best plan without a pipeline: the margin at which the seed round leaves a mesh uncosted."""
     from types import SimpleNamespace
 
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     polished = []
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", lambda pm, *a, **k: polished.append(pm))
+    monkeypatch.setattr(pipeline_rounds, "solve_pipeline", lambda pm, *a, **k: polished.append(pm))
 
     def seeded(step: float):
         solution = SimpleNamespace(choice=[0])
         return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(solution=solution))
 
     entries = [("slow", seeded(1.0 * (1 + HOPELESS) * 1.01)), ("close", seeded(1.05))]
-    pipeline_mesh._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None, flat_best=1.0)
+    pipeline_rounds._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None, flat_best=1.0)
     assert polished == ["close"]
-    pipeline_mesh._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None)  # no flat plan: both
+    pipeline_rounds._milp_round(entries, time.perf_counter() + 60, 0.0, ("1F1B",), None)  # no flat plan: both
     assert polished == ["close", "close", "slow"]
 
 
@@ -296,11 +296,11 @@ def _timed_pipeline_search(monkeypatch, polish_s: float) -> tuple[list, tuple, t
     mesh's pipeline is the faster (0.9 s a step against 1.0)."""
     from types import SimpleNamespace
 
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     first, second = MeshShape(8, 4, 2), MeshShape(4, 8, 2)
     clock = [0.0]
-    monkeypatch.setattr(pipeline_mesh.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(pipeline_rounds.time, "perf_counter", lambda: clock[0])
 
     def prepare(request, **k):
         clock[0] += 1.0
@@ -316,8 +316,8 @@ def _timed_pipeline_search(monkeypatch, polish_s: float) -> tuple[list, tuple, t
         step = 1.0 if pm.mesh == first else 0.9
         return SimpleNamespace(estimate=SimpleNamespace(step_time_s=step), sharding=SimpleNamespace(solution=solution))
 
-    monkeypatch.setattr(pipeline_mesh, "prepare_pipeline_mesh", prepare)
-    monkeypatch.setattr(pipeline_mesh, "solve_pipeline", solve)
+    monkeypatch.setattr(pipeline_rounds, "prepare_pipeline_mesh", prepare)
+    monkeypatch.setattr(pipeline_rounds, "solve_pipeline", solve)
     args = (None, Cluster.local(64), precision_spec("fp32"), "adamw", float("inf"), [first, second])
     return calls, args, (first, second)
 
@@ -326,15 +326,15 @@ def test_the_pipeline_seed_round_leaves_time_to_polish_the_best_mesh(monkeypatch
     """Another pipeline mesh is costed only if, at what costing one took, the MILP's polish of the best still fits
     in the time left: on a clock where preparing a mesh takes 1 s and solving it 4 s, a 12-s search costs one mesh
     and polishes it, where a second mesh would have left no time for the polish."""
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     calls, args, (first, _) = _timed_pipeline_search(monkeypatch, polish_s=4.0)
     notes: list[str] = []
-    pipeline_mesh.search_pipelines(*args, 12.0, notes=notes)
+    pipeline_rounds.search_pipelines(*args, 12.0, notes=notes)
     assert calls == [(first, "seeds"), (first, "polish")]
     assert notes == ["pipelines: time limit reached after 1 of 2 meshes"]
     calls, args, _ = _timed_pipeline_search(monkeypatch, polish_s=4.0)  # a clock from 0 again
-    pipeline_mesh.search_pipelines(*args, 30.0)  # room for both, and the polish
+    pipeline_rounds.search_pipelines(*args, 30.0)  # room for both, and the polish
     assert [c[1] for c in calls] == ["seeds", "seeds", "polish", "polish"]
 
 
@@ -345,16 +345,16 @@ def test_time_the_pipeline_rounds_leave_costs_the_meshes_not_reached(monkeypatch
     it stopped after the first polish with 7 s of its 13 unspent. With ``spare_s=3`` (the planner's
     full-recompute pass after it), the second mesh, which would end at 11 s, is left: the time after the first
     polish ends 3 s before the limit."""
-    from autopar.search.pipeline import mesh as pipeline_mesh
+    from autopar.search.pipeline import rounds as pipeline_rounds
 
     calls, args, (first, second) = _timed_pipeline_search(monkeypatch, polish_s=1.0)
     notes: list[str] = []
-    found = pipeline_mesh.search_pipelines(*args, 13.0, notes=notes)
+    found = pipeline_rounds.search_pipelines(*args, 13.0, notes=notes)
     assert calls == [(first, "seeds"), (first, "polish"), (second, "seeds")]
     assert notes == ["pipelines: no time left for the MILP on 1 meshes"]
     assert sorted(r.estimate.step_time_s for r in found) == [0.9, 1.0]
     calls, args, _ = _timed_pipeline_search(monkeypatch, polish_s=1.0)
-    pipeline_mesh.search_pipelines(*args, 13.0, spare_s=3.0)
+    pipeline_rounds.search_pipelines(*args, 13.0, spare_s=3.0)
     assert calls == [(first, "seeds"), (first, "polish")]
 
 

@@ -38,9 +38,10 @@ from autopar.plans.format import size_brief
 from autopar.plans.plan import Plan
 from autopar.plans.records import Fixed, PipelineRecord, SearchRecord
 from autopar.plans.summary import sharding_facts
-from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, search_pipelines, unfold_pipeline
+from autopar.search.pipeline.mesh import PipelineResult, pipeline_meshes, unfold_pipeline
 from autopar.search.pipeline.order import pipeline_order, total_state_bytes
 from autopar.search.pipeline.preview import Preview
+from autopar.search.pipeline.rounds import search_pipelines
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.batch_dims import scaled_dims
 from autopar.search.sharding.context_parallel import check_cp, context_parallel_mesh, cp_axis_of
@@ -258,7 +259,7 @@ def _full_recompute_worth(captured, fixed: Fixed, sharded: Sharded | None, clust
             return False
         cfg, est = sharded.args
         inside = cfg.pp > 1 or cluster.gpus_per_node % cfg.tp == 0
-        if est.fits and inside and est.bubble_s <= IDLE_PIPELINE * (est.step_time_s - est.bubble_s):
+        if inside and _busy(est):
             return False
     return bool(setting_marks(captured, "full"))
 
@@ -459,11 +460,12 @@ def _full_recompute_spare(found: list[PipelineResult]) -> float:
     run (:func:`_full_recompute_worth`); twice the least it runs in otherwise (the plan is carried onto the
     whole graph between). DeepSeek-V3 on 2,048 H100s: kept for a pass that would not run, the time cost its
     pipeline search the mesh of its plan (50.818 s a step, against 75.007 s without it)."""
-    busy = any(
-        r.estimate.fits and r.estimate.bubble_s <= IDLE_PIPELINE * (r.estimate.step_time_s - r.estimate.bubble_s)
-        for r in found
-    )
-    return 0.0 if busy else 2 * FULL_RECOMPUTE_AT_LEAST
+    return 0.0 if any(_busy(r.estimate) for r in found) else 2 * FULL_RECOMPUTE_AT_LEAST
+
+
+def _busy(est: Estimate) -> bool:
+    """A plan that fits and, if a pipeline, is idle for at most ``IDLE_PIPELINE`` of its work."""
+    return est.fits and est.bubble_s <= IDLE_PIPELINE * (est.step_time_s - est.bubble_s)
 
 
 def _pipelined(
