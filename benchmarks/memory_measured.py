@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py          (2 gloo processes, about a minute)
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --precision bf16-mixed
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines   (2 stages on 2 processes)
 
 GPT-2 with 2 layers of hidden 128 on sequences of 64 (``examples.models.gpt2_tiny_long``),
 AdamW (fp32, or bf16 copies of fp32 masters under ``--precision bf16-mixed``),
@@ -18,6 +19,11 @@ Every plan then runs on 2 processes in one launch; each rank measures the peak
 bytes of live tensors over a step (``pm.measure_step_memory``: train_step,
 optimizer step, zero_grad) and the table shows estimate, measurement and their
 ratio per rank.
+
+``--pipelines``: the same model as a pipeline of 2 stages on 2 processes under
+each schedule (GPipe, 1F1B, interleaved with two chunks a rank) at 2 micro-batches
+with recompute none and full and at 4 without; each rank against its stage's
+estimate (``plan.stages[...]["memory_bytes"]``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.verify.memory_check import measure_plans, setting_plans  # noqa: E402
+from autopar.verify.memory_check import measure_plans, pipeline_plans, setting_plans  # noqa: E402
 from examples.models import gpt2_tiny_long  # noqa: E402
 
 MIB = 2**20
@@ -41,8 +47,12 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2, help="gradient accumulation steps per step")
     parser.add_argument("--precision", default="fp32", help="fp32 (default), bf16-mixed or fp16-mixed")
+    parser.add_argument("--pipelines", action="store_true", help="pipelines of 2 stages per schedule instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.pipelines:
+        _pipelines()
+        return
 
     t = time.perf_counter()
     cases = setting_plans(gpt2_tiny_long, args.processes, microbatches=args.microbatches, precision=args.precision)
@@ -63,6 +73,29 @@ def main() -> None:
             print(
                 f"| {case.zero} | {case.recompute} | {rank} | {case.estimate.memory.peak / MIB:.2f} | "
                 f"{got / MIB:.2f} | {got / case.estimate.memory.peak:.3f} |"
+            )
+
+
+def _pipelines() -> None:
+    t = time.perf_counter()
+    plans = pipeline_plans(gpt2_tiny_long)
+    planned = time.perf_counter() - t
+    t = time.perf_counter()
+    measured = measure_plans(gpt2_tiny_long, 2, plans)
+    ran = time.perf_counter() - t
+    print(
+        "GPT-2 2 x 128, sequence 64, global batch 8, fp32 AdamW, pp=2 on CPU "
+        f"(planning {planned:.0f} s, one launch {ran:.0f} s)"
+    )
+    print("| schedule | micro-batches | recompute | rank | estimated (MiB) | measured (MiB) | measured / estimated |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for k, plan in enumerate(plans):
+        stage = {s["device"]: s["memory_bytes"] for s in plan.stages}
+        for rank, per_plan in enumerate(measured):
+            got = per_plan[k].peak_bytes
+            print(
+                f"| {plan.schedule} | {plan.microbatches} | {plan.recompute} | {rank} | {stage[rank] / MIB:.2f} | "
+                f"{got / MIB:.2f} | {got / stage[rank]:.3f} |"
             )
 
 

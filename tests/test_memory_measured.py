@@ -7,7 +7,10 @@ op-level (the MILP's own marks under a memory limit) and full (every layer),
 and under bf16-mixed (bf16 copies of fp32 masters, fp32 gradients and AdamW
 state) for ZeRO 0-3 without recompute; every rank's measured peak of a step
 (``pm.measure_step_memory``) must be within 15% of the plan's estimate, and in
-fp32 must fall as the stage rises and when recompute is on.
+fp32 must fall as the stage rises and when recompute is on.  The same launch
+runs the model as a pipeline of 2 stages under each schedule (GPipe, 1F1B,
+interleaved over 4 chunks), at 2 micro-batches with recompute none and full and
+at 4 without: each rank's peak within 15% of its stage's estimate.
 
 One process: a plan re-costed as it stands gets back the estimate the search
 gave it, and the parts of the estimate add up to its peak.
@@ -23,7 +26,14 @@ import autopar
 from autopar.capture.joint import capture
 from autopar.search.recost import estimate_plan
 from autopar.search.sharding.recompute import recompute_layers, with_recompute
-from autopar.verify.memory_check import SETTINGS, measure_plans, setting_plans
+from autopar.verify.memory_check import (
+    PIPELINE_SETTINGS,
+    SCHEDULES,
+    SETTINGS,
+    measure_plans,
+    pipeline_plans,
+    setting_plans,
+)
 from examples.models import gpt2_tiny, gpt2_tiny_long
 
 BOUND = 0.15
@@ -31,10 +41,18 @@ MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured_all():
     cases = setting_plans(gpt2_tiny_long, 2, microbatches=2)
     cases += setting_plans(gpt2_tiny_long, 2, microbatches=2, precision="bf16-mixed", settings=("none",))
-    return cases, measure_plans(gpt2_tiny_long, 2, [c.plan for c in cases])
+    pipelines = pipeline_plans(gpt2_tiny_long)
+    per_rank = measure_plans(gpt2_tiny_long, 2, [c.plan for c in cases] + pipelines)
+    n = len(cases)
+    return (cases, [r[:n] for r in per_rank]), (pipelines, [r[n:] for r in per_rank])
+
+
+@pytest.fixture(scope="module")
+def measured(measured_all):
+    return measured_all[0]
 
 
 def _key(c) -> tuple:
@@ -84,6 +102,26 @@ def test_measured_peak_falls_as_the_stage_rises_and_with_recompute(measured):
             for z in range(4):
                 assert values[("fp32", z, "op-level")] < values[("fp32", z, "none")], (z, report)
                 assert values[("fp32", z, "full")] < values[("fp32", z, "none")], (z, report)
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_measures_within_15_percent_of_its_estimate(measured_all):
+    plans, per_rank = measured_all[1]
+    assert [(p.schedule, p.microbatches, p.recompute, p.mesh["pp"]) for p in plans] == [
+        (s, m, how, 2) for s in SCHEDULES for m, how in PIPELINE_SETTINGS
+    ]
+    rows, off = [], []
+    for k, plan in enumerate(plans):
+        stage = {st["device"]: st["memory_bytes"] for st in plan.stages}
+        for rank, steps in enumerate(per_rank):
+            ratio = steps[k].peak_bytes / stage[rank]
+            rows.append(
+                f"{plan.schedule} {plan.microbatches} micro-batches, recompute {plan.recompute}, rank {rank}: "
+                f"{steps[k]} against {stage[rank] / MIB:.2f} MiB"
+            )
+            if abs(ratio - 1) > BOUND:
+                off.append(rows[-1])
+    assert not off, "\n".join(off) + "\n\n" + "\n".join(rows)
 
 
 # ---------------------------------------------------------------- one process

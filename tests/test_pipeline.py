@@ -113,6 +113,30 @@ def test_pipeline_cost_is_the_textbook_formula_on_balanced_stages():
     assert t.step_s == pytest.approx((4 + 1 / 2) * 12.0)
 
 
+def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_keeps_in_flight(monkeypatch):
+    from autopar.cost_models import overlap
+    from autopar.cost_models.schedule import chunk_depths
+    from autopar.search.pipeline.cuts import stage_memory_of
+
+    segments = [Segment(f"s{i}", saved_bytes=1.0, state_bytes=10.0, grad_bytes=2.0) for i in range(4)]
+    # one micro-batch: the gradients once; several: the sum of the earlier ones beside those being made
+    # (each stage: states 20, of them gradients 4, and 2 saved a micro-batch, 2 of them in flight on the first)
+    assert pipeline_memory(segments, [2], 1, "1F1B") == pytest.approx([20.0 + 2, 20.0 + 2])
+    assert pipeline_memory(segments, [2], 4, "1F1B") == pytest.approx([24.0 + 2 * 2, 24.0 + 1 * 2])
+    # a runtime adding each micro-batch's gradients into one buffer holds them once (Megatron-Core's main_grad)
+    monkeypatch.setattr(overlap, "RUNTIME", overlap.Runtime(grads_accumulate_in_place=True))
+    assert pipeline_memory(segments, [2], 4, "1F1B") == pytest.approx([20.0 + 4, 20.0 + 2])
+    monkeypatch.setattr(overlap, "RUNTIME", overlap.AUTOPAR_RUNTIME)
+    # interleaved 1F1B, 2 ranks x 2 chunks, 4 micro-batches: rank 0's warm-up runs 4 of its first chunk while
+    # 1 of its second is in flight, more of the first than the warm-up depth spread evenly (5 / 2 of each)
+    depths = chunk_depths(2, 2, 4)
+    assert max(row[0] for row in depths[0]) == 4 and (4, 1) in depths[0]
+    heavy = [Segment("a", saved_bytes=10.0, state_bytes=1.0), *(Segment(f"s{i}", saved_bytes=1.0) for i in range(3))]
+    even = pipeline_memory(heavy, [1, 2, 3], 4, "interleaved", chunks=2)
+    ran = stage_memory_of(heavy, [1, 2, 3], 4, "interleaved", 2)
+    assert even[0] == pytest.approx(1 + 2.5 * 11) and ran[0] == pytest.approx(1 + 4 * 10 + 1)
+
+
 def test_interleaved_small_cases_are_enumerated_exactly():
     rng = random.Random(1)
     segments = _random_segments(rng, 8)

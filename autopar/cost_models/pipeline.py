@@ -28,7 +28,9 @@ objective; the sum term charges the fill and drain at the real (unbalanced)
 stage times.
 
 Memory of stage ``s`` (0-based), with ``S_s`` its saved activations per
-micro-batch, ``X_s`` its largest transient and ``M_s`` its model states:
+micro-batch, ``X_s`` its largest transient and ``M_s`` its model states (with
+several micro-batches on autopar's runtime, its gradients twice: the sum of the
+earlier micro-batches' beside those the backward makes, :func:`held_bytes`):
 
     GPipe        M_s + m · S_s + X_s                       (every micro-batch's activations held)
     1F1B         M_s + min(m, p − s) · S_s + X_s           (at most p − s in flight)
@@ -37,7 +39,10 @@ micro-batch, ``X_s`` its largest transient and ``M_s`` its model states:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from autopar.cost_models import overlap
 
 SCHEDULES = ("1F1B", "GPipe", "interleaved")
 _NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved", "interleaved1f1b": "interleaved"}
@@ -70,6 +75,7 @@ class Segment:
     # the ops that read them (ZeRO-3's gathers), once per micro-batch whatever its size
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
+    grad_bytes: float = 0.0  # the gradients' part of state_bytes (held once more while micro-batches accumulate)
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class StageFigures:
     grad_sync_s: float
     grad_tail_s: float
     params: int
+    grad_bytes: float = 0.0
 
     @property
     def work_s(self) -> float:
@@ -113,7 +120,23 @@ def stage_figures(segments: list[Segment], first: int, end: int) -> StageFigures
         grad_sync_s=sum(s.grad_sync_s for s in run),
         grad_tail_s=sum(s.grad_tail_s for s in run),
         params=sum(s.params for s in run),
+        grad_bytes=sum(s.grad_bytes for s in run),
     )
+
+
+def held_bytes(fig: Segment | StageFigures, microbatches: int) -> float:
+    """Bytes a stage holds over the whole step: its model states and, while micro-batches accumulate, the sum
+    of the earlier ones' gradients.
+
+    autopar's runtime adds each micro-batch's gradients, which a stage's backward graph
+    returns, into ``.grad`` after the graph ran (:mod:`autopar.runtime.grad_accumulation`),
+    so from the second micro-batch on the sum is live beside the gradients the backward
+    makes, as :func:`autopar.search.sharding.step_memory.accumulated` has it for a step
+    without a pipeline; a runtime that adds them into one buffer as the backward makes
+    them (:data:`autopar.cost_models.overlap.Runtime.grads_accumulate_in_place`) holds them once.
+    """
+    twice = microbatches > 1 and not overlap.RUNTIME.grads_accumulate_in_place
+    return fig.state_bytes + (fig.grad_bytes if twice else 0.0)
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> float:
@@ -131,7 +154,7 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks:
 def stage_memory(fig: StageFigures, schedule: str, stage: int, stages: int, microbatches: int) -> float:
     """Peak bytes of a (non-interleaved) stage under ``schedule``."""
     return (
-        fig.state_bytes
+        held_bytes(fig, microbatches)
         + in_flight(schedule, stage, stages, microbatches) * fig.saved_bytes
         + fig.transient_bytes
     )
@@ -198,9 +221,20 @@ def pipeline_time(
 
 
 def pipeline_memory(
-    segments: list[Segment], cuts: list[int], microbatches: int, schedule: str, chunks: int = 1
+    segments: list[Segment],
+    cuts: list[int],
+    microbatches: int,
+    schedule: str,
+    chunks: int = 1,
+    depths: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[float]:
-    """Peak bytes per device of the cut set (see the module docstring)."""
+    """Peak bytes per device of the cut set (see the module docstring).
+
+    ``depths`` (interleaved): per device, the micro-batches in flight on each of its chunks
+    at each of its forwards, as its schedule runs them (:func:`autopar.cost_models.schedule.chunk_depths`);
+    the device then holds the most of ``Σ_c n_c · S_c`` over them. Without them, the
+    warm-up depth spread evenly over its chunks.
+    """
     bounds = [0, *cuts, len(segments)]
     pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     if schedule == "interleaved" and chunks > 1:
@@ -208,11 +242,12 @@ def pipeline_memory(
         out = []
         for d in range(p):
             mine = pieces[d::p]
-            depth = in_flight("interleaved", d, p, microbatches, chunks)
+            if depths is not None:
+                saved = max(sum(n * x.saved_bytes for n, x in zip(row, mine, strict=True)) for row in depths[d])
+            else:
+                saved = in_flight("interleaved", d, p, microbatches, chunks) * sum(x.saved_bytes for x in mine)
             out.append(
-                sum(x.state_bytes for x in mine)
-                + depth * sum(x.saved_bytes for x in mine)
-                + max(x.transient_bytes for x in mine)
+                sum(held_bytes(x, microbatches) for x in mine) + saved + max(x.transient_bytes for x in mine)
             )
         return out
     p = len(pieces)

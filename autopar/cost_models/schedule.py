@@ -9,6 +9,7 @@ executes it (:mod:`autopar.runtime.pipeline`); the plan's pictures draw it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch.distributed.pipelining.schedules import (
@@ -97,3 +98,27 @@ def _one_f_one_b(stages: int, microbatches: int) -> dict[int, list[_Action]]:
         acts += [_Action(s, FULL_BACKWARD, i) for i in range(b, microbatches)]
         out[s] = acts
     return out
+
+
+@functools.cache
+def chunk_depths(ranks: int, chunks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Interleaved 1F1B as the runtime runs it: per pipeline rank, after each of its forwards, the
+    micro-batches in flight (run forward, backward not yet) on each of its ``chunks`` chunks.
+
+    Its warm-up runs more forwards of a rank's first chunk than of its last, so the
+    activations it holds are not ``depth / chunks`` of every chunk's: a rank whose first
+    chunk saves the most holds more (:func:`autopar.cost_models.pipeline.pipeline_memory`).
+    """
+    out = []
+    for _, acts in sorted(schedule_actions("interleaved", ranks, ranks * chunks, microbatches).items()):
+        live = [0] * chunks
+        seen = []
+        for a in acts:
+            c = a.stage_index // ranks
+            if a.computation_type == FORWARD:
+                live[c] += 1
+                seen.append(tuple(live))
+            elif a.computation_type == FULL_BACKWARD:
+                live[c] -= 1
+        out.append(tuple(dict.fromkeys(seen)))
+    return tuple(out)

@@ -188,6 +188,23 @@ class RankModule(nn.Module):
             p.grad = g
         return loss
 
+    def measure_step_memory(
+        self, inputs: Any, optimizer: torch.optim.Optimizer, targets: Any = None, *, local_batch: bool = False
+    ) -> StepMemory:
+        """One training step (``train_step``, ``optimizer.step()``, ``zero_grad()``) with this rank's peak memory.
+
+        Counts parameters, buffers, ZeRO chunks, gradients, optimizer state and
+        everything the step allocates (:mod:`autopar.runtime.memory_tracker`).
+        Measure a step after the first: optimizer state is created lazily.
+        """
+        chunks = self._zero.chunks if self._zero is not None else None
+        with track_memory(self, chunks, optimizer) as m:
+            self.train_step(inputs, targets, local_batch=local_batch)
+            m.refresh()  # the gradients the graph returned are gradients now, not activations
+            optimizer.step()
+            optimizer.zero_grad()
+        return m.result()
+
     def make_optimizer(
         self, cls: Callable[..., torch.optim.Optimizer], *args: Any, **kwargs: Any
     ) -> torch.optim.Optimizer:
@@ -355,23 +372,6 @@ class ParallelModule(RankModule):
             getattr(self, f"state_{b}").copy_(state[b])
         self.steps += 1
         return total
-
-    def measure_step_memory(
-        self, inputs: Any, optimizer: torch.optim.Optimizer, targets: Any = None, *, local_batch: bool = False
-    ) -> StepMemory:
-        """One training step (``train_step``, ``optimizer.step()``, ``zero_grad()``) with this rank's peak memory.
-
-        Counts parameters, buffers, ZeRO chunks, gradients, optimizer state and
-        everything the step allocates (:mod:`autopar.runtime.memory_tracker`).
-        Measure a step after the first: optimizer state is created lazily.
-        """
-        chunks = self._zero.chunks if self._zero is not None else None
-        with track_memory(self, chunks, optimizer) as m:
-            self.train_step(inputs, targets, local_batch=local_batch)
-            m.refresh()  # the gradients the graph returned are gradients now, not activations
-            optimizer.step()
-            optimizer.zero_grad()
-        return m.result()
 
     def collectives(self) -> dict[str, int]:
         """How many of each collective one micro-batch of a training step runs on this rank."""

@@ -100,7 +100,7 @@ class _Exchange:
     def __init__(self, stages: int, peer: Callable[[int], int], device: torch.device | None = None) -> None:
         self.stages, self.peer, self.device = stages, peer, device
         self.pending_recv: dict[tuple[str, int, int], tuple[list[torch.Tensor], list]] = {}
-        self.sends: list = []
+        self.sends: dict[tuple[int, int], list] = {}  # (direction, cut) -> the last micro-batch's sends in flight
 
     def post_receive(self, kind: _ComputationType, g: StageGraphs, s: int, mb: int) -> None:
         # a receive dropped before its wait would let the backend write into freed memory
@@ -122,9 +122,24 @@ class _Exchange:
         return bufs, works
 
     def send(self, tensors: list[torch.Tensor], dst: int, direction: int, boundary: int, mb: int) -> None:
+        """Send one micro-batch's values over a cut, once the previous micro-batch's over it have arrived.
+
+        A send's tensors live until it is waited for. Waited for at the end of the step, as
+        ``torch.distributed.pipelining``'s runtime does, a stage would hold every micro-batch's
+        values it sent (m of them each way) beside its activations; waited for here, at most the
+        previous micro-batch's. The wait cannot deadlock: the receiving stage takes a cut's
+        micro-batches in order and posts each receive before it computes that micro-batch, which
+        it reached before this stage could run the next one (its backward needs that micro-batch's
+        gradient, or, in the warm-up, the receiver has nothing else to wait for).
+        """
+        stream = (direction, boundary)
+        for _, w in self.sends.pop(stream, []):
+            w.wait()
+        sent = []
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            self.sends.append((t, dist.isend(t, dst=dst, tag=_tag(direction, boundary, mb, i, self.stages))))
+            sent.append((t, dist.isend(t, dst=dst, tag=_tag(direction, boundary, mb, i, self.stages))))
+        self.sends[stream] = sent
 
     def wait(self, key: tuple[str, int, int]) -> list[torch.Tensor]:
         bufs, works = self.pending_recv.pop(key)
@@ -134,8 +149,10 @@ class _Exchange:
 
     def finish(self) -> None:
         """Wait for every send; a receive never waited on is a schedule error."""
-        for _, w in self.sends:
-            w.wait()
+        for sent in self.sends.values():
+            for _, w in sent:
+                w.wait()
+        self.sends = {}
         if self.pending_recv:
             raise RuntimeError(f"pipeline schedule never consumed receives {sorted(self.pending_recv)}")
 

@@ -191,7 +191,7 @@ class PipelineParallelModule(RankModule):
         sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial, copy=True)
         m = self.microbatches
         with torch.no_grad():  # what the graphs read: in their dtypes (mixed precision: copies of the masters)
-            params = [cast(p, self._infos[i].dtype) for p, i in zip(self.shards, self._params, strict=True)]
+            params = [cast(p, self._infos[i].dtype).detach() for p, i in zip(self.shards, self._params, strict=True)]
 
         def args(slots: list[int], mb: int) -> list[torch.Tensor]:
             out = []

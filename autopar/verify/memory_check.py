@@ -37,6 +37,10 @@ from autopar.runtime.memory_tracker import StepMemory
 from autopar.search.recost import estimate_plan
 
 SETTINGS = ("none", "op-level", "full")
+SCHEDULES = ("GPipe", "1F1B", "interleaved")
+# (micro-batches, recompute) per schedule: 2 as the data-parallel cases, and 4, more than 2 stages, where 1F1B
+# keeps fewer in flight than GPipe and interleaved 1F1B's warm-up runs more of a rank's first chunk
+PIPELINE_SETTINGS = ((2, "none"), (2, "full"), (4, "none"))
 
 
 @dataclass
@@ -94,6 +98,28 @@ def _setting_plan(model, inputs, cluster: Cluster, fixed: dict, how: str, precis
         limit = squeeze * none.estimate.memory.peak
         return make_plan(model, inputs, cluster, fixed=fixed, precision=precision, memory_limit=limit)
     return make_plan(model, inputs, cluster, fixed={**fixed, "recompute": how}, precision=precision)
+
+
+def pipeline_plans(
+    factory: Callable,
+    stages: int = 2,
+    schedules: Sequence[str] = SCHEDULES,
+    settings: Sequence[tuple[int, str]] = PIPELINE_SETTINGS,
+) -> list[Plan]:
+    """A pipeline of ``stages`` stages on as many processes (fp32 AdamW), per schedule and (micro-batches,
+    recompute) setting; the interleaved schedule deals two chunks to a rank.  Each plan's ``stages`` give every
+    device's estimated peak (``memory_bytes``)."""
+    cluster = Cluster.local(stages)
+    torch.manual_seed(0)
+    model, inputs = factory()
+    return [
+        make_plan(
+            model, inputs, cluster, precision="fp32", time_limit_s=10,
+            fixed={"dp": 1, "tp": 1, "pp": stages, "microbatches": m, "schedule": s, "zero": 0, "recompute": how},
+        )  # fmt: skip
+        for s in schedules
+        for m, how in settings
+    ]
 
 
 def _measure(factory: Callable, cluster: Cluster, plan: dict) -> StepMemory:

@@ -41,10 +41,12 @@ import numpy as np
 from autopar.cost_models.pipeline import (
     PipelineTime,
     Segment,
+    held_bytes,
     in_flight,
     pipeline_memory,
     pipeline_time,
 )
+from autopar.cost_models.schedule import chunk_depths
 
 # Enumerate every cut set when there are at most this many (interleaved schedules; tests).
 EXHAUSTIVE_LIMIT = 2_000
@@ -94,7 +96,7 @@ def best_cuts(
 def _costed(segments, cuts, m, schedule, p2p, limit, chunks, exact) -> CutChoice | None:
     if not _every_device_holds_parameters(segments, cuts, schedule, chunks):
         return None
-    memory = pipeline_memory(segments, cuts, m, schedule, chunks)
+    memory = stage_memory_of(segments, cuts, m, schedule, chunks)
     if max(memory) > limit:
         return None
     return CutChoice(list(cuts), pipeline_time(segments, cuts, m, schedule, p2p, chunks), memory, exact)
@@ -132,14 +134,20 @@ def brute_force_cuts(
     return best
 
 
+def stage_memory_of(segments: list[Segment], cuts: list[int], m: int, schedule: str, chunks: int) -> list[float]:
+    """Peak bytes per device of the cut set, an interleaved schedule's by the order the runtime runs it."""
+    depths = chunk_depths((len(cuts) + 1) // chunks, chunks, m) if schedule == "interleaved" and chunks > 1 else None
+    return pipeline_memory(segments, cuts, m, schedule, chunks, depths)
+
+
 class _Ranges:
     """O(1) figures of any run of segments, from prefix sums (and a table of running maxima)."""
 
-    def __init__(self, segments: list[Segment]) -> None:
+    def __init__(self, segments: list[Segment], microbatches: int) -> None:
         self.fwd = _prefix([s.forward_s for s in segments])
         self.bwd = _prefix([s.backward_s for s in segments])
         self.saved = _prefix([s.saved_bytes for s in segments])
-        self.states = _prefix([s.state_bytes for s in segments])
+        self.states = _prefix([held_bytes(s, microbatches) for s in segments])
         self.opt = _prefix([s.optimizer_s for s in segments])
         self.sync = _prefix([s.grad_sync_s for s in segments])
         self.sync_tail = _prefix([s.grad_tail_s for s in segments])
@@ -170,7 +178,7 @@ class _Ranges:
 def _pareto_dp(segments, p, m, schedule, p2p, limit) -> CutChoice | None:
     k = len(segments)
     send = [2.0 * p2p(s.boundary_bytes) for s in segments]  # a cut after segment i costs send[i]
-    ranges = _Ranges(segments)
+    ranges = _Ranges(segments, m)
     # front[j]: Pareto states covering segments[:j] with the stages closed so far:
     # (sum of work and sends, max work, max tail, cuts)
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, ())]}

@@ -35,10 +35,10 @@ from typing import Any
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
-from autopar.cost_models.pipeline import Segment, pipeline_memory, pipeline_time, stage_figures
+from autopar.cost_models.pipeline import Segment, held_bytes, pipeline_time, stage_figures
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.records import Fixed
-from autopar.search.pipeline.cuts import CutChoice, best_cuts
+from autopar.search.pipeline.cuts import CutChoice, best_cuts, stage_memory_of
 from autopar.search.pipeline.segments import (
     even_layer_cuts,
     layer_figures,
@@ -110,7 +110,7 @@ class PipelineResult:
 def _costed_cuts(segments, cuts, m, schedule, p2p, memory_limit, chunks) -> CutChoice | None:
     if cuts is None:
         return None
-    memory = pipeline_memory(segments, cuts, m, schedule, chunks)
+    memory = stage_memory_of(segments, cuts, m, schedule, chunks)
     if max(memory) > memory_limit:
         return None
     return CutChoice(cuts, pipeline_time(segments, cuts, m, schedule, p2p, chunks), memory, exact=False)
@@ -343,7 +343,7 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
         mp.compute_dtype,
     )
     t = choice.time
-    memory = pipeline_memory(segments, choice.cuts, res.microbatches, schedule, chunks)
+    memory = stage_memory_of(segments, choice.cuts, res.microbatches, schedule, chunks)
     worst = max(range(len(memory)), key=memory.__getitem__)
     bounds = [0, *choice.cuts, len(segments)]
     pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -366,18 +366,20 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
     peak_flops = mp.cluster.device_spec.peak_flops[mp.compute_dtype]
     flops = inner.model_flops
     peak = max(memory)
-    held = sum(x.state_bytes for x in mine)
+    held = sum(held_bytes(x, res.microbatches) for x in mine)
     activations = max(0.0, peak - held)
+    # the sum of the earlier micro-batches' gradients, beside those the backward makes (held_bytes)
+    grads = inner.memory.grads * share + held - sum(x.state_bytes for x in mine)
     mem = MemoryEstimate(
         params=inner.memory.params * share,
-        grads=inner.memory.grads * share,
+        grads=grads,
         optimizer=inner.memory.optimizer * share,
         activations=activations,
         peak=peak,
         at_peak={
             "params": inner.memory.params * share,
             "optimizer": inner.memory.optimizer * share,
-            "grads": inner.memory.grads * share,
+            "grads": grads,
             "activations": activations,
         },
         peak_at=f"pipeline stage {worst} with its micro-batches in flight ({schedule})",

@@ -18,6 +18,7 @@ from autopar.capture.graph import Fold
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models import overlap
 from autopar.cost_models.comm import bucketed_time
+from autopar.cost_models.compute import is_view
 from autopar.cost_models.pipeline import Segment
 from autopar.cost_models.reshard import shard_factor
 from autopar.cost_models.step import param_gather_exposed
@@ -72,7 +73,7 @@ def segment_figures(
     _add_node_figures(f, captured, sp, choice, index_seg, microbatches)
     _add_edge_figures(f, sp, choice, index_seg, microbatches, mesh_shape, links)
     tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
-    _add_activation_memory(f, sp, choice, index_seg)
+    _add_activation_memory(f, sp, choice, index_seg, _backward_reader_segments(captured, sp, seg_of))
     _add_boundary_bytes(f, captured, sp, choice, seg_of, mesh_shape, microbatches, activation_scale)
     return [
         Segment(
@@ -88,6 +89,7 @@ def segment_figures(
             params=f.params[j],
             forward_fixed_s=f.fwd_fixed[j],
             backward_fixed_s=f.bwd_fixed[j],
+            grad_bytes=f.grads[j],
         )
         for j in range(k)
     ]
@@ -171,10 +173,13 @@ class _SegmentFigures:
     fwd_tp: list[float]
     bwd_tp: list[float]
     gathered: list[list[float]]  # ZeRO-1/2: bytes of each stepped parameter shard gathered after the optimizer
+    grads: list[float]  # the gradients' part of states
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
-        return cls(*([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)), [[] for _ in range(k)])
+        return cls(
+            *([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)), [[] for _ in range(k)], [0.0] * k
+        )
 
 
 def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegment]) -> dict[str, int]:
@@ -207,6 +212,7 @@ def _add_node_figures(
                 f.gathered[seg].append(sp.state_parts[i][c][0])
             parts = sp.state_parts.get(i)
             f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
+            f.grads[seg] += parts[c][1] if parts else 0.0
             val = by_name[sp.nodes[i]].meta.get("val")
             f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
@@ -262,12 +268,44 @@ def _add_edge_figures(
                 f.fwd_fixed[seg] += cost / m
 
 
-def _add_activation_memory(f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int]) -> None:
+def _backward_reader_segments(
+    captured: CapturedGraph, sp: ShardingProblem, seg_of: dict[str, int]
+) -> dict[int, int]:
+    """For each node of ``sp`` a backward op reads (through views), the first segment whose backward reads it.
+
+    A value kept for the backward is held by the stage whose backward reads it: a layer's input, made by
+    the layer before, is kept by this layer's stage (which received it), not by the stage that sent it.
+    """
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    out: dict[int, int] = {}
+    for i, name in enumerate(sp.nodes):
+        node = by_name.get(name)
+        if node is None:
+            continue
+        todo, seen, first = list(node.users), set(), None
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if is_view(u):
+                todo.extend(u.users)
+            elif u.meta.get("autopar_phase") == "backward" and u.name in seg_of:
+                first = seg_of[u.name] if first is None else min(first, seg_of[u.name])
+        if first is not None:
+            out[i] = first
+    return out
+
+
+def _add_activation_memory(
+    f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], reader_seg: dict[int, int]
+) -> None:
     """Per micro-batch: the bytes kept across the forward/backward turn, and the peak of the rest.
 
-    A value live across the turn is kept for the backward. The turn follows the last
-    forward op: autograd's saved-tensor handles are backward nodes traced inside the
-    forward (a detach where a value is saved), and the first of them is no turn.
+    A value live across the turn is kept for the backward, by the segment whose backward
+    reads it (``reader_seg``; the segment that made it where no backward op reads it). The
+    turn follows the last forward op: autograd's saved-tensor handles are backward nodes
+    traced inside the forward (a detach where a value is saved), and the first of them is no turn.
     """
     p = sp.problem
     backward = set(sp.backward_nodes)
@@ -288,7 +326,7 @@ def _add_activation_memory(f: _SegmentFigures, sp: ShardingProblem, choice: list
             continue
         seg = index_seg[v]
         if s < turn < e and v not in backward:
-            f.saved[seg] += mem
+            f.saved[reader_seg.get(v, seg)] += mem
         else:
             ev = events[seg]
             ev[s] = ev.get(s, 0.0) + mem
