@@ -166,7 +166,9 @@ torchtitan's 2D, 3D and 4D H100 runs (Tables 2, 4, 5, 6 of the
 the 405B config it ran (``train_configs/llama3_405b.toml`` when the row was
 written, 3faaa1a) compiles the model, whose element-wise fusions autopar's
 cost model does not have. Llama 3 405B at 128K context (Table 4's third row)
-needs context parallelism, which autopar has not.
+trains with context parallelism (CP 16), which ``fixed`` can pin since autopar plans
+it; it is left out with the other two: its PP 16 runs the same interleaved schedule
+of 8 chunks a rank, which autopar's cannot pin.
 """
 
 from __future__ import annotations
