@@ -137,6 +137,19 @@ def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_kee
     assert even[0] == pytest.approx(1 + 2.5 * 11) and ran[0] == pytest.approx(1 + 4 * 10 + 1)
 
 
+def test_a_stage_holds_its_copy_of_a_parameter_tied_to_another_stage():
+    from autopar.search.pipeline.cuts import _Ranges
+
+    # "head" reads the embedding's table, whose states (8, gradients 2) count with "embed"
+    tied = (("wte", "embed", 8.0, 2.0),)
+    segments = [Segment("embed", state_bytes=8.0, grad_bytes=2.0), Segment("mid"), Segment("head", tied=tied)]
+    assert pipeline_memory(segments, [], 1, "1F1B") == pytest.approx([8.0])  # one stage: one copy
+    assert pipeline_memory(segments, [2], 1, "1F1B") == pytest.approx([8.0, 8.0])  # the head's stage: its own
+    assert pipeline_memory(segments, [2], 4, "1F1B") == pytest.approx([10.0, 10.0])  # summed gradients too
+    assert _Ranges(segments, 4).figures(2, 3)[2][0] == pytest.approx(10.0)
+    assert _Ranges(segments, 4).figures(0, 3)[2][0] == pytest.approx(10.0)
+
+
 def test_interleaved_small_cases_are_enumerated_exactly():
     rng = random.Random(1)
     segments = _random_segments(rng, 8)

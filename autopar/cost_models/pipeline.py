@@ -76,6 +76,9 @@ class Segment:
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (held once more while micro-batches accumulate)
+    # parameters it reads whose states are counted with an earlier segment (a head tied to the embedding):
+    # (parameter, that segment's name, state bytes, gradient bytes); a stage without that segment holds a copy
+    tied: tuple[tuple[str, str, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,23 @@ class StageFigures:
         return self.optimizer_s + max(self.grad_sync_s - self.backward_s, self.grad_tail_s, 0.0)
 
 
+def tied_copies(segments: list[Segment], first: int, end: int) -> tuple[float, float]:
+    """(state bytes, gradient bytes) of the parameters ``segments[first:end]`` read but whose states are counted
+    with a segment outside them: the copy the stage holds of a parameter another stage holds too (the runtime
+    unties it, :func:`autopar.search.pipeline.stages.untie_across_stages`), once per parameter."""
+    inside = {s.name for s in segments[first:end]}
+    copies: dict[str, tuple[float, float]] = {}
+    for s in segments[first:end]:
+        for param, owner, states, grads in s.tied:
+            if owner not in inside:
+                copies[param] = (states, grads)
+    return sum(c[0] for c in copies.values()), sum(c[1] for c in copies.values())
+
+
 def stage_figures(segments: list[Segment], first: int, end: int) -> StageFigures:
     """Figures of the stage made of ``segments[first:end]``."""
     run = segments[first:end]
+    tied_states, tied_grads = tied_copies(segments, first, end)
     return StageFigures(
         first=first,
         end=end,
@@ -115,12 +132,12 @@ def stage_figures(segments: list[Segment], first: int, end: int) -> StageFigures
         backward_s=sum(s.backward_s for s in run),
         saved_bytes=sum(s.saved_bytes for s in run),
         transient_bytes=max((s.transient_bytes for s in run), default=0.0),
-        state_bytes=sum(s.state_bytes for s in run),
+        state_bytes=sum(s.state_bytes for s in run) + tied_states,
         optimizer_s=sum(s.optimizer_s for s in run),
         grad_sync_s=sum(s.grad_sync_s for s in run),
         grad_tail_s=sum(s.grad_tail_s for s in run),
         params=sum(s.params for s in run),
-        grad_bytes=sum(s.grad_bytes for s in run),
+        grad_bytes=sum(s.grad_bytes for s in run) + tied_grads,
     )
 
 
@@ -135,8 +152,13 @@ def held_bytes(fig: Segment | StageFigures, microbatches: int) -> float:
     without a pipeline; a runtime that adds them into one buffer as the backward makes
     them (:data:`autopar.cost_models.overlap.Runtime.grads_accumulate_in_place`) holds them once.
     """
-    twice = microbatches > 1 and not overlap.RUNTIME.grads_accumulate_in_place
-    return fig.state_bytes + (fig.grad_bytes if twice else 0.0)
+    return fig.state_bytes + (fig.grad_bytes if grads_held_twice(microbatches) else 0.0)
+
+
+def grads_held_twice(microbatches: int) -> bool:
+    """Whether a step of ``microbatches`` holds the earlier micro-batches' gradient sum beside the gradients a
+    backward makes (:func:`held_bytes`)."""
+    return microbatches > 1 and not overlap.RUNTIME.grads_accumulate_in_place
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> float:

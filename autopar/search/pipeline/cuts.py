@@ -41,10 +41,12 @@ import numpy as np
 from autopar.cost_models.pipeline import (
     PipelineTime,
     Segment,
+    grads_held_twice,
     held_bytes,
     in_flight,
     pipeline_memory,
     pipeline_time,
+    tied_copies,
 )
 from autopar.cost_models.schedule import chunk_depths
 
@@ -148,6 +150,8 @@ class _Ranges:
         self.bwd = _prefix([s.backward_s for s in segments])
         self.saved = _prefix([s.saved_bytes for s in segments])
         self.states = _prefix([held_bytes(s, microbatches) for s in segments])
+        self.segments, self.any_tied = segments, any(s.tied for s in segments)
+        self.twice = grads_held_twice(microbatches)
         self.opt = _prefix([s.optimizer_s for s in segments])
         self.sync = _prefix([s.grad_sync_s for s in segments])
         self.sync_tail = _prefix([s.grad_tail_s for s in segments])
@@ -168,11 +172,11 @@ class _Ranges:
         work = self.fwd[j] - self.fwd[i] + back
         sync = self.sync[j] - self.sync[i]
         tail = self.opt[j] - self.opt[i] + max(sync - back, self.sync_tail[j] - self.sync_tail[i], 0.0)
-        return (
-            work,
-            tail,
-            (self.states[j] - self.states[i], self.saved[j] - self.saved[i], self.transient[i][j - i - 1]),
-        )
+        held = self.states[j] - self.states[i]
+        if self.any_tied:
+            states, grads = tied_copies(self.segments, i, j)
+            held += states + (grads if self.twice else 0.0)
+        return (work, tail, (held, self.saved[j] - self.saved[i], self.transient[i][j - i - 1]))
 
 
 def _pareto_dp(segments, p, m, schedule, p2p, limit) -> CutChoice | None:

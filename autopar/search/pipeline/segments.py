@@ -70,7 +70,7 @@ def segment_figures(
     seg_of = _segments_of_names(captured, graph_segments)
     index_seg = [seg_of.get(name, k - 1) for name in sp.nodes]
     f = _SegmentFigures.zeros(k)
-    _add_node_figures(f, captured, sp, choice, index_seg, microbatches)
+    _add_node_figures(f, captured, sp, choice, index_seg, microbatches, seg_of, graph_segments)
     _add_edge_figures(f, sp, choice, index_seg, microbatches, mesh_shape, links)
     tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
     _add_activation_memory(f, sp, choice, index_seg, _backward_reader_segments(captured, sp, seg_of))
@@ -90,6 +90,7 @@ def segment_figures(
             forward_fixed_s=f.fwd_fixed[j],
             backward_fixed_s=f.bwd_fixed[j],
             grad_bytes=f.grads[j],
+            tied=tuple(f.tied[j]),
         )
         for j in range(k)
     ]
@@ -174,11 +175,17 @@ class _SegmentFigures:
     bwd_tp: list[float]
     gathered: list[list[float]]  # ZeRO-1/2: bytes of each stepped parameter shard gathered after the optimizer
     grads: list[float]  # the gradients' part of states
+    tied: list[list[tuple[str, str, float, float]]]  # Segment.tied
 
     @classmethod
     def zeros(cls, k: int) -> _SegmentFigures:
         return cls(
-            *([0.0] * k for _ in range(7)), [0] * k, *([0.0] * k for _ in range(7)), [[] for _ in range(k)], [0.0] * k
+            *([0.0] * k for _ in range(7)),
+            [0] * k,
+            *([0.0] * k for _ in range(7)),
+            [[] for _ in range(k)],
+            [0.0] * k,
+            [[] for _ in range(k)],
         )
 
 
@@ -194,9 +201,20 @@ def _segments_of_names(captured: CapturedGraph, graph_segments: list[GraphSegmen
 
 
 def _add_node_figures(
-    f: _SegmentFigures, captured: CapturedGraph, sp: ShardingProblem, choice: list[int], index_seg: list[int], m: int
+    f: _SegmentFigures,
+    captured: CapturedGraph,
+    sp: ShardingProblem,
+    choice: list[int],
+    index_seg: list[int],
+    m: int,
+    seg_of: dict[str, int],
+    graph_segments: list[GraphSegment],
 ) -> None:
-    """Node costs per micro-batch by phase; parameters' optimizer time, state bytes and element counts."""
+    """Node costs per micro-batch by phase; parameters' optimizer time, state bytes and element counts.
+
+    A parameter's states count in its first reader's segment; a later segment that reads it too (a head
+    tied to the embedding) notes it in ``tied``, for the stage that holds a copy of it.
+    """
     p = sp.problem
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     backward = set(sp.backward_nodes)
@@ -213,6 +231,11 @@ def _add_node_figures(
             parts = sp.state_parts.get(i)
             f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
             f.grads[seg] += parts[c][1] if parts else 0.0
+            node = by_name[sp.nodes[i]]
+            states = sum(parts[c]) if parts else p.node_memory[i][c]
+            for other in sorted({seg_of[u.name] for u in node.users if u.name in seg_of} - {seg}):
+                entry = (node.name, graph_segments[seg].name, states, parts[c][1] if parts else 0.0)
+                f.tied[other].append(entry)
             val = by_name[sp.nodes[i]].meta.get("val")
             f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
