@@ -115,7 +115,7 @@ def test_pipeline_cost_is_the_textbook_formula_on_balanced_stages():
 
 def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_keeps_in_flight(monkeypatch):
     from autopar.cost_models import overlap
-    from autopar.cost_models.schedule import chunk_depths
+    from autopar.cost_models.schedule import chunk_depths, in_flight_counts
     from autopar.search.pipeline.cuts import stage_memory_of
 
     segments = [Segment(f"s{i}", saved_bytes=1.0, state_bytes=10.0, grad_bytes=2.0) for i in range(4)]
@@ -131,6 +131,10 @@ def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_kee
     # 1 of its second is in flight, more of the first than the warm-up depth spread evenly (5 / 2 of each)
     depths = chunk_depths(2, 2, 4)
     assert max(row[0] for row in depths[0]) == 4 and (4, 1) in depths[0]
+    # past 4 x ranks micro-batches a rank goes through the counts of 4 x ranks (chunk_depths writes that many)
+    for ranks in (2, 3, 4):
+        whole = in_flight_counts(schedule_actions("interleaved", ranks, 2 * ranks, 7 * ranks), ranks, 2)
+        assert [set(r) for r in chunk_depths(ranks, 2, 7 * ranks)] == [set(r) for r in whole]
     heavy = [Segment("a", saved_bytes=10.0, state_bytes=1.0), *(Segment(f"s{i}", saved_bytes=1.0) for i in range(3))]
     even = pipeline_memory(heavy, [1, 2, 3], 4, "interleaved", chunks=2)
     ran = stage_memory_of(heavy, [1, 2, 3], 4, "interleaved", 2)
