@@ -127,10 +127,12 @@ class _Exchange:
         A send's tensors live until it is waited for. Waited for at the end of the step, as
         ``torch.distributed.pipelining``'s runtime does, a stage would hold every micro-batch's
         values it sent (m of them each way) beside its activations; waited for here, at most the
-        previous micro-batch's. The wait cannot deadlock: the receiving stage takes a cut's
-        micro-batches in order and posts each receive before it computes that micro-batch, which
-        it reached before this stage could run the next one (its backward needs that micro-batch's
-        gradient, or, in the warm-up, the receiver has nothing else to wait for).
+        previous micro-batch's. In the schedules autopar runs (GPipe, 1F1B, interleaved 1F1B;
+        ``tests/test_pipeline.py`` trains under each) the wait does not deadlock: the receiving
+        stage takes a cut's micro-batches in order and posts each receive before it computes that
+        micro-batch, which it reaches before this stage can run the next one (in the steady state
+        this stage's backward needs the receiver's gradient of it; in the warm-up the receiver
+        waits for nothing else).
         """
         stream = (direction, boundary)
         for _, w in self.sends.pop(stream, []):

@@ -190,7 +190,9 @@ class PipelineParallelModule(RankModule):
         first_input = self._n_params + self._n_state
         sink = GradAccumulator(self.shards, self.zero_stages, self._zero, self._dp_partial, copy=True)
         m = self.microbatches
-        with torch.no_grad():  # what the graphs read: in their dtypes (mixed precision: copies of the masters)
+        # what the graphs read: in their dtypes (mixed precision: copies of the masters), detached: the stage graphs
+        # are pure functions, and a tensor that requires grad makes module hooks (MemTracker's) hook its autograd
+        with torch.no_grad():
             params = [cast(p, self._infos[i].dtype).detach() for p, i in zip(self.shards, self._params, strict=True)]
 
         def args(slots: list[int], mb: int) -> list[torch.Tensor]:
