@@ -115,7 +115,7 @@ def test_pipeline_cost_is_the_textbook_formula_on_balanced_stages():
 
 def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_keeps_in_flight(monkeypatch):
     from autopar.cost_models import overlap
-    from autopar.cost_models.schedule import chunk_depths, in_flight_counts
+    from autopar.cost_models.schedule import chunk_depths, in_flight_counts, interleaved_runs
     from autopar.search.pipeline.cuts import stage_memory_of
 
     segments = [Segment(f"s{i}", saved_bytes=1.0, state_bytes=10.0, grad_bytes=2.0) for i in range(4)]
@@ -131,6 +131,11 @@ def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_kee
     # 1 of its second is in flight, more of the first than the warm-up depth spread evenly (5 / 2 of each)
     depths = chunk_depths(2, 2, 4)
     assert max(row[0] for row in depths[0]) == 4 and (4, 1) in depths[0]
+    # a count torch's interleaved schedule refuses (7 on 3 ranks: rounds of 2) is never costed as one
+    assert not interleaved_runs(3, 7) and interleaved_runs(3, 8) and interleaved_runs(3, 2)
+    with pytest.raises(ValueError):
+        schedule_actions("interleaved", 3, 6, 7)
+    assert chunk_depths(3, 2, 7) == chunk_depths(3, 2, 8)  # costed as the next count it runs
     # past 4 x ranks micro-batches a rank goes through the counts of 4 x ranks (chunk_depths writes that many)
     for ranks in (2, 3, 4):
         whole = in_flight_counts(schedule_actions("interleaved", ranks, 2 * ranks, 7 * ranks), ranks, 2)

@@ -36,6 +36,7 @@ from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
 from autopar.cost_models.pipeline import Segment, held_bytes, pipeline_time, stage_figures
+from autopar.cost_models.schedule import interleaved_runs
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.cuts import CutChoice, best_cuts, stage_memory_of
@@ -244,6 +245,8 @@ def solve_pipeline(
             segments = rescale(base, m_solve, m)
             for schedule in schedules:
                 chunks = 2 if schedule == "interleaved" else 1
+                if chunks > 1 and not interleaved_runs(mesh.pp, m):
+                    continue  # a count the runtime's schedule (torch's) refuses
                 if even_cuts:
                     cuts = even_layer_cuts(pm.graph_segments, mesh.pp * chunks)
                     choice = _costed_cuts(segments, cuts, m, schedule, pm.p2p, pm.memory_limit, chunks)
