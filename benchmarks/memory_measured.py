@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py          (2 gloo processes, about a minute)
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --precision bf16-mixed
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines   (2 stages on 2 processes)
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines --precision bf16-mixed
 
 GPT-2 with 2 layers of hidden 128 on sequences of 64 (``examples.models.gpt2_tiny_long``),
 AdamW (fp32, or bf16 copies of fp32 masters under ``--precision bf16-mixed``),
@@ -51,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     if args.pipelines:
-        _pipelines()
+        _pipelines(args.precision)
         return
 
     t = time.perf_counter()
@@ -76,15 +77,15 @@ def main() -> None:
             )
 
 
-def _pipelines() -> None:
+def _pipelines(precision: str) -> None:
     t = time.perf_counter()
-    plans = pipeline_plans(gpt2_tiny_long)
+    plans = pipeline_plans(gpt2_tiny_long, precision=precision)
     planned = time.perf_counter() - t
     t = time.perf_counter()
     measured = measure_plans(gpt2_tiny_long, 2, plans)
     ran = time.perf_counter() - t
     print(
-        "GPT-2 2 x 128, sequence 64, global batch 8, fp32 AdamW, pp=2 on CPU "
+        f"GPT-2 2 x 128, sequence 64, global batch 8, {precision} AdamW, pp=2 on CPU "
         f"(planning {planned:.0f} s, one launch {ran:.0f} s)"
     )
     print("| schedule | micro-batches | recompute | rank | estimated (MiB) | measured (MiB) | measured / estimated |")

@@ -105,16 +105,17 @@ def pipeline_plans(
     stages: int = 2,
     schedules: Sequence[str] = SCHEDULES,
     settings: Sequence[tuple[int, str]] = PIPELINE_SETTINGS,
+    precision: str = "fp32",
 ) -> list[Plan]:
-    """A pipeline of ``stages`` stages on as many processes (fp32 AdamW), per schedule and (micro-batches,
-    recompute) setting; the interleaved schedule deals two chunks to a rank.  Each plan's ``stages`` give every
-    device's estimated peak (``memory_bytes``)."""
+    """A pipeline of ``stages`` stages on as many processes (AdamW in ``precision``), per schedule and
+    (micro-batches, recompute) setting; the interleaved schedule deals two chunks to a rank.  Each plan's
+    ``stages`` give every device's estimated peak (``memory_bytes``)."""
     cluster = Cluster.local(stages)
     torch.manual_seed(0)
     model, inputs = factory()
     return [
         make_plan(
-            model, inputs, cluster, precision="fp32", time_limit_s=10,
+            model, inputs, cluster, precision=precision, time_limit_s=10,
             fixed={"dp": 1, "tp": 1, "pp": stages, "microbatches": m, "schedule": s, "zero": 0, "recompute": how},
         )  # fmt: skip
         for s in schedules
