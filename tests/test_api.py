@@ -94,6 +94,11 @@ def test_bad_input_errors_are_one_line():
         (lambda: autopar.plan(model, inputs, cluster, fixed={"recompute": "some"}), PlanError, "'selective'"),
         (lambda: autopar.plan(model, inputs, cluster, fixed={"pp": 1, "schedule": "1F1B"}), PlanError, "drop the"),
         (
+            lambda: autopar.plan(model, inputs, cluster, fixed={"pp": 3, "schedule": "interleaved", "microbatches": 7}),
+            PlanError,
+            "must divide them",
+        ),
+        (
             lambda: autopar.plan(model, inputs, cluster, fixed={"tp": 2, "microbatches": 3}),
             PlanError,
             "into 3 micro-batches",

@@ -17,6 +17,7 @@ from typing import Any
 
 from autopar.core.errors import PlanError
 from autopar.cost_models.pipeline import schedule_name
+from autopar.cost_models.schedule import interleaved_runs
 from autopar.hardware.cluster import Cluster
 from autopar.plans.records import Fixed
 from autopar.search.sharding.recompute_settings import NONE, OP_LEVEL, SETTINGS
@@ -51,6 +52,15 @@ def check_fixed(fixed: dict[str, Any] | None) -> Fixed:
             f"fixed['schedule'] = {fixed['schedule']!r} schedules pipeline stages, but pp is 1; "
             "drop the schedule or fix pp >= 2"
         )
+    if fixed.get("schedule") == "interleaved" and "pp" in fixed and "microbatches" in fixed:
+        pp, m = fixed["pp"], fixed["microbatches"]
+        if not interleaved_runs(pp, m):
+            rounds = max(1, m // pp)
+            raise PlanError(
+                f"fixed['microbatches'] = {m} cannot run interleaved on pp {pp}: torch's ScheduleInterleaved1F1B "
+                f"deals micro-batches in {rounds} rounds, which must divide them; use a multiple of {rounds} "
+                "or another schedule"
+            )
     if "recompute" in fixed and fixed["recompute"] not in SETTINGS:
         raise PlanError(
             f"fixed['recompute'] must be 'none', 'selective' (the attention core of every layer), 'op-sac' "

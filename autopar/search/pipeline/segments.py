@@ -229,14 +229,14 @@ def _add_node_figures(
             if gather and sp.strategies[i][c].zero:
                 f.gathered[seg].append(sp.state_parts[i][c][0])
             parts = sp.state_parts.get(i)
-            f.states[seg] += sum(parts[c]) if parts else p.node_memory[i][c]
-            f.grads[seg] += parts[c][1] if parts else 0.0
-            node = by_name[sp.nodes[i]]
             states = sum(parts[c]) if parts else p.node_memory[i][c]
+            grads = parts[c][1] if parts else 0.0
+            f.states[seg] += states
+            f.grads[seg] += grads
+            node = by_name[sp.nodes[i]]
             for other in sorted({seg_of[u.name] for u in node.users if u.name in seg_of} - {seg}):
-                entry = (node.name, graph_segments[seg].name, states, parts[c][1] if parts else 0.0)
-                f.tied[other].append(entry)
-            val = by_name[sp.nodes[i]].meta.get("val")
+                f.tied[other].append((node.name, graph_segments[seg].name, states, grads))
+            val = node.meta.get("val")
             f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
             f.bwd[seg] += t / m
