@@ -24,7 +24,7 @@ from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
 from autopar.search.sharding.strategies import enumerate_strategies
-from autopar.verify.oracle import check_plans, group_error, plan_with_layout, plan_with_pipeline
+from autopar.verify.oracle import check_plans, group_error, plan_with_layout, plan_with_pipeline, shell_plan
 from examples.models import resnet_tiny
 
 
@@ -112,7 +112,7 @@ def test_buffers_end_each_step_as_one_device_leaves_them_on_4_processes():
     torch.manual_seed(0)
     model, batch = resnet_tiny()
     cluster = autopar.Cluster.local(4)
-    base = autopar.plan(model, batch, cluster, fixed={"dp": 2, "tp": 2}, precision="fp32")
+    base = shell_plan(model, batch, cluster, 2, 2)
     zero3 = autopar.plan(model, batch, cluster, fixed={"dp": 4, "zero": 3}, precision="fp32")
     cases = [
         ("random dp2 x tp2 layout", plan_with_layout(base, model, batch, cluster, "random", seed=1)),

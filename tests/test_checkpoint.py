@@ -37,7 +37,7 @@ from autopar.core.placements import REPLICATE as R
 from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import full_optimizer_state, load_single, save_single
 from autopar.runtime.checkpoint_chunks import FlatChunk, LoadPlanner, SavePlanner, flat_range_boxes
-from autopar.verify.oracle import group_error, plan_with_layout, plan_with_pipeline
+from autopar.verify.oracle import group_error, plan_with_layout, plan_with_pipeline, shell_plan
 from examples.models import MLP, gpt2_tiny, mlp_tiny
 
 LR = 1e-3
@@ -173,7 +173,7 @@ def _layouts(factory, meshes: list[tuple[int, int]]) -> dict[tuple[int, int], fu
     cluster = autopar.Cluster.local(4)
     out = {}
     for dp, tp in meshes:
-        base = autopar.plan(model, batch, cluster, fixed={"dp": dp, "tp": tp}, precision="fp32")
+        base = shell_plan(model, batch, cluster, dp, tp)
         out[dp, tp] = functools.partial(plan_with_layout, base, model, batch, cluster)
     return out
 
@@ -189,7 +189,7 @@ def _pipeline(factory, tp: int, layout: str) -> Plan:
     torch.manual_seed(0)
     model, batch = factory()
     cluster = autopar.Cluster.local(4)
-    base = autopar.plan(model, batch, cluster, fixed={"tp": tp, "pp": 1}, precision="fp32")
+    base = shell_plan(model, batch, cluster, 4 // tp, tp)
     return plan_with_pipeline(base, model, batch, cluster, 2, microbatches=2, layout=layout)
 
 

@@ -20,7 +20,6 @@ device and cp 2 x tp 2.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -34,7 +33,7 @@ from autopar.core.placements import REPLICATE, shard
 from autopar.core.placements import balanced as balanced_shard
 from autopar.ops.dropout_attention import dropout_attention
 from autopar.search.sharding.strategies import enumerate_strategies
-from autopar.verify.oracle import check_plans, plan_with_layout
+from autopar.verify.oracle import check_plans, plan_with_layout, shell_plan
 from examples import models
 
 pytest.importorskip("transformers")
@@ -404,11 +403,11 @@ def test_fixed_cp_refuses_what_cannot_be_built(fixed: dict, seq: int, message: s
 
 @functools.cache
 def _planned(name: str) -> tuple[torch.nn.Module, dict, autopar.Plan]:
-    """A dp 2 x tp 2 plan whose placements the layouts replace: a short search, as its answer is not kept."""
+    """The model and a dp 2 x tp 2 plan without placements, for the layouts to fill (no search: its answer
+    would not be kept)."""
     torch.manual_seed(0)
     model, inputs = FACTORIES[name]()
-    plan = autopar.plan(model, inputs, FOUR, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1}, time_limit_s=3)
-    return model, inputs, plan
+    return model, inputs, shell_plan(model, inputs, FOUR, 2, 2)
 
 
 def _layout(name: str, kind: str) -> autopar.Plan:
@@ -416,7 +415,6 @@ def _layout(name: str, kind: str) -> autopar.Plan:
     "cp_dp" (cp 2 over the dp axis's ranks, Megatron's tensor split on the second axis), the queries in
     head-tail order ("_balanced") or contiguous shards ("_contiguous")."""
     model, inputs, plan = _planned(name)
-    plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
     out = plan_with_layout(plan, model, inputs, FOUR, kind)
     balanced = True if kind.endswith("_balanced") else False if kind.endswith("_contiguous") else None
     axes = {(0,) if kind.startswith("cp_dp") else (1,)}
@@ -435,7 +433,6 @@ def _flowing(name: str, seed: int) -> autopar.Plan:
     those that take its inputs as they come): many ops in head-tail order the cost model would not pick, and
     changes of order between them; for GPT-2, its dropout in that order too."""
     model, inputs, plan = _planned(name)
-    plan = dataclasses.replace(plan, zero=0, recompute="none", placements={})
     out = plan_with_layout(plan, model, inputs, FOUR, "flowing", seed=seed, balance_masks=True)
     held = [(v["op"], p) for v in out.placements.values() for p in (*v["inputs"], *v["outputs"]) if p]
     assert sum(any(q.is_balanced() for q in p) for _, p in held) > 50, "the random plan holds little in head-tail order"

@@ -16,7 +16,6 @@ model trained by autopar on one process, the others against eager PyTorch
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +26,7 @@ import torch
 import autopar
 from autopar.capture.joint import capture
 from autopar.search.sharding.strategies import enumerate_strategies
-from autopar.verify.oracle import check_plans, plan_with_layout
+from autopar.verify.oracle import check_plans, layout_plan
 from examples import families
 
 pytest.importorskip("transformers")
@@ -66,21 +65,6 @@ def test_every_op_has_a_sharding_rule(name: str, caplog) -> None:
     assert all(any(op in msg for op in LEFT_REPLICATED) for msg in left), left
 
 
-def _dp_tp(plan: autopar.Plan) -> autopar.Plan:
-    """``plan`` moved to a dp 2 x tp 2 mesh without a pipeline, its placements left for a layout to fill."""
-    return dataclasses.replace(
-        plan,
-        mesh={"dp": 2, "tp": 2, "pp": 1},
-        microbatches=1,
-        micro_batch_size=plan.global_batch_size // 2,
-        stages=[],
-        schedule="",
-        zero=0,
-        recompute="none",
-        placements={},
-    )
-
-
 FOUR = autopar.Cluster.local(4)
 
 
@@ -106,8 +90,7 @@ def _searched(name: str) -> autopar.Plan:
 def _random_dp_tp(name: str) -> autopar.Plan:
     torch.manual_seed(0)
     model, inputs = families.FAMILIES[name]()
-    shell = autopar.plan(model, inputs, FOUR, fixed={"dp": 2, "tp": 2, "pp": 1}, precision="fp32", time_limit_s=10)
-    return plan_with_layout(_dp_tp(shell), model, inputs, FOUR, "flowing", seed=0)
+    return layout_plan(model, inputs, FOUR, 2, 2, "flowing")
 
 
 @pytest.mark.slow

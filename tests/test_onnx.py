@@ -26,7 +26,7 @@ from autopar.core.placements import shard as S
 from autopar.core.placements import texts
 from autopar.onnx import OnnxError, OnnxPlan, export_onnx, read_onnx_plan, validate_onnx_plan
 from autopar.onnx.annotations import NODE_KEY, PLAN_KEY, decode, encode
-from autopar.verify.oracle import plan_with_layout
+from autopar.verify.oracle import layout_plan, plan_with_layout
 from examples.models import gpt2_tiny, llama_tiny, mlp_tiny
 
 CLUSTER = autopar.Cluster.local(4)
@@ -51,8 +51,7 @@ def _exported(name: str, tmp_path_factory) -> Exported:
     if name not in _EXPORTS:
         torch.manual_seed(0)
         model, batch = FACTORIES[name]()
-        plan = autopar.plan(model, batch, CLUSTER, precision="fp32", fixed={"tp": 2, "pp": 1})
-        plan = plan_with_layout(plan, model, batch, CLUSTER, "megatron")
+        plan = layout_plan(model, batch, CLUSTER, CLUSTER.world_size // 2, 2, "megatron")
         path = str(tmp_path_factory.mktemp("onnx") / f"{name}.onnx")
         _EXPORTS[name] = Exported(name, model, batch, plan, path, export_onnx(model, plan, path, batch))
     return _EXPORTS[name]

@@ -41,7 +41,7 @@ from autopar.search.pipeline.segments import rescale
 from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, untie_across_stages
 from autopar.search.sharding.microbatches import microbatch_divides
 from autopar.search.sharding.request import MeshRequest
-from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline
+from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline, shell_plan
 from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
 
 TOL = 1e-5
@@ -320,10 +320,10 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
 
 @functools.cache
 def _base(factory, n: int, tp: int) -> autopar.Plan:
-    """The plan a hand-cut pipeline starts from; its placements are replaced (one search per model and tp)."""
+    """The plan a hand-cut pipeline starts from; its placements are replaced (no search)."""
     torch.manual_seed(0)
     model, inputs = factory()
-    return autopar.plan(model, inputs, autopar.Cluster.local(n), fixed={"tp": tp, "pp": 1}, precision="fp32")
+    return shell_plan(model, inputs, autopar.Cluster.local(n), n // tp, tp)
 
 
 def _hand(
@@ -373,7 +373,7 @@ def test_pipelines_on_4_processes_train_like_one_device():
         (llama_tiny4, _hand(llama_tiny4, 4, 2, "interleaved", 2, chunks=2)),
     ]
     # Padded labels: micro-batches of one sequence with the loss split over tp, and ranks fed their own part.
-    one_sequence = functools.partial(_hand, gpt2_tiny4_padded, 4, 2, "1F1B", 8, tp=2, layout="random")
+    one_sequence = functools.partial(_hand, gpt2_tiny4_padded, 4, 2, "1F1B", 8, tp=2, layout="flowing")
     searched = _searched(gpt2_tiny4, 4, pp=2, schedule="1F1B")  # the search's own cuts and micro-batches
     assert len(searched.stages) == 2
     cases += [

@@ -51,7 +51,7 @@ from autopar.core.errors import PlanError
 from autopar.cost_models.memory import precision_spec
 from autopar.runtime.checkpoint import load_single
 from autopar.runtime.precision import LossScaler, PrecisionPolicy, scale_steps
-from autopar.verify.oracle import check_plans, plan_with_layout, plan_with_pipeline, random_placements
+from autopar.verify.oracle import check_plans, layout_plan, plan_with_pipeline, random_placements, shell_plan
 from autopar.verify.reference import single_device_run
 from examples.models import gpt, gpt2_tiny, llama_tiny, mlp_deep, mlp_tiny
 
@@ -79,14 +79,15 @@ def adam_bound(lr: float, steps: int, beta1: float = 0.9, beta2: float = 0.999) 
 def _plan(factory, fixed: dict, precision: str = "bf16-mixed", layout: str | None = None, **options) -> autopar.Plan:
     torch.manual_seed(0)
     model, batch = factory()
-    plan = autopar.plan(model, batch, FOUR, fixed=fixed, precision=precision, **options)
-    return plan_with_layout(plan, model, batch, FOUR, layout) if layout else plan
+    if layout:  # its placements replace the search's: none is run
+        return layout_plan(model, batch, FOUR, fixed["dp"], fixed.get("tp", 1), layout, precision=precision)
+    return autopar.plan(model, batch, FOUR, fixed=fixed, precision=precision, **options)
 
 
 def _pipeline(factory, tp: int, precision: str) -> autopar.Plan:
     torch.manual_seed(0)
     model, batch = factory()
-    base = autopar.plan(model, batch, FOUR, fixed={"dp": 4 // tp, "tp": tp}, precision=precision)
+    base = shell_plan(model, batch, FOUR, 4 // tp, tp, precision=precision)
     return plan_with_pipeline(base, model, batch, FOUR, 2, microbatches=2, layout="megatron" if tp > 1 else "dp")
 
 

@@ -36,7 +36,13 @@ from autopar.ops import rng
 from autopar.runtime.launch import launch
 from autopar.search.sharding.random_ops import KEYED_KERNELS, RANDOM_OPS, is_random, op_numbers, run_local
 from autopar.search.sharding.strategies import enumerate_strategies
-from autopar.verify.oracle import check_plans, plan_with_layout, plan_with_pipeline, random_placements
+from autopar.verify.oracle import (
+    check_plans,
+    plan_with_layout,
+    plan_with_pipeline,
+    random_placements,
+    shell_plan,
+)
 from examples.models import gpt2_tiny4_dropout
 
 aten = torch.ops.aten
@@ -259,7 +265,7 @@ def test_plans_under_exact_rng_train_like_one_process():
     cases = [(gpt2_tiny4_dropout, p) for p in _plans().values()]
     torch.manual_seed(0)
     model, inputs = noisy_mlp()
-    base = autopar.plan(model, inputs, four, precision="fp32", fixed={"dp": 2, "tp": 2, "pp": 1})
+    base = shell_plan(model, inputs, four, 2, 2)
     cases += [(noisy_mlp, plan_with_layout(base, model, inputs, four, "random", seed=s)) for s in range(2)]
     checks = check_plans(cases, four, rng="exact")
     names = [*_plans(), "noisy MLP, random layout 0", "noisy MLP, random layout 1"]

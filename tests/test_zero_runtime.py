@@ -31,7 +31,7 @@ from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.runtime.memory_tracker import track_memory
 from autopar.runtime.zero import zero_stages
-from autopar.verify.oracle import _compare, _rank_run_all, plan_with_layout, single_device_run
+from autopar.verify.oracle import _compare, _rank_run_all, layout_plan, single_device_run
 from examples.models import gpt2_tiny
 
 TOL = 1e-5
@@ -41,8 +41,10 @@ def _plan(n: int, dp: int, tp: int, layout: str | None = None, seed: int = 0, **
     torch.manual_seed(0)
     model, inputs = gpt2_tiny()
     cluster = autopar.Cluster.local(n)
-    plan = autopar.plan(model, inputs, cluster, fixed={"dp": dp, "tp": tp, **fixed}, precision="fp32")
-    return plan_with_layout(plan, model, inputs, cluster, layout, seed=seed) if layout else plan
+    if layout:  # its placements replace the search's: none is run
+        assert not fixed, fixed
+        return layout_plan(model, inputs, cluster, dp, tp, layout, seed=seed)
+    return autopar.plan(model, inputs, cluster, fixed={"dp": dp, "tp": tp, **fixed}, precision="fp32")
 
 
 def _zero(plan: Plan, stage: int) -> Plan:

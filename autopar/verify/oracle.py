@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from autopar.api.parallelizer import parallelize
+from autopar.api.planner import plan as make_plan
 from autopar.capture.joint import CapturedGraph, capture
 from autopar.core.placements import Placements
+from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
 from autopar.cost_models.memory import precision_spec
 from autopar.hardware.cluster import Cluster, MeshShape
@@ -157,6 +159,53 @@ def plan_with_layout(
     return dataclasses.replace(
         plan, placements=chosen, solver=dataclasses.replace(plan.solver, status=f"{layout} layout (for testing)")
     )
+
+
+def shell_plan(
+    model, inputs, cluster: Cluster, dp: int, tp: int = 1, *, precision: str = "fp32", loss_fn=None
+) -> Plan:
+    """A plan of a dp x tp mesh (no pipeline, one micro-batch) without placements, made without a search: for a
+    layout (:func:`plan_with_layout`) or a hand-cut pipeline (:func:`plan_with_pipeline`) to fill.
+
+    Those replace every placement, so a search's answer would be thrown away;
+    on the tiny test models the MILP of a fixed dp x tp mesh spends up to its
+    time limit closing gaps of microseconds. This is the plan of one device of
+    the cluster's kind (no search to speak of) moved to the mesh. Its
+    estimate is left empty: it would be that of another layout
+    (:func:`autopar.search.recost.estimate_plan` costs the one filled in).
+    """
+    one = dataclasses.replace(cluster, nodes=1, gpus_per_node=1)
+    fixed = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "recompute": "none", "microbatches": 1}
+    made = make_plan(model, inputs, one, fixed=fixed, precision=precision, loss_fn=loss_fn)
+    return dataclasses.replace(
+        made,
+        cluster=cluster.to_dict(),
+        cluster_description=cluster.describe(),
+        mesh={"dp": dp, "tp": tp, "pp": 1},
+        micro_batch_size=made.global_batch_size // dp,
+        placements={},
+        estimate=Estimate(),
+        solver=dataclasses.replace(made.solver, status="no search (a shell for a layout)"),
+    )
+
+
+def layout_plan(
+    model,
+    inputs,
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    layout: str,
+    *,
+    seed: int = 0,
+    precision: str = "fp32",
+    loss_fn=None,
+    balance_masks: bool = False,
+) -> Plan:
+    """The model on a dp x tp mesh under a hand-set or random ``layout`` (:func:`plan_with_layout`), made without
+    a search (:func:`shell_plan`)."""
+    shell = shell_plan(model, inputs, cluster, dp, tp, precision=precision, loss_fn=loss_fn)
+    return plan_with_layout(shell, model, inputs, cluster, layout, seed, loss_fn, balance_masks)
 
 
 def loss_split_layout(make_plan: Callable[[int], Plan], tries: int = 50) -> Plan:
