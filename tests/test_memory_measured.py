@@ -10,7 +10,8 @@ state) for ZeRO 0-3 without recompute; every rank's measured peak of a step
 fp32 must fall as the stage rises and when recompute is on.  The same launch
 runs the model as a pipeline of 2 stages under each schedule (GPipe, 1F1B,
 interleaved over 4 chunks), at 2 micro-batches with recompute none and full and
-at 4 without: each rank's peak within 15% of its stage's estimate.
+at 4 without, and under bf16-mixed at 2 without: each rank's peak within 15% of
+its stage's estimate.
 
 One process: a plan re-costed as it stands gets back the estimate the search
 gave it, and the parts of the estimate add up to its peak.
@@ -45,6 +46,7 @@ def measured_all():
     cases = setting_plans(gpt2_tiny_long, 2, microbatches=2)
     cases += setting_plans(gpt2_tiny_long, 2, microbatches=2, precision="bf16-mixed", settings=("none",))
     pipelines = pipeline_plans(gpt2_tiny_long)
+    pipelines += pipeline_plans(gpt2_tiny_long, precision="bf16-mixed", settings=((2, "none"),))
     per_rank = measure_plans(gpt2_tiny_long, 2, [c.plan for c in cases] + pipelines)
     n = len(cases)
     return (cases, [r[:n] for r in per_rank]), (pipelines, [r[n:] for r in per_rank])
@@ -107,16 +109,17 @@ def test_measured_peak_falls_as_the_stage_rises_and_with_recompute(measured):
 @pytest.mark.slow
 def test_a_pipeline_stage_measures_within_15_percent_of_its_estimate(measured_all):
     plans, per_rank = measured_all[1]
-    assert [(p.schedule, p.microbatches, p.recompute, p.mesh["pp"]) for p in plans] == [
-        (s, m, how, 2) for s in SCHEDULES for m, how in PIPELINE_SETTINGS
-    ]
+    assert [(p.precision, p.schedule, p.microbatches, p.recompute, p.mesh["pp"]) for p in plans] == [
+        ("fp32", s, m, how, 2) for s in SCHEDULES for m, how in PIPELINE_SETTINGS
+    ] + [("bf16-mixed", s, 2, "none", 2) for s in SCHEDULES]
     rows, off = [], []
     for k, plan in enumerate(plans):
         stage = {st["device"]: st["memory_bytes"] for st in plan.stages}
         for rank, steps in enumerate(per_rank):
             ratio = steps[k].peak_bytes / stage[rank]
             rows.append(
-                f"{plan.schedule} {plan.microbatches} micro-batches, recompute {plan.recompute}, rank {rank}: "
+                f"{plan.precision} {plan.schedule} {plan.microbatches} micro-batches, recompute {plan.recompute}, "
+                f"rank {rank}: "
                 f"{steps[k]} against {stage[rank] / MIB:.2f} MiB"
             )
             if abs(ratio - 1) > BOUND:

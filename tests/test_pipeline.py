@@ -155,8 +155,23 @@ def test_a_stage_holds_its_copy_of_a_parameter_tied_to_another_stage():
     assert pipeline_memory(segments, [], 1, "1F1B") == pytest.approx([8.0])  # one stage: one copy
     assert pipeline_memory(segments, [2], 1, "1F1B") == pytest.approx([8.0, 8.0])  # the head's stage: its own
     assert pipeline_memory(segments, [2], 4, "1F1B") == pytest.approx([10.0, 10.0])  # summed gradients too
-    assert _Ranges(segments, 4).figures(2, 3)[2][0] == pytest.approx(10.0)
-    assert _Ranges(segments, 4).figures(0, 3)[2][0] == pytest.approx(10.0)
+    # the cut search's figures: (states, gradients, ...), the tied copy's in the head's stage alone
+    assert _Ranges(segments, 4).figures(2, 3)[2][:2] == pytest.approx((8.0, 2.0))
+    assert _Ranges(segments, 4).figures(0, 3)[2][:2] == pytest.approx((8.0, 2.0))
+
+
+def test_the_gradient_sum_is_held_from_a_stages_second_backward_on():
+    """With several micro-batches the earlier ones' summed gradients are live beside a backward's only from
+    a stage's second backward on. GPipe, and 1F1B with every micro-batch in flight, hold one micro-batch
+    fewer by then; 1F1B's steady state runs a forward before each later backward, back to the full depth."""
+    a = Segment("a", saved_bytes=4.0, state_bytes=8.0, grad_bytes=3.0)
+    b = Segment("b", saved_bytes=4.0, state_bytes=8.0, grad_bytes=6.0)
+    assert pipeline_memory([a], [], 2, "GPipe") == pytest.approx([8 + max(2 * 4, 4 + 3)])
+    assert pipeline_memory([b], [], 2, "GPipe") == pytest.approx([8 + max(2 * 4, 4 + 6)])
+    # 2 stages, 1F1B: stage 0 holds 2 in flight; at 2 micro-batches its second backward holds 1, at 4 still 2
+    assert pipeline_memory([a, b], [1], 2, "1F1B") == pytest.approx([8 + 2 * 4, 8 + 4 + 6])
+    assert pipeline_memory([a, b], [1], 4, "1F1B") == pytest.approx([8 + 2 * 4 + 3, 8 + 4 + 6])
+    assert pipeline_memory([a, b], [1], 1, "1F1B") == pytest.approx([8 + 4, 8 + 4])  # no sum to hold
 
 
 def test_interleaved_small_cases_are_enumerated_exactly():

@@ -35,6 +35,12 @@ earlier micro-batches' beside those the backward makes, :func:`held_bytes`):
     GPipe        M_s + m · S_s + X_s                       (every micro-batch's activations held)
     1F1B         M_s + min(m, p − s) · S_s + X_s           (at most p − s in flight)
     interleaved  M_d + min(m·v, (v − 1)·p + 2·(p − 1 − d) + 1) · S_d / v + X_d   (torch's warm-up depth)
+
+The second copy of the gradients is live only from a stage's second backward on,
+when GPipe, and 1F1B with all ``m ≤ p − s`` micro-batches in flight, hold one fewer:
+there ``M_s + max(n · S_s, (n − 1) · S_s + G_s) + X_s`` with ``n`` the depth above
+and ``G_s`` the gradients (:func:`stage_activations`). Interleaved stages are
+charged both at once.
 """
 
 from __future__ import annotations
@@ -173,13 +179,34 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int, chunks:
     raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
 
 
+def later_in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> float:
+    """Micro-batches of activations a GPipe or 1F1B stage holds at each backward after its first: the earlier
+    micro-batches' gradient sum is live beside them, and not yet at the first.
+
+    1F1B runs a forward before each later backward while micro-batches remain, so its
+    depth returns to that of the first; once every micro-batch is in flight (GPipe, and
+    1F1B when ``m <= p - s``) each backward frees one.
+    """
+    first = in_flight(schedule, stage, stages, microbatches)
+    return first if schedule != "GPipe" and microbatches > first else first - 1
+
+
+def stage_activations(
+    saved: float, grads: float, schedule: str, stage: int, stages: int, microbatches: int
+) -> tuple[float, float]:
+    """(activations, the earlier micro-batches' gradient sum) a GPipe or 1F1B stage holds at its peak, whichever
+    of its first backward and its later ones holds more: ``saved`` its activations per micro-batch, ``grads``
+    its gradients (:func:`held_bytes`)."""
+    first = in_flight(schedule, stage, stages, microbatches) * saved
+    twice = grads if grads_held_twice(microbatches) else 0.0
+    later = later_in_flight(schedule, stage, stages, microbatches) * saved
+    return (later, twice) if later + twice > first else (first, 0.0)
+
+
 def stage_memory(fig: StageFigures, schedule: str, stage: int, stages: int, microbatches: int) -> float:
     """Peak bytes of a (non-interleaved) stage under ``schedule``."""
-    return (
-        held_bytes(fig, microbatches)
-        + in_flight(schedule, stage, stages, microbatches) * fig.saved_bytes
-        + fig.transient_bytes
-    )
+    activations, twice = stage_activations(fig.saved_bytes, fig.grad_bytes, schedule, stage, stages, microbatches)
+    return fig.state_bytes + activations + twice + fig.transient_bytes
 
 
 @dataclass

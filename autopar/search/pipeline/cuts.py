@@ -41,11 +41,9 @@ import numpy as np
 from autopar.cost_models.pipeline import (
     PipelineTime,
     Segment,
-    grads_held_twice,
-    held_bytes,
-    in_flight,
     pipeline_memory,
     pipeline_time,
+    stage_activations,
     tied_copies,
 )
 from autopar.cost_models.schedule import chunk_depths
@@ -149,9 +147,9 @@ class _Ranges:
         self.fwd = _prefix([s.forward_s for s in segments])
         self.bwd = _prefix([s.backward_s for s in segments])
         self.saved = _prefix([s.saved_bytes for s in segments])
-        self.states = _prefix([held_bytes(s, microbatches) for s in segments])
+        self.states = _prefix([s.state_bytes for s in segments])
+        self.grads = _prefix([s.grad_bytes for s in segments])
         self.segments, self.any_tied = segments, any(s.tied for s in segments)
-        self.twice = grads_held_twice(microbatches)
         self.opt = _prefix([s.optimizer_s for s in segments])
         self.sync = _prefix([s.grad_sync_s for s in segments])
         self.sync_tail = _prefix([s.grad_tail_s for s in segments])
@@ -166,17 +164,18 @@ class _Ranges:
                 row.append(top)
             self.transient.append(row)
 
-    def figures(self, i: int, j: int) -> tuple[float, float, float]:
-        """(work per micro-batch, tail per step, memory as (states, saved, transient)) of segments[i:j]."""
+    def figures(self, i: int, j: int) -> tuple[float, float, tuple[float, float, float, float]]:
+        """(work per micro-batch, tail per step, memory as (states, gradients, saved, transient)) of
+        segments[i:j]."""
         back = self.bwd[j] - self.bwd[i]
         work = self.fwd[j] - self.fwd[i] + back
         sync = self.sync[j] - self.sync[i]
         tail = self.opt[j] - self.opt[i] + max(sync - back, self.sync_tail[j] - self.sync_tail[i], 0.0)
-        held = self.states[j] - self.states[i]
+        held, grads = self.states[j] - self.states[i], self.grads[j] - self.grads[i]
         if self.any_tied:
-            states, grads = tied_copies(self.segments, i, j)
-            held += states + (grads if self.twice else 0.0)
-        return (work, tail, (held, self.saved[j] - self.saved[i], self.transient[i][j - i - 1]))
+            tied_states, tied_grads = tied_copies(self.segments, i, j)
+            held, grads = held + tied_states, grads + tied_grads
+        return (work, tail, (held, grads, self.saved[j] - self.saved[i], self.transient[i][j - i - 1]))
 
 
 def _pareto_dp(segments, p, m, schedule, p2p, limit) -> CutChoice | None:
@@ -187,14 +186,13 @@ def _pareto_dp(segments, p, m, schedule, p2p, limit) -> CutChoice | None:
     # (sum of work and sends, max work, max tail, cuts)
     front: dict[int, list[tuple[float, float, float, tuple[int, ...]]]] = {0: [(0.0, 0.0, 0.0, ())]}
     for s in range(p):
-        depth = in_flight(schedule, s, p, m)
         nxt: dict[int, list] = {}
         last = s == p - 1
         for i, states in front.items():
             ends = [k] if last else range(i + 1, k - (p - 1 - s) + 1)
             for j in ends:
-                work, tail, (held, saved, transient) = ranges.figures(i, j)
-                if held + depth * saved + transient > limit:
+                work, tail, (held, grads, saved, transient) = ranges.figures(i, j)
+                if held + sum(stage_activations(saved, grads, schedule, s, p, m)) + transient > limit:
                     continue
                 if ranges.params[-1] and ranges.params[j] == ranges.params[i]:
                     continue  # a stage without a parameter: the runtime has nothing to step there

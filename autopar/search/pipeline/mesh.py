@@ -35,7 +35,7 @@ from typing import Any
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
-from autopar.cost_models.pipeline import Segment, held_bytes, pipeline_time, stage_figures
+from autopar.cost_models.pipeline import Segment, held_bytes, pipeline_time, stage_activations, stage_figures
 from autopar.cost_models.schedule import interleaved_runs
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.records import Fixed
@@ -369,10 +369,16 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
     peak_flops = mp.cluster.device_spec.peak_flops[mp.compute_dtype]
     flops = inner.model_flops
     peak = max(memory)
-    held = sum(held_bytes(x, res.microbatches) for x in mine)
+    if chunks > 1:
+        twice = sum(held_bytes(x, res.microbatches) - x.state_bytes for x in mine)
+    else:
+        stages = len(memory)
+        x = mine[0]
+        twice = stage_activations(x.saved_bytes, x.grad_bytes, schedule, worst, stages, res.microbatches)[1]
+    held = sum(x.state_bytes for x in mine) + twice
     activations = max(0.0, peak - held)
-    # the sum of the earlier micro-batches' gradients, beside those the backward makes (held_bytes)
-    grads = inner.memory.grads * share + held - sum(x.state_bytes for x in mine)
+    # the sum of the earlier micro-batches' gradients, beside those the backward makes, where the peak has it
+    grads = inner.memory.grads * share + twice
     mem = MemoryEstimate(
         params=inner.memory.params * share,
         grads=grads,
