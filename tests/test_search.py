@@ -599,6 +599,6 @@ def test_no_solve_of_a_mesh_is_given_time_past_solve_by(monkeypatch) -> None:
     best, _ = search_meshes(*args, tp=2, dp=2, solve_by=time.perf_counter() - 1.0)
     assert best is not None and given and all(t == 0.0 and seed for t, seed in given)
     given.clear()
-    by = time.perf_counter() + 3.0
+    by = time.perf_counter() + 6.0  # room for a seed and the MILP under load (3 s: one seed only, once)
     search_meshes(*args, tp=2, dp=2, solve_by=by)
-    assert given and all(t <= 3.0 for t, _ in given) and not all(seed for _, seed in given)
+    assert given and all(t <= 6.0 for t, _ in given) and not all(seed for _, seed in given)
