@@ -177,6 +177,8 @@ def shell_plan(
     one = dataclasses.replace(cluster, nodes=1, gpus_per_node=1)
     fixed = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "recompute": "none", "microbatches": 1}
     made = make_plan(model, inputs, one, fixed=fixed, precision=precision, loss_fn=loss_fn)
+    if made.global_batch_size % dp:
+        raise ValueError(f"a batch of {made.global_batch_size} does not split over dp {dp}; choose a divisor of it")
     return dataclasses.replace(
         made,
         cluster=cluster.to_dict(),

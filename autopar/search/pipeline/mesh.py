@@ -369,12 +369,11 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
     peak_flops = mp.cluster.device_spec.peak_flops[mp.compute_dtype]
     flops = inner.model_flops
     peak = max(memory)
-    if chunks > 1:
+    if chunks > 1:  # an interleaved rank's chunks are charged their gradient sums at their deepest
         twice = sum(held_bytes(x, res.microbatches) - x.state_bytes for x in mine)
     else:
-        stages = len(memory)
         x = mine[0]
-        twice = stage_activations(x.saved_bytes, x.grad_bytes, schedule, worst, stages, res.microbatches)[1]
+        twice = stage_activations(x.saved_bytes, x.grad_bytes, schedule, worst, len(memory), res.microbatches)[1]
     held = sum(x.state_bytes for x in mine) + twice
     activations = max(0.0, peak - held)
     # the sum of the earlier micro-batches' gradients, beside those the backward makes, where the peak has it
