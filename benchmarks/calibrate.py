@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/calibrate.py            fit, then predict every run
     PYTHONPATH=. .venv/bin/python benchmarks/calibrate.py --no-fit   predict with the library's factors
+    PYTHONPATH=. .venv/bin/python benchmarks/calibrate.py --fold 1   fit on another third of the runs
 
 Every run is planned by ``autopar.plan`` with its published configuration pinned
 in ``fixed`` (dp, tp, pp, ZeRO stage, micro-batches, schedule, recompute), on
@@ -9,8 +10,13 @@ the model's real shape built on the meta device; the per-op sharding inside
 the mesh is the planner's own. The predicted throughput is the plan's
 ``estimate.step_time_s``: the same cost model every path of the planner uses.
 
-Three factors are fitted, on a third of the runs at most (``fit=True`` below;
-the small ones, whose plans are quick to make four times each):
+Three factors are fitted on a third of the runs: every third run of ``RUNS``
+in its order (the sources in turn, each by size), so that the fitted runs span
+every source, both GPUs, tp from 1 to 8, pipelines, recompute settings and 32
+to 3,072 GPUs (a fit on the smallest runs alone, quick to plan, followed their
+errors down: README, Calibration); the other two thirds are held out.
+``--fold 1`` and ``--fold 2`` fit on the other two thirds in turn (fold 0 is the
+library's): whether the factors depend on which runs were fitted. The factors:
 the fraction of a kernel's measured FLOP/s compute-bound ops reach in training
 (``ComputeEfficiency.matmul``: the devices hold what a dense matmul and
 FlashAttention-2 reach on their best shapes, ``DeviceSpec.matmul_fraction`` and
@@ -239,7 +245,7 @@ class Run:
     batch: int  # global batch, sequences
     fixed: dict
     tokens_per_gpu_s: float  # published throughput
-    fit: bool = False
+    fit: bool = False  # in the fit (mark_fit), not held out
     attention: str = "flash"  # the GPT's attention (examples/megatron.py): "flash" (one kernel) or "unfused" (2021)
     # what the run's runtime overlaps beyond autopar's own (its source names it): Megatron-Core's TP overlap
     runtime: overlap.Runtime = overlap.AUTOPAR_RUNTIME
@@ -280,7 +286,7 @@ def _fuse_norms(model, hidden: int) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, norm)
 
 
-def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops, fit=False) -> Run:
+def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops) -> Run:
     """Section A: TFLOP/s per GPU that count the recompute forward, converted to tokens/s/GPU."""
     tp, pp = min(mp, 8), max(1, mp // 8)
     seq, vocab = 2048, 51200
@@ -296,12 +302,11 @@ def _megatron_2021(size, hidden, layers, heads, mp, gpus, batch, tflops, fit=Fal
         batch,
         fixed,
         tflops * 1e12 / flops_per_token,
-        fit,
         attention="unfused",
     )
 
 
-def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, fit=False) -> Run:
+def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops) -> Run:
     """Section B: model TFLOP/s per GPU converted to tokens/s/GPU."""
     seq, vocab = 4096, 131072
     flops_per_token = 72 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
@@ -316,7 +321,6 @@ def _megatron_core_h100(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tf
         batch,
         fixed,
         tflops * 1e12 / flops_per_token,
-        fit,
         runtime=MEGATRON_CORE,
     )
 
@@ -326,16 +330,16 @@ LLAMA3_70B = ("llama", 80, 8192, 64, 28672, 128256, 8192, 8)
 
 
 RUNS: list[Run] = [
-    _megatron_2021("1.7B", 2304, 24, 24, 1, 32, 512, 137, fit=True),
+    _megatron_2021("1.7B", 2304, 24, 24, 1, 32, 512, 137),
     _megatron_2021("3.6B", 3072, 30, 32, 2, 64, 512, 138),
-    _megatron_2021("7.5B", 4096, 36, 32, 4, 128, 512, 142, fit=True),
+    _megatron_2021("7.5B", 4096, 36, 32, 4, 128, 512, 142),
     _megatron_2021("18B", 6144, 40, 48, 8, 256, 1024, 135),
     _megatron_2021("39B", 8192, 48, 64, 16, 512, 1536, 138),
     _megatron_2021("76B", 10240, 60, 80, 32, 1024, 1792, 140),
     _megatron_2021("145B", 12288, 80, 96, 64, 1536, 2304, 148),
     _megatron_2021("530B", 20480, 105, 128, 280, 2520, 2520, 163),
-    _megatron_core_h100("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, fit=True),
-    _megatron_core_h100("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, fit=True),
+    _megatron_core_h100("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),
+    _megatron_core_h100("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9),
     _megatron_core_h100("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
     _megatron_core_h100("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
     _megatron_core_h100("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
@@ -350,7 +354,6 @@ RUNS: list[Run] = [
         16,
         {"dp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "op-sac", "microbatches": 1},
         5762,
-        fit=True,
         memory_gib=82.4,
     ),
     Run(
@@ -380,6 +383,17 @@ RUNS: list[Run] = [
         331,
     ),
 ]
+
+FOLDS = 3  # the fit takes every FOLDS-th run: a third of them
+
+
+def mark_fit(runs: list[Run], fold: int = 0) -> None:
+    """Fit on every third run from ``fold`` (0, 1 or 2) in the table's order; hold the others out."""
+    if fold not in range(FOLDS):
+        raise ValueError(f"--fold must be 0, 1 or 2, got {fold}")
+    for i, run in enumerate(runs):
+        run.fit = i % FOLDS == fold
+
 
 REFERENCE = (0.8, 0.5, 0.8)  # (matmul, memory, link): where the fit's linearisation is taken
 PERTURB = 0.8  # each factor is multiplied by this in turn to read its term
@@ -522,7 +536,9 @@ def main() -> None:
     parser.add_argument("--no-fit", action="store_true", help="predict with the library's current factors")
     parser.add_argument("--only", default="", help="only the runs whose name contains one of these (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2, help="linearise-and-fit rounds (each at the last answer)")
+    parser.add_argument("--fold", type=int, default=0, help="fit on every third run from this one (0, 1, 2)")
     args = parser.parse_args()
+    mark_fit(RUNS, args.fold)
     runs = [r for r in RUNS if any(part in r.name for part in args.only.split(","))]
     fitted = [r for r in runs if r.fit]
     assert len([r for r in RUNS if r.fit]) <= len(RUNS) / 3, "fit on a third of the runs at most"

@@ -92,11 +92,11 @@ class ComputeEfficiency:
                 )
 
 
-# Fitted by benchmarks/calibrate.py (README, Calibration) on five of the published runs, the others held
-# out, at da65840: compute-bound kernels at 0.75 of the FLOP/s they reach on their best shapes (the
-# devices' measured kernel figures, kernel_flops), memory-bound ops at 0.86 of the HBM bandwidth. The
-# model has changed since; the fit on today's model lands elsewhere (README, Calibration).
-DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.75, memory=0.86)
+# Fitted by benchmarks/calibrate.py (README, Calibration) on a third of the published runs, every third of
+# its table, the other two thirds held out: compute-bound kernels at 0.76 of the FLOP/s they reach on their
+# best shapes (the devices' measured kernel figures, kernel_flops), memory-bound ops at 0.74 of the HBM
+# bandwidth; collectives at comm.LINK_EFFICIENCY of the line rate.
+DEFAULT_EFFICIENCY = ComputeEfficiency(matmul=0.76, memory=0.74)
 
 _DTYPE_ALIASES = {
     "bfloat16": "bf16",
