@@ -4,6 +4,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --precision bf16-mixed
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines   (2 stages on 2 processes)
     PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines --precision bf16-mixed
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_measured.py --pipelines --dp 2   (ZeRO 0-3, 4 processes)
 
 GPT-2 with 2 layers of hidden 128 on sequences of 64 (``examples.models.gpt2_tiny_long``),
 AdamW (fp32, or bf16 copies of fp32 masters under ``--precision bf16-mixed``),
@@ -24,7 +25,9 @@ ratio per rank.
 ``--pipelines``: the same model as a pipeline of 2 stages on 2 processes under
 each schedule (GPipe, 1F1B, interleaved with two chunks a rank) at 2 micro-batches
 with recompute none and full and at 4 without; each rank against its stage's
-estimate (``plan.stages[...]["memory_bytes"]``).
+estimate (``plan.stages[...]["memory_bytes"]``). With ``--dp 2`` each stage runs
+over 2 ranks (4 processes), at 2 micro-batches without recompute, under every
+ZeRO stage.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="gradient accumulation steps per step")
     parser.add_argument("--precision", default="fp32", help="fp32 (default), bf16-mixed or fp16-mixed")
     parser.add_argument("--pipelines", action="store_true", help="pipelines of 2 stages per schedule instead")
+    parser.add_argument("--dp", type=int, default=1, help="with --pipelines: ranks a stage, under every ZeRO stage")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     if args.pipelines:
-        _pipelines(args.precision)
+        _pipelines(args.precision, args.dp)
         return
 
     t = time.perf_counter()
@@ -77,26 +81,32 @@ def main() -> None:
             )
 
 
-def _pipelines(precision: str) -> None:
+def _pipelines(precision: str, dp: int) -> None:
     t = time.perf_counter()
-    plans = pipeline_plans(gpt2_tiny_long, precision=precision)
+    if dp == 1:
+        plans = pipeline_plans(gpt2_tiny_long, precision=precision)
+    else:
+        plans = pipeline_plans(gpt2_tiny_long, precision=precision, settings=[(2, "none")], dp=dp, zeros=range(4))
     planned = time.perf_counter() - t
     t = time.perf_counter()
-    measured = measure_plans(gpt2_tiny_long, 2, plans)
+    measured = measure_plans(gpt2_tiny_long, 2 * dp, plans)
     ran = time.perf_counter() - t
     print(
-        f"GPT-2 2 x 128, sequence 64, global batch 8, {precision} AdamW, pp=2 on CPU "
+        f"GPT-2 2 x 128, sequence 64, global batch 8, {precision} AdamW, pp=2 x dp={dp} on CPU "
         f"(planning {planned:.0f} s, one launch {ran:.0f} s)"
     )
-    print("| schedule | micro-batches | recompute | rank | estimated (MiB) | measured (MiB) | measured / estimated |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| schedule | micro-batches | recompute | ZeRO | rank | estimated (MiB) | measured (MiB) "
+        "| measured / estimated |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for k, plan in enumerate(plans):
         stage = {s["device"]: s["memory_bytes"] for s in plan.stages}
         for rank, per_plan in enumerate(measured):
-            got = per_plan[k].peak_bytes
+            got, estimate = per_plan[k].peak_bytes, stage[rank // dp]  # the mesh is pp x dp
             print(
-                f"| {plan.schedule} | {plan.microbatches} | {plan.recompute} | {rank} | {stage[rank] / MIB:.2f} | "
-                f"{got / MIB:.2f} | {got / stage[rank]:.3f} |"
+                f"| {plan.schedule} | {plan.microbatches} | {plan.recompute} | {plan.zero} | {rank} | "
+                f"{estimate / MIB:.2f} | {got / MIB:.2f} | {got / estimate:.3f} |"
             )
 
 

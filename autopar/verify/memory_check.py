@@ -106,20 +106,23 @@ def pipeline_plans(
     schedules: Sequence[str] = SCHEDULES,
     settings: Sequence[tuple[int, str]] = PIPELINE_SETTINGS,
     precision: str = "fp32",
+    dp: int = 1,
+    zeros: Sequence[int] = (0,),
 ) -> list[Plan]:
-    """A pipeline of ``stages`` stages on as many processes (AdamW in ``precision``), per schedule and
-    (micro-batches, recompute) setting; the interleaved schedule deals two chunks to a rank.  Each plan's
-    ``stages`` give every device's estimated peak (``memory_bytes``)."""
-    cluster = Cluster.local(stages)
+    """A pipeline of ``stages`` stages, each over ``dp`` ranks (AdamW in ``precision``), per schedule,
+    (micro-batches, recompute) setting and ZeRO stage; the interleaved schedule deals two chunks to a rank.
+    Each plan's ``stages`` give every device's estimated peak (``memory_bytes``)."""
+    cluster = Cluster.local(stages * dp)
     torch.manual_seed(0)
     model, inputs = factory()
     return [
         make_plan(
             model, inputs, cluster, precision=precision, time_limit_s=10,
-            fixed={"dp": 1, "tp": 1, "pp": stages, "microbatches": m, "schedule": s, "zero": 0, "recompute": how},
+            fixed={"dp": dp, "tp": 1, "pp": stages, "microbatches": m, "schedule": s, "zero": z, "recompute": how},
         )  # fmt: skip
         for s in schedules
         for m, how in settings
+        for z in zeros
     ]
 
 
