@@ -115,6 +115,7 @@ def test_pipeline_cost_is_the_textbook_formula_on_balanced_stages():
 
 def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_keeps_in_flight(monkeypatch):
     from autopar.cost_models import overlap
+    from autopar.cost_models.pipeline import ChunkDepth
     from autopar.cost_models.schedule import chunk_depths, in_flight_counts, interleaved_runs
     from autopar.search.pipeline.cuts import stage_memory_of
 
@@ -130,7 +131,13 @@ def test_stage_memory_holds_the_summed_gradients_and_the_chunks_the_schedule_kee
     # interleaved 1F1B, 2 ranks x 2 chunks, 4 micro-batches: rank 0's warm-up runs 4 of its first chunk while
     # 1 of its second is in flight, more of the first than the warm-up depth spread evenly (5 / 2 of each)
     depths = chunk_depths(2, 2, 4)
-    assert max(row[0] for row in depths[0]) == 4 and (4, 1) in depths[0]
+    assert max(row.live[0] for row in depths[0]) == 4 and ChunkDepth((4, 1)) in depths[0]
+    # each chunk runs its own backward graph: the second copy of the gradients is one chunk's, during that
+    # chunk's backwards after its first (states 10 + grads 2 a segment, nothing saved: 20 a rank and one 2)
+    flat = [Segment(f"s{i}", state_bytes=10.0, grad_bytes=2.0) for i in range(4)]
+    assert stage_memory_of(flat, [1, 2, 3], 4, "interleaved", 2) == pytest.approx([22.0, 22.0])
+    assert stage_memory_of(flat, [1, 2, 3], 1, "interleaved", 2) == pytest.approx([20.0, 20.0])
+    assert any(row.summing == 0 for row in depths[0]) and any(row.summing == 1 for row in depths[0])
     # a count torch's interleaved schedule refuses (7 on 3 ranks: rounds of 2) is never costed as one
     assert not interleaved_runs(3, 7) and interleaved_runs(3, 8) and interleaved_runs(3, 2)
     with pytest.raises(ValueError):

@@ -39,8 +39,11 @@ earlier micro-batches' beside those the backward makes, :func:`held_bytes`):
 The second copy of the gradients is live only from a stage's second backward on,
 when GPipe, and 1F1B with all ``m ≤ p − s`` micro-batches in flight, hold one fewer:
 there ``M_s + max(n · S_s, (n − 1) · S_s + G_s) + X_s`` with ``n`` the depth above
-and ``G_s`` the gradients (:func:`stage_activations`). Interleaved stages are
-charged both at once.
+and ``G_s`` the gradients (:func:`stage_activations`). An interleaved rank runs a
+backward graph per chunk, so the second copy is one chunk's, during that chunk's
+backwards after its first: the rank's peak is the most, over its schedule's forwards
+and backwards, of ``Σ_c n_c · S_c`` plus, at a later backward of chunk ``c``, ``G_c``
+(:class:`ChunkDepth`, :func:`interleaved_activations`).
 """
 
 from __future__ import annotations
@@ -203,6 +206,30 @@ def stage_activations(
     return (later, twice) if later + twice > first else (first, 0.0)
 
 
+@dataclass(frozen=True)
+class ChunkDepth:
+    """An interleaved rank at one point of its schedule: the micro-batches in flight on each of its chunks,
+    and the chunk whose backward runs with its earlier micro-batches' gradient sum beside it (-1 at a forward,
+    or a chunk's first backward)."""
+
+    live: tuple[int, ...]
+    summing: int = -1
+
+
+def interleaved_activations(
+    mine: Sequence[Segment | StageFigures], rows: Sequence[ChunkDepth], microbatches: int
+) -> tuple[float, float]:
+    """(activations, the gradient sum held twice) at the peak of an interleaved rank holding chunks ``mine``,
+    over the points ``rows`` of its schedule (:func:`autopar.cost_models.schedule.chunk_depths`)."""
+    twice = grads_held_twice(microbatches)
+
+    def parts(row: ChunkDepth) -> tuple[float, float]:
+        saved = sum(n * x.saved_bytes for n, x in zip(row.live, mine, strict=True))
+        return saved, (mine[row.summing].grad_bytes if twice and row.summing >= 0 else 0.0)
+
+    return max((parts(row) for row in rows), key=sum)
+
+
 def stage_memory(fig: StageFigures, schedule: str, stage: int, stages: int, microbatches: int) -> float:
     """Peak bytes of a (non-interleaved) stage under ``schedule``."""
     activations, twice = stage_activations(fig.saved_bytes, fig.grad_bytes, schedule, stage, stages, microbatches)
@@ -275,14 +302,15 @@ def pipeline_memory(
     microbatches: int,
     schedule: str,
     chunks: int = 1,
-    depths: Sequence[Sequence[Sequence[int]]] | None = None,
+    depths: Sequence[Sequence[ChunkDepth]] | None = None,
 ) -> list[float]:
     """Peak bytes per device of the cut set (see the module docstring).
 
     ``depths`` (interleaved): per device, the micro-batches in flight on each of its chunks
-    at each of its forwards, as its schedule runs them (:func:`autopar.cost_models.schedule.chunk_depths`);
-    the device then holds the most of ``Σ_c n_c · S_c`` over them. Without them, the
-    warm-up depth spread evenly over its chunks.
+    at each of its forwards and backwards, as its schedule runs them
+    (:func:`autopar.cost_models.schedule.chunk_depths`); the device then holds the most of
+    ``Σ_c n_c · S_c``, with a chunk's gradient sum at its later backwards, over them. Without
+    them, the warm-up depth spread evenly over its chunks, beside every chunk's gradient sum.
     """
     bounds = [0, *cuts, len(segments)]
     pieces = [stage_figures(segments, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -292,12 +320,11 @@ def pipeline_memory(
         for d in range(p):
             mine = pieces[d::p]
             if depths is not None:
-                saved = max(sum(n * x.saved_bytes for n, x in zip(row, mine, strict=True)) for row in depths[d])
+                held = sum(x.state_bytes for x in mine) + sum(interleaved_activations(mine, depths[d], microbatches))
             else:
                 saved = in_flight("interleaved", d, p, microbatches, chunks) * sum(x.saved_bytes for x in mine)
-            out.append(
-                sum(held_bytes(x, microbatches) for x in mine) + saved + max(x.transient_bytes for x in mine)
-            )
+                held = sum(held_bytes(x, microbatches) for x in mine) + saved
+            out.append(held + max(x.transient_bytes for x in mine))
         return out
     p = len(pieces)
     return [stage_memory(x, schedule, s, p, microbatches) for s, x in enumerate(pieces)]

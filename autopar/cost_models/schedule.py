@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
     _add_send_recv,
 )
 
-from autopar.cost_models.pipeline import schedule_name
+from autopar.cost_models.pipeline import ChunkDepth, schedule_name
 
 
 @dataclass
@@ -101,9 +101,10 @@ def _one_f_one_b(stages: int, microbatches: int) -> dict[int, list[_Action]]:
 
 
 @functools.cache
-def chunk_depths(ranks: int, chunks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Interleaved 1F1B as the runtime runs it: per pipeline rank, after each of its forwards, the
-    micro-batches in flight (run forward, backward not yet) on each of its ``chunks`` chunks.
+def chunk_depths(ranks: int, chunks: int, microbatches: int) -> tuple[tuple[ChunkDepth, ...], ...]:
+    """Interleaved 1F1B as the runtime runs it: per pipeline rank, after each of its forwards and at each
+    backward of a chunk after that chunk's first, the micro-batches in flight (run forward, backward not
+    yet) on each of its ``chunks`` chunks (:class:`autopar.cost_models.pipeline.ChunkDepth`).
 
     Its warm-up runs more forwards of a rank's first chunk than of its last, so the
     activations it holds are not ``depth / chunks`` of every chunk's: a rank whose first
@@ -129,18 +130,22 @@ def interleaved_runs(ranks: int, microbatches: int) -> bool:
 
 def in_flight_counts(
     actions: dict[int, list[_Action]], ranks: int, chunks: int
-) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per rank of ``actions``, the distinct in-flight counts of its chunks after each of its forwards."""
+) -> tuple[tuple[ChunkDepth, ...], ...]:
+    """Per rank of ``actions``, the distinct in-flight counts of its chunks after each of its forwards, and
+    at each backward of a chunk after its first (the chunk's earlier gradient sum live beside it)."""
     out = []
     for _, acts in sorted(actions.items()):
-        live = [0] * chunks
+        live, done = [0] * chunks, [0] * chunks
         seen = []
         for a in acts:
             c = a.stage_index // ranks
             if a.computation_type == FORWARD:
                 live[c] += 1
-                seen.append(tuple(live))
+                seen.append(ChunkDepth(tuple(live)))
             elif a.computation_type == FULL_BACKWARD:
+                if done[c]:
+                    seen.append(ChunkDepth(tuple(live), c))
                 live[c] -= 1
+                done[c] += 1
         out.append(tuple(dict.fromkeys(seen)))
     return tuple(out)

@@ -35,8 +35,14 @@ from typing import Any
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.comm import collective_time
 from autopar.cost_models.estimate import Estimate, MemoryEstimate
-from autopar.cost_models.pipeline import Segment, held_bytes, pipeline_time, stage_activations, stage_figures
-from autopar.cost_models.schedule import interleaved_runs
+from autopar.cost_models.pipeline import (
+    Segment,
+    interleaved_activations,
+    pipeline_time,
+    stage_activations,
+    stage_figures,
+)
+from autopar.cost_models.schedule import chunk_depths, interleaved_runs
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.plans.records import Fixed
 from autopar.search.pipeline.cuts import CutChoice, best_cuts, stage_memory_of
@@ -369,8 +375,9 @@ def _estimate(captured, res, segments, choice, schedule, chunks, mp, memory_limi
     peak_flops = mp.cluster.device_spec.peak_flops[mp.compute_dtype]
     flops = inner.model_flops
     peak = max(memory)
-    if chunks > 1:  # an interleaved rank's chunks are charged their gradient sums at their deepest
-        twice = sum(held_bytes(x, res.microbatches) - x.state_bytes for x in mine)
+    if chunks > 1:  # the gradient sum of the chunk in a later backward where the rank's peak is, if there
+        rows = chunk_depths(len(memory), chunks, res.microbatches)[worst]
+        twice = interleaved_activations(mine, rows, res.microbatches)[1]
     else:
         x = mine[0]
         twice = stage_activations(x.saved_bytes, x.grad_bytes, schedule, worst, len(memory), res.microbatches)[1]
