@@ -454,15 +454,16 @@ def _searched(name: str, fixed: tuple) -> autopar.Plan:
 # shards for SDPA's is_causal here, for the mask tensors' kernels in the searched plans below
 # the seed layouts the searched plans below do not already take: cp over the second axis beside dp, head-tail,
 # for LLaMA, GPT-2 and the pairs' loss; cp over the dp ranks beside Megatron's split for causal LLaMA in both
-# orders. SEARCHED runs causal LLaMA's cp 2 over the second axis head-tail, and LLaMA's and GPT-2's cp over the
-# dp ranks beside tp in contiguous shards (their mask tensors' kernels).
+# orders. SEARCHED runs causal LLaMA's cp 2 over the second axis head-tail (in each stage of a pipeline), and
+# LLaMA's and GPT-2's cp over the dp ranks beside tp in contiguous shards (their mask tensors' kernels). Causal
+# LLaMA under fixed={"cp": 2} alone is not trained apart: the search plans it as under {"cp": 2, "pp": 2}, the
+# same plan placement for placement (test_fixed_cp_splits_the_sequence_and_the_mesh_names_it checks its order).
 LAYOUTS = [(n, "cp_balanced") for n in ("llama", "gpt2", "llama_pairs")] + [
     ("llama_causal", "cp_dp_balanced"),
     ("llama_causal", "cp_dp_contiguous"),
 ]
 FLOWING = ("llama_causal", "gpt2")  # random plans, head-tail order on many ops (and GPT-2's dropout)
 SEARCHED = [
-    ("llama_causal", (("cp", 2),)),
     ("llama_causal", (("cp", 4), ("dp", 4))),  # 8 chunks: rank r holds chunks r and 7-r
     ("gpt2", (("cp", 2), ("tp", 2), ("zero", 1))),
     ("llama", (("cp", 2), ("tp", 2), ("zero", 3))),
@@ -500,7 +501,7 @@ def test_context_parallel_trains_like_one_device() -> None:
     checks = check_plans(cases, FOUR, rng="exact")
     orders = [_kernel_axes(_searched(n, f), True) != {()} for n, f in SEARCHED]
     # the pairs' order is left to the costs (with its flattens local at one sequence a micro-batch, contiguous)
-    assert orders[:4] + orders[5:] == [True, True, False, False, True, True], orders
+    assert orders[:3] + orders[4:] == [True, False, False, True, True], orders
     assert [_searched(n, f).mesh["pp"] for n, f in SEARCHED[-2:]] == [2, 2]
     bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
     assert not bad, "context-parallel plans that do not train like one device:\n" + "\n".join(bad)

@@ -6,8 +6,9 @@ One process: every family's joint graph has a sharding rule for every op (no
 Four gloo processes (``-m slow``): the families of ``TRAINED`` under a random
 layout on a dp 2 x tp 2 mesh (every op's strategy drawn among all it has: a
 forced dp x tp plan for models this small is all but replicated, so it would
-test little), and those of ``SEARCHED`` under the plan autopar searches for
-them too (one family of each kind of plan it gives them), 3 AdamW steps each
+test little; GPT-2's is trained by tests/test_context_parallel.py), and those
+of ``SEARCHED`` under the plan autopar searches for them (one family of each
+kind of plan it gives them), 3 AdamW steps each
 within 1e-5 of one device. Dropout stays on where the family ships it:
 families that draw random numbers run under ``rng="exact"`` against the same
 model trained by autopar on one process, the others against eager PyTorch
@@ -34,9 +35,10 @@ pytest.importorskip("transformers")
 # ops left replicated on purpose, with the reason in the README ("Model families")
 LEFT_REPLICATED: dict[str, str] = {}
 
-# one or two of a kind: each adds ops or a layout the others do not have
+# one or two of a kind: each adds ops or a layout the others do not have. GPT-2 (Conv1D, tied head, dropout
+# everywhere) is trained here under its searched plan; under a random dp 2 x tp 2 layout by
+# tests/test_context_parallel.py ("gpt2 flowing": HuggingFace's GPT-2 with its dropout, under rng="exact")
 TRAINED = [
-    "gpt2",  # Conv1D, tied head, dropout everywhere
     "llama",  # RoPE, grouped-query attention, SwiGLU, RMSNorm
     "gemma2",  # soft-capped eager attention, sliding window
     "phi",  # partial rotary, parallel attention and MLP
@@ -68,7 +70,7 @@ def test_every_op_has_a_sharding_rule(name: str, caplog) -> None:
 FOUR = autopar.Cluster.local(4)
 
 
-# the families whose searched plan is trained too: one of each kind of plan the search gives them (the others'
+# the families whose searched plan is trained: one of each kind of plan the search gives them (the others'
 # are of these kinds: GPT-2's dp 2 x pp 2 for the decoders, encoders and ViT, T5's dp 2 x tp 2 for BART;
 # AUTOPAR_FAMILIES trains each family it names under its searched plan)
 SEARCHED = [
@@ -98,13 +100,16 @@ def test_families_train_like_one_device() -> None:
     """Plans are made while the references run (check_plans takes functions that make them).
 
     Each family of ``TRAINED`` under a random dp 2 x tp 2 layout, and those of ``SEARCHED`` under their
-    searched plan too. AUTOPAR_FAMILIES=all trains every family of examples/families.py under both; a
+    searched plan. AUTOPAR_FAMILIES=all trains every family of examples/families.py under both; a
     comma-separated list, those.
     """
     chosen = os.environ.get("AUTOPAR_FAMILIES", "")
-    names = list(families.FAMILIES) if chosen == "all" else chosen.split(",") if chosen else TRAINED
+    names = list(families.FAMILIES) if chosen == "all" else chosen.split(",") if chosen else TRAINED + SEARCHED
     kinds = [("dp2 x tp2 random", _random_dp_tp), ("searched", _searched)]
-    picked = [(name, kind) for name in names for kind in kinds if chosen or kind[1] is _random_dp_tp or name in SEARCHED]
+    wanted = {_random_dp_tp: TRAINED, _searched: SEARCHED}
+    picked = [
+        (name, kind) for name in dict.fromkeys(names) for kind in kinds if chosen or name in wanted[kind[1]]
+    ]  # fmt: skip
     labels = [f"{name} {label}" for name, (label, _) in picked]
     cases = [(families.FAMILIES[name], functools.partial(make, name)) for name, (_, make) in picked]
     checks = check_plans(cases, FOUR, rng="exact")

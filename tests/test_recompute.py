@@ -42,7 +42,7 @@ from autopar.search.sharding.recompute import (
     saved_activations,
     with_recompute,
 )
-from autopar.verify.oracle import _compare, _rank_run_all, plan_with_layout, single_device_run
+from autopar.verify.oracle import _compare, _rank_run_all, layout_plan, single_device_run
 from examples.models import gpt, gpt2_tiny, gpt2_tiny4, llama_tiny
 
 TOL = 1e-5
@@ -315,18 +315,11 @@ def gpt2_wide():
     return gpt(2, 64, 4, vocab=128, seq=64, batch=16, device="cpu", dropout=0.0)  # the eager oracle draws other masks
 
 
-_BASE: dict = {}
-
-
 def _layout(factory, n: int, dp: int, tp: int, layout: str) -> Plan:
-    """A hand-set layout on a dp x tp mesh of ``n`` processes (one search per model, its mesh replaced)."""
+    """A hand-set layout on a dp x tp mesh of ``n`` processes, laid on a plan made without a search."""
     torch.manual_seed(0)
     model, inputs = factory()
-    if factory not in _BASE:
-        two = autopar.Cluster.local(2)
-        _BASE[factory] = autopar.plan(model, inputs, two, fixed={"dp": 2, "tp": 1}, precision="fp32")
-    plan = dataclasses.replace(_BASE[factory], mesh={**_BASE[factory].mesh, "dp": dp, "tp": tp})
-    return plan_with_layout(plan, model, inputs, autopar.Cluster.local(n), layout)
+    return layout_plan(model, inputs, autopar.Cluster.local(n), dp, tp, layout)
 
 
 def _recompute(plan: Plan, factory, how: str) -> Plan:
@@ -410,7 +403,8 @@ def _job(wire, memory_plans, cluster) -> tuple[list, list]:
 
 def _run(cases, memory_plans, n: int):
     cluster = autopar.Cluster.local(n)
-    refs = [single_device_run(f, 3, 1e-3, 0) for f, _ in cases]
+    ref = {f: single_device_run(f, 3, 1e-3, 0) for f in dict.fromkeys(f for f, _ in cases)}  # one run per model
+    refs = [ref[f] for f, _ in cases]
     wire = [(f, p.to_dict()) for f, p in cases]
     per_rank = launch(_job, cluster, wire, [p.to_dict() for p in memory_plans], cluster, crash_retries=1)
     checks = [_compare([r[0][k] for r in per_rank], refs[k]) for k in range(len(cases))]

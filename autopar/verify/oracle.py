@@ -19,8 +19,11 @@ optimizer's noise, not the plan's correctness.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import random
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -313,12 +316,31 @@ def run_dtypes(pm, opt: torch.optim.Optimizer) -> dict[str, list[str]]:
     }
 
 
+CASE_TIMES = "AUTOPAR_CASE_TIMES"
+"""An environment variable naming a file: rank 0 of every launch of :func:`check_plans` appends to it one JSON line
+per case (world size, model factory, mesh, the plan's solver status, wall and CPU seconds of the case on that
+rank), for finding where a test's time goes. Set it before the first launch: ranks are forked from a server that
+keeps the environment it started with."""
+
+
 def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast", precision: str = "fp32") -> list[tuple]:
     """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
-    return [
-        _rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng, precision)
-        for factory, plan, *local in cases
-    ]
+    out = []
+    for factory, plan, *local in cases:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out.append(_rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng, precision))
+        if os.environ.get(CASE_TIMES) and dist.get_rank() == 0:
+            row = {
+                "world": dist.get_world_size(),
+                "factory": getattr(factory, "__name__", repr(factory)),
+                "mesh": plan and plan.get("mesh"),
+                "status": plan and plan.get("solver", {}).get("status"),
+                "s": round(time.perf_counter() - wall, 2),
+                "cpu_s": round(time.process_time() - cpu, 2),
+            }
+            with open(os.environ[CASE_TIMES], "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return out
 
 
 def exact_rng_runs(
