@@ -389,8 +389,6 @@ FOLDS = 3  # the fit takes every FOLDS-th run: a third of them
 
 def mark_fit(runs: list[Run], fold: int = 0) -> None:
     """Fit on every third run from ``fold`` (0, 1 or 2) in the table's order; hold the others out."""
-    if fold not in range(FOLDS):
-        raise ValueError(f"--fold must be 0, 1 or 2, got {fold}")
     for i, run in enumerate(runs):
         run.fit = i % FOLDS == fold
 
@@ -536,7 +534,9 @@ def main() -> None:
     parser.add_argument("--no-fit", action="store_true", help="predict with the library's current factors")
     parser.add_argument("--only", default="", help="only the runs whose name contains one of these (comma-separated)")
     parser.add_argument("--rounds", type=int, default=2, help="linearise-and-fit rounds (each at the last answer)")
-    parser.add_argument("--fold", type=int, default=0, help="fit on every third run from this one (0, 1, 2)")
+    parser.add_argument(
+        "--fold", type=int, default=0, choices=range(FOLDS), help="fit on every third run from this one (0, 1, 2)"
+    )
     args = parser.parse_args()
     mark_fit(RUNS, args.fold)
     runs = [r for r in RUNS if any(part in r.name for part in args.only.split(","))]

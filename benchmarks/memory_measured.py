@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--pipelines", action="store_true", help="pipelines of 2 stages per schedule instead")
     parser.add_argument("--dp", type=int, default=1, help="with --pipelines: ranks a stage, under every ZeRO stage")
     args = parser.parse_args()
+    if args.dp < 1 or (args.dp > 1 and not args.pipelines):
+        parser.error("--dp takes a positive number of ranks a stage, and only with --pipelines")
     logging.basicConfig(level=logging.ERROR)
     if args.pipelines:
         _pipelines(args.precision, args.dp)
