@@ -19,7 +19,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -57,10 +56,17 @@ def _context() -> Any:
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _job_store(timeout_s: float) -> dist.TCPStore:
+    """The job's rendezvous store, served by the launcher on a port the OS picks and it keeps.
+
+    The launcher holds the port for the job's whole life. Choosing a free port
+    and leaving rank 0 to bind it later lets another job (a second launcher
+    on the same machine, or any socket's ephemeral port) take it in between,
+    and ranks of two jobs then meet in one store.
+    """
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s) -> None:
@@ -75,9 +81,9 @@ def _worker(fn, rank, world, port, backend, args, results, collective_timeout_s)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     faulthandler.enable()  # a rank killed by a signal prints where it was
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s)
-        )
+        timeout = timedelta(seconds=collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         # plain pickle: tensors sent through torch's shared-memory reductions die with the process
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the job
@@ -149,7 +155,8 @@ def _launch_once(
     backend = cluster.backend or "gloo"
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    store = _job_store(collective_timeout_s)
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker,
@@ -189,4 +196,5 @@ def _launch_once(
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     return [out[r] for r in range(world)]
