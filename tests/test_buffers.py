@@ -115,7 +115,7 @@ def test_buffers_end_each_step_as_one_device_leaves_them_on_4_processes():
     base = shell_plan(model, batch, cluster, 2, 2)
     zero3 = autopar.plan(model, batch, cluster, fixed={"dp": 4, "zero": 3}, precision="fp32")
     cases = [
-        ("random dp2 x tp2 layout", plan_with_layout(base, model, batch, cluster, "random", seed=1)),
+        ("random dp2 x tp2 layout", plan_with_layout(base, model, batch, cluster, "flowing", seed=1)),
         ("ZeRO-3 over 4", plan_with_layout(zero3, model, batch, cluster, "zero3")),
         ("pipeline pp2 x dp2, 2 micro-batches", _pipeline_plan(model, batch, cluster, 2)),
     ]

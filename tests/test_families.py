@@ -3,16 +3,20 @@
 One process: every family's joint graph has a sharding rule for every op (no
 "no sharding rule" warning; none is listed in the README as left).
 
-Four gloo processes (``-m slow``): the families of ``TRAINED`` under a random
-layout on a dp 2 x tp 2 mesh (every op's strategy drawn among all it has: a
-forced dp x tp plan for models this small is all but replicated, so it would
-test little; GPT-2's is trained by tests/test_context_parallel.py), and those
-of ``SEARCHED`` under the plan autopar searches for them (one family of each
-kind of plan it gives them), 3 AdamW steps each
-within 1e-5 of one device. Dropout stays on where the family ships it:
+Gloo processes (``-m slow``): the families of ``TRAINED`` under a random layout
+(every op's strategy drawn among all it has: a forced dp x tp plan for models
+this small is all but replicated, so it would test little; GPT-2's is trained
+by tests/test_context_parallel.py), and those of ``SEARCHED`` under the plan
+autopar searches for them (one family of each kind of plan it gives them), 3
+AdamW steps each within 1e-5 of one device. The random layouts are drawn on a
+mesh of 2 (tp 2, 2 processes), where every op's rules meet every placement of
+one axis; those of ``TRAINED_2D`` on dp 2 x tp 2 (4 processes), where two axes
+split one tensor, as in the 2-D random layouts of GPT-2 and LLaMA elsewhere
+(test_runtime, test_context_parallel, test_zero_runtime). On 2 cores a case on
+4 ranks costs twice its cost on 2. Dropout stays on where the family ships it:
 families that draw random numbers run under ``rng="exact"`` against the same
 model trained by autopar on one process, the others against eager PyTorch
-(``check_plans(..., rng="exact")``). All cases run in one launch.
+(``check_plans(..., rng="exact")``). One launch for each mesh size.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ TRAINED = [
     "vit",  # patches by convolution
     "convnext",  # depthwise convolutions and LayerNorm
 ]
+# drawn on dp 2 x tp 2: the graphs with the most kinds of ops (an encoder-decoder, soft-capped sliding-window
+# attention, disentangled relative attention)
+TRAINED_2D = ["t5", "gemma2", "deberta_v2"]
 
 
 @pytest.mark.parametrize("name", list(families.FAMILIES))
@@ -67,16 +74,17 @@ def test_every_op_has_a_sharding_rule(name: str, caplog) -> None:
     assert all(any(op in msg for op in LEFT_REPLICATED) for msg in left), left
 
 
+TWO = autopar.Cluster.local(2)
 FOUR = autopar.Cluster.local(4)
 
 
 # the families whose searched plan is trained: one of each kind of plan the search gives them (the others'
-# are of these kinds: GPT-2's dp 2 x pp 2 for the decoders, encoders and ViT, T5's dp 2 x tp 2 for BART;
+# are of these kinds: GPT-2's dp 2 x pp 2 for the decoders, encoders and ViT, T5's for BART;
 # AUTOPAR_FAMILIES trains each family it names under its searched plan)
 SEARCHED = [
     "gpt2",  # dp 2 x pp 2: a tied head across stages, dropout under rng="exact"
     "mixtral",  # tp 4 over the experts
-    "t5",  # dp 2 x tp 2, encoder-decoder
+    "t5",  # dp 2 x pp 2 (at 5dd9383), encoder-decoder
     "convnext",  # dp 2 x tp 2, convolutions
 ]
 
@@ -95,25 +103,37 @@ def _random_dp_tp(name: str) -> autopar.Plan:
     return layout_plan(model, inputs, FOUR, 2, 2, "flowing")
 
 
+def _random_tp(name: str) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    return layout_plan(model, inputs, TWO, 1, 2, "flowing")
+
+
 @pytest.mark.slow
 def test_families_train_like_one_device() -> None:
     """Plans are made while the references run (check_plans takes functions that make them).
 
-    Each family of ``TRAINED`` under a random dp 2 x tp 2 layout, and those of ``SEARCHED`` under their
-    searched plan. AUTOPAR_FAMILIES=all trains every family of examples/families.py under both; a
-    comma-separated list, those.
+    Each family of ``TRAINED`` under a random layout (tp 2, or dp 2 x tp 2 for ``TRAINED_2D``), and those of
+    ``SEARCHED`` under their searched plan. AUTOPAR_FAMILIES=all trains every family of examples/families.py
+    under all three; a comma-separated list, those.
     """
     chosen = os.environ.get("AUTOPAR_FAMILIES", "")
     names = list(families.FAMILIES) if chosen == "all" else chosen.split(",") if chosen else TRAINED + SEARCHED
-    kinds = [("dp2 x tp2 random", _random_dp_tp), ("searched", _searched)]
-    wanted = {_random_dp_tp: TRAINED, _searched: SEARCHED}
-    picked = [
-        (name, kind) for name in dict.fromkeys(names) for kind in kinds if chosen or name in wanted[kind[1]]
-    ]  # fmt: skip
-    labels = [f"{name} {label}" for name, (label, _) in picked]
-    cases = [(families.FAMILIES[name], functools.partial(make, name)) for name, (_, make) in picked]
-    checks = check_plans(cases, FOUR, rng="exact")
-    bad = [f"{label}: {c}" for label, c in zip(labels, checks, strict=True) if not c.ok(1e-5)]
+    kinds = [("tp2 random", _random_tp, TWO), ("dp2 x tp2 random", _random_dp_tp, FOUR), ("searched", _searched, FOUR)]
+    wanted = {_random_tp: set(TRAINED) - set(TRAINED_2D), _random_dp_tp: TRAINED_2D, _searched: SEARCHED}
+    bad, checked = [], 0
+    for cluster in (TWO, FOUR):
+        picked = [
+            (name, label, make)
+            for name in dict.fromkeys(names)
+            for label, make, on in kinds
+            if on is cluster and (chosen or name in wanted[make])
+        ]
+        cases = [(families.FAMILIES[name], functools.partial(make, name)) for name, _, make in picked]
+        checks = check_plans(cases, cluster, rng="exact")
+        bad += [f"{name} {label}: {c}" for (name, label, _), c in zip(picked, checks, strict=True) if not c.ok(1e-5)]
+        for c in checks:
+            assert len(c.losses) == 3 and c.losses[0] != c.losses[2]  # three real steps
+        checked += len(checks)
     assert not bad, "families that do not train like one device:\n" + "\n".join(bad)
-    for c in checks:
-        assert len(c.losses) == 3 and c.losses[0] != c.losses[2]  # three real steps
+    assert checked == len(TRAINED) + len(SEARCHED) or chosen
