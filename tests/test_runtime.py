@@ -170,14 +170,13 @@ def _as_run_on_gloo(charged: list, mesh_shape: tuple[int, int]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize(
-    "factory, precision", [(gpt2_tiny, "fp32"), (llama_tiny, "fp32"), (llama_tiny, "bf16-mixed")]
-)
+@pytest.mark.parametrize("factory, precision", [(gpt2_tiny, "fp32"), (llama_tiny, "bf16-mixed")])
 @pytest.mark.parametrize("layout", [None, "megatron", "zero3"])
 def test_generated_collectives_are_the_ones_charged(fake_world, factory, layout, precision):
     """Every collective of the local graph, kind, axis and bytes, is one the search charged; under
     bf16-mixed (LLaMA: its norms and loss cast to fp32 in the graph), activations move in bf16 and
-    gradients are reduced in fp32 on both sides."""
+    gradients are reduced in fp32 on both sides. (LLaMA in fp32 moves the same collectives in fp32:
+    GPT-2's cases hold the fp32 path.)"""
     torch.manual_seed(0)
     model, inputs = factory()
     cluster = autopar.Cluster.local(4)
