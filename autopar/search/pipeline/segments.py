@@ -30,6 +30,7 @@ from autopar.search.sharding.instance import (
     parameter_sourced,
     tp_seconds,
 )
+from autopar.search.sharding.step_memory import Buffer, edge_buffers
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
@@ -73,7 +74,9 @@ def segment_figures(
     _add_node_figures(f, captured, sp, choice, index_seg, microbatches, seg_of, graph_segments)
     _add_edge_figures(f, sp, choice, index_seg, microbatches, mesh_shape, links)
     tp = mesh_shape[TP_DIM] if len(mesh_shape) > TP_DIM else 1
-    _add_activation_memory(f, sp, choice, index_seg, _backward_reader_segments(captured, sp, seg_of))
+    _add_activation_memory(
+        f, sp, choice, index_seg, _backward_reader_segments(captured, sp, seg_of), edge_buffers(sp, choice, mesh_shape)
+    )
     _add_boundary_bytes(f, captured, sp, choice, seg_of, mesh_shape, microbatches, activation_scale)
     return [
         Segment(
@@ -321,7 +324,12 @@ def _backward_reader_segments(
 
 
 def _add_activation_memory(
-    f: _SegmentFigures, sp: ShardingProblem, choice: list[int], index_seg: list[int], reader_seg: dict[int, int]
+    f: _SegmentFigures,
+    sp: ShardingProblem,
+    choice: list[int],
+    index_seg: list[int],
+    reader_seg: dict[int, int],
+    buffers: list[Buffer] = (),
 ) -> None:
     """Per micro-batch: the bytes kept across the forward/backward turn, and the peak of the rest.
 
@@ -329,6 +337,12 @@ def _add_activation_memory(
     reads it (``reader_seg``; the segment that made it where no backward op reads it). The
     turn follows the last forward op: autograd's saved-tensor handles are backward nodes
     traced inside the forward (a detach where a value is saved), and the first of them is no turn.
+
+    ``buffers``: the tensors the answer's changes of placement make on their readers' side
+    (:func:`autopar.search.sharding.step_memory.edge_buffers`), counted by their reader's
+    segment the same way. One lives across the turn where its reader is a view whose views
+    the backward reads (an activation gathered, then split into the queries, keys and values
+    attention saves): each micro-batch in flight holds it.
     """
     p = sp.problem
     backward = set(sp.backward_nodes)
@@ -349,6 +363,15 @@ def _add_activation_memory(
             continue
         seg = index_seg[v]
         if s < turn < e and v not in backward:
+            f.saved[reader_seg.get(v, seg)] += mem
+        else:
+            ev = events[seg]
+            ev[s] = ev.get(s, 0.0) + mem
+            ev[e] = ev.get(e, 0.0) - mem
+    for s, e, mem, edge in buffers:
+        v = p.edges[edge][1]
+        seg = index_seg[v]
+        if s < turn < e:
             f.saved[reader_seg.get(v, seg)] += mem
         else:
             ev = events[seg]
