@@ -335,6 +335,22 @@ def test_launch_returns_every_rank_result():
     assert autopar.launch(_rank_and_world, 2) == [(0, 2), (1, 2)]
 
 
+def _sum_of_ranks() -> float:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_launches_at_once_each_meet_in_their_own_store():
+    """Each launch serves its job's store on a port it holds: jobs started together (as a suite's workers
+    start theirs) never share one, so each job's ranks form their own group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(autopar.launch, _sum_of_ranks, 2) for _ in range(3)]
+        assert [j.result() for j in jobs] == [[1.0, 1.0]] * 3
+
+
 def test_a_dead_rank_stops_the_job_without_hanging():
     with pytest.raises(autopar.LaunchError, match="rank 1 was killed by SIGABRT") as caught:
         autopar.launch(_one_rank_dies, 2, timeout_s=60)
