@@ -353,14 +353,9 @@ def _add_activation_memory(
     skip = {n_nodes + k for k in getattr(sp, "grad_items", ())}  # gradients: counted with the states
     item_node, intervals, item_memory = p.items()
     events: list[dict[int, float]] = [{} for _ in f.trans]
-    for idx, (v, (s, e), row) in enumerate(
-        zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True)
-    ):
-        if v in param_nodes or idx in skip:
-            continue
-        mem = row[choice[v]]
-        if not mem:
-            continue
+
+    def count(v: int, s: int, e: int, mem: float) -> None:
+        """``mem`` bytes made for node ``v`` (its output, or a tensor its input was moved into), live over [s, e)."""
         seg = index_seg[v]
         if s < turn < e and v not in backward:
             f.saved[reader_seg.get(v, seg)] += mem
@@ -368,15 +363,16 @@ def _add_activation_memory(
             ev = events[seg]
             ev[s] = ev.get(s, 0.0) + mem
             ev[e] = ev.get(e, 0.0) - mem
-    for s, e, mem, edge in buffers:
-        v = p.edges[edge][1]
-        seg = index_seg[v]
-        if s < turn < e:
-            f.saved[reader_seg.get(v, seg)] += mem
-        else:
-            ev = events[seg]
-            ev[s] = ev.get(s, 0.0) + mem
-            ev[e] = ev.get(e, 0.0) - mem
+
+    for idx, (v, (s, e), row) in enumerate(
+        zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True)
+    ):
+        if v in param_nodes or idx in skip:
+            continue
+        if row[choice[v]]:
+            count(v, s, e, row[choice[v]])
+    for s, e, mem, edge in buffers:  # a backward op's moved input is moved in the backward graph
+        count(p.edges[edge][1], s, e, mem)
     for seg, ev in enumerate(events):
         live = top = 0.0
         for t in sorted(ev):
