@@ -41,6 +41,11 @@ def schedule_collectives(graph: fx.Graph) -> None:
       gathered parameter of the step alive from its start;
     * a collective whose result only leaves the graph (a gradient's reduction)
       starts as soon as its input exists, as DDP's bucket hooks do;
+    * a collective never moves above the group's previous one: ranks pair a
+      group's collectives by the order they are issued in, and that order is
+      the trace's, the same on every rank, while the positions it moves to
+      are not (a rank holding the first part of a partial sum traces no
+      ``zeros_like`` where the others do);
     * before a collective starts, the group's previous one is waited for, so at
       most one is in flight per group.  Gloo's CPU collectives corrupted the heap
       with several in flight on one group (a crash every few hundred steps);
@@ -77,20 +82,25 @@ def schedule_collectives(graph: fx.Graph) -> None:
     for c in (n for n in graph.nodes if _is_collective(n)):
         by_group.setdefault(str(c.args[-1]), []).append(c)
     nodes = list(graph.nodes)
+    body = next(i for i, n in enumerate(nodes) if n.op != "placeholder")  # nothing moves above the inputs
     for group in by_group.values():
         reads = {c: first_read(c) for c in group}
         read_order = sorted((c for c in group if reads[c] is not None), key=lambda c: (reads[c], order[c]))
         previous_read = {c: reads[p] for p, c in zip(read_order, read_order[1:], strict=False)}
+        floor = body  # the group's previous collective sits before nodes[floor]: nothing of the group moves above
         for c in group:
-            ready = max((order[a] + 1 for a in c.all_input_nodes if a.op != "placeholder"), default=0)
-            target = max(ready, previous_read.get(c, 0))
+            ready = max((order[a] + 1 for a in c.all_input_nodes), default=body)
+            target = max(ready, previous_read.get(c, 0), floor)
             w = waits.get(c)
             if w is not None:
                 target = min(target, order[w])
             while _is_collective(nodes[target]):  # anchor on a node that does not move
                 target += 1
-            if target < order[c]:
+            if target < order[c] and target >= floor:
                 nodes[target].prepend(c)  # nodes[] and order[] are the positions before any move
+                floor = target
+            else:
+                floor = order[c] + 1
     # one in flight per group: wait for the previous collective before the next one starts
     pending: dict[str, fx.Node] = {}
     for node in list(graph.nodes):
