@@ -22,6 +22,8 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from autopar.core.placements import (
@@ -33,6 +35,29 @@ from autopar.core.placements import (
     head_tail,
     to_dtensor_all,
 )
+
+
+def dtensor_of(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...] | list[Placement],
+    shape: torch.Size | tuple[int, ...] | None = None,
+    stride: tuple[int, ...] | None = None,
+) -> DTensor:
+    """``local`` as this rank's shard of a DTensor placed ``placements``, made without ``from_local``.
+
+    ``from_local`` goes through an autograd function that records a ``view`` of
+    its input: one traced node per wrap, and on an output a kernel leaves
+    undefined at run time (the CPU LSTM's workspace, a 0-element tensor when
+    traced) a view of nothing, which fails.  The shard pass traces no autograd,
+    so the DTensor holds ``local`` itself.  ``shape``/``stride``: the whole
+    tensor's (even shards assumed when omitted, as ``from_local`` does).
+    """
+    placements = tuple(placements)
+    if shape is None or stride is None:
+        shape, stride = compute_global_tensor_info(local, mesh, placements)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=local.requires_grad)
 
 
 def local_of(x: DTensor) -> torch.Tensor:
@@ -133,25 +158,24 @@ def redistribute(x: DTensor, want: tuple[Placement, ...]) -> DTensor:
 
 
 def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTensor:
-    return DTensor.from_local(
-        local, like.device_mesh, pls, run_check=False, shape=like.shape, stride=like.stride()
-    )
+    return dtensor_of(local, like.device_mesh, pls, like.shape, like.stride())
 
 
 def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
     """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
 
-    A shard keeps this rank's chunk; a partial keeps the value on the first rank of
-    its mesh dim and zeros elsewhere, so that the ranks sum to it.
+    A shard keeps this rank's chunk; a partial sum keeps the value on the first rank of
+    its mesh dim and zeros elsewhere, so that the ranks sum to it; any other partial
+    (an average, a max) keeps the value on every rank, which it reduces to.
     """
     local = t
     coord = mesh.get_coordinate()
     for i, p in enumerate(want):
         if isinstance(p, Shard):
             local = local.chunk(mesh.size(i), p.dim)[coord[i]]
-        elif isinstance(p, Partial) and coord[i] != 0:
+        elif isinstance(p, Partial) and p.reduce_op == SUM and coord[i] != 0:
             local = torch.zeros_like(local)
-    return DTensor.from_local(local, mesh, want, run_check=False, shape=t.shape, stride=t.stride())
+    return dtensor_of(local, mesh, want, t.shape, t.stride())
 
 
 def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:

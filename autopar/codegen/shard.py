@@ -42,6 +42,7 @@ from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.codegen import sequence_attention
 from autopar.codegen.collective_order import FUNCTIONAL_COLLECTIVES, one_chunk_in_flight, schedule_collectives
 from autopar.codegen.redistribute import (
+    dtensor_of,
     from_whole,
     local_of,
     match_layout,
@@ -169,6 +170,7 @@ class _ShardInterpreter(fx.Interpreter):
         self.plan = plan_placements
         self.mesh = mesh
         self.local_only: Counter = Counter()
+        self.ran_whole: Counter = Counter()  # ops run whole on gathered inputs (:meth:`_run_whole`)
         self.on_value = on_value or {}  # called with a node's value as soon as it is computed
         self.random_ids = random_ops.op_numbers(gm.graph)
         self.casts = casts or GradientCasts()
@@ -233,7 +235,10 @@ class _ShardInterpreter(fx.Interpreter):
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
         decomposed = decomposition(n.target)
         if decomposed is not None:  # the strategies were traced through it: run it on the DTensors
-            return self._declare(decomposed(*args, **kwargs), entry, n)
+            try:
+                return self._declare(decomposed(*args, **kwargs), entry, n)
+            except (NotImplementedError, RuntimeError, AssertionError) as e:
+                return self._declare(self._run_whole(n, args, kwargs, entry, e), entry, n)
         try:
             out = n.target(*args, **kwargs)
         except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
@@ -254,6 +259,39 @@ class _ShardInterpreter(fx.Interpreter):
         val_leaves = pytree.tree_leaves((args, kwargs))
         val_leaves = [bring(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)]
         return pytree.tree_unflatten(val_leaves, spec)
+
+    def _run_whole(self, n: fx.Node, args: Any, kwargs: Any, entry: dict, why: Exception) -> Any:
+        """``n`` computed whole on every rank from its gathered inputs, then cut to its planned outputs.
+
+        The safety net for a decomposition DTensor traced at planning time on a
+        one-dimensional mesh but cannot run on this one (an op inside it with no
+        rule here, e.g. ``log_sigmoid_forward`` inside
+        ``binary_cross_entropy_with_logits``): exact for any op, at the price of
+        gathers the estimate did not count, hence the warning.
+        """
+        op = str(n.target)
+        if op not in self.ran_whole:
+            first = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+            log.warning("ran %s whole on every rank, its inputs gathered: DTensor cannot run its "
+                        "decomposition on the planned placements (%s)", op, first)
+        self.ran_whole[op] += 1
+        whole = replicated(self.mesh.ndim)
+        wanted = iter(entry["inputs"])
+
+        def gather(x: Any, node: Any) -> Any:
+            if not (isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)):
+                return x
+            held = next(wanted, None)
+            if not isinstance(x, DTensor):
+                return x
+            return local_of(to_planned(x, whole, tuple(held) if held else None))
+
+        node_leaves, spec = pytree.tree_flatten((n.args, dict(n.kwargs)))
+        val_leaves = pytree.tree_leaves((args, kwargs))
+        local_args, local_kwargs = pytree.tree_unflatten(
+            [gather(v, a) for v, a in zip(val_leaves, node_leaves, strict=True)], spec
+        )
+        return self._whole(n.target(*local_args, **local_kwargs), entry)
 
     def _random(self, n: fx.Node, args: Any, kwargs: Any, entry: dict) -> Any:
         """A random op on this rank's part of its output, from numbers keyed to that part (:mod:`autopar.ops.rng`).
@@ -331,16 +369,14 @@ class _ShardInterpreter(fx.Interpreter):
         for o, v in zip(flat_out, flat_val, strict=True):
             p = next(outs, None)
             if isinstance(o, torch.Tensor) and p is not None:
-                o = DTensor.from_local(
-                    o, self.mesh, to_dtensor_all(p), run_check=False, shape=v.shape, stride=v.stride()
-                )
+                o = dtensor_of(o, self.mesh, to_dtensor_all(p), v.shape, v.stride())
             wrapped.append(o)
         return pytree.tree_unflatten(wrapped, spec)
 
     def _replicated(self, t: torch.Tensor) -> DTensor:
         if isinstance(t, DTensor):
             return t
-        return DTensor.from_local(t, self.mesh, (Replicate(),) * self.mesh.ndim, run_check=False)
+        return dtensor_of(t, self.mesh, (Replicate(),) * self.mesh.ndim, t.shape, t.stride())
 
     def _whole(self, out: Any, entry: dict | None) -> Any:
         """Tensors every rank holds whole, laid out as ``entry`` plans (replicated when it does not)."""
@@ -379,13 +415,12 @@ class _ShardInterpreter(fx.Interpreter):
         local = aten.embedding.default(local_of(weight), (idx - offset).masked_fill(outside, 0), *rest)
         local = local.masked_fill(outside.unsqueeze(-1), 0)
         out_spec = entry["outputs"][0]
-        return DTensor.from_local(
+        return dtensor_of(
             local,
             self.mesh,
             to_dtensor_all(out_spec),
-            run_check=False,
-            shape=torch.Size([*indices.shape, weight.shape[1]]),
-            stride=torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
+            torch.Size([*indices.shape, weight.shape[1]]),
+            torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
         )
 
     def _contiguous(self, n: fx.Node, entry: dict) -> bool:
@@ -470,21 +505,14 @@ def _local_joint(
     def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if casts.seed is not None:
             *local, scale = local
-            casts.scale = DTensor.from_local(scale, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+            casts.scale = dtensor_of(scale, mesh, (Replicate(),) * mesh.ndim, scale.shape, scale.stride())
         dt = [
-            DTensor.from_local(
-                t,
-                mesh,
-                to_dtensor_all(pl),
-                run_check=False,
-                shape=ph.meta["val"].shape,
-                stride=ph.meta["val"].stride(),
-            )
+            dtensor_of(t, mesh, to_dtensor_all(pl), ph.meta["val"].shape, ph.meta["val"].stride())
             for t, pl, ph in zip(local, arg_pl, phs, strict=True)
         ]
         loss, *results = interp.run(*dt)
         grads, updates = results[:n_params], results[n_params:]
-        out = [redistribute(loss, (Replicate(),) * mesh.ndim).to_local()]
+        out = [local_of(redistribute(loss, (Replicate(),) * mesh.ndim))]
         for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
             if g is None:
                 out.append(None)
@@ -496,9 +524,9 @@ def _local_joint(
                     early[i], grad_pl[i] = zero_gradient(g, pl, stages[i], mesh)
                 out.append(early[i])
             else:
-                out.append(redistribute(g, to_dtensor_all(pl)).to_local())
+                out.append(local_of(redistribute(g, to_dtensor_all(pl))))
         for b, u in zip(captured.updated, updates, strict=True):  # each buffer's new value, as the buffer is held
-            out.append(redistribute(u, to_dtensor_all(arg_pl[n_params + b])).to_local())
+            out.append(local_of(redistribute(u, to_dtensor_all(arg_pl[n_params + b]))))
         return tuple(out)
 
     return local_joint

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from autopar.capture.joint import graph_results
-from autopar.codegen.redistribute import redistribute
+from autopar.codegen.redistribute import local_of, redistribute
 from autopar.core.placements import PARTIAL, REPLICATE, SUM, Placements, to_dtensor_all
 
 
@@ -48,7 +48,7 @@ def zero_gradient(g: DTensor, spec: Placements, stage: int, mesh: DeviceMesh) ->
     first = g.placements[0]
     summed = isinstance(first, Partial)
     keep = (first if first.reduce_op == SUM else Partial(SUM)) if summed else Replicate()
-    local = redistribute(g, (keep, *to_dtensor_all(spec[1:]))).to_local()
+    local = local_of(redistribute(g, (keep, *to_dtensor_all(spec[1:]))))
     if stage == 1:
         return local, (PARTIAL if summed else REPLICATE, *spec[1:])
     n = mesh.size(0)
