@@ -32,6 +32,7 @@ from autopar.plans.plan import Plan
 from autopar.runtime.checkpoint import Layout, load_layout, save_layout, sharded_layout
 from autopar.runtime.device import on_device
 from autopar.runtime.grad_accumulation import GradAccumulator
+from autopar.runtime.graph_call import call_graph
 from autopar.runtime.loss_weights import label_chain, microbatch_weights
 from autopar.runtime.memory_tracker import StepMemory, track_memory
 from autopar.runtime.precision import LossScaler, PrecisionPolicy, cast, scale_steps
@@ -358,7 +359,7 @@ class ParallelModule(RankModule):
             scale = self._scale_args()
             for k in range(self.microbatches):
                 with self._draws(k, local_batch):
-                    loss, *results = self.graph(*params, *state, *self._micro(pairs, k), *scale)
+                    loss, *results = call_graph(self.graph, *params, *state, *self._micro(pairs, k), *scale)
                 grads = results[: len(self.shards)]
                 for b, value in zip(self._updated, results[len(self.shards) :], strict=True):
                     state[b] = value  # the buffer as the forward left it: the next micro-batch reads it

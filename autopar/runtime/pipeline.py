@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from autopar.codegen.stage_split import StageGraphs, ValueSpec
+from autopar.runtime.graph_call import call_graph
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def _forward(
     else:
         received = exchange.wait(("f", s, mb)) if g.recv_forward else []
     with draws(mb):
-        out = g.forward(*runner.args(g.forward_args, mb), *received)
+        out = call_graph(g.forward, *runner.args(g.forward_args, mb), *received)
     n_send, n_saved = len(g.send_forward), len(g.saved)
     sent = list(out[:n_send])
     runner.saved[mb] = list(out[n_send : n_send + n_saved])
@@ -204,7 +205,7 @@ def _backward(
     else:
         grads_in = []
     with draws(mb):
-        out = g.backward(*runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
+        out = call_graph(g.backward, *runner.args(g.backward_args, mb), *runner.saved.pop(mb), *grads_in)
     n_back = len(g.send_backward)
     back = list(out[:n_back])
     runner.on_grads(mb, g.grads, list(out[n_back:]))
