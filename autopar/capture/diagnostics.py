@@ -10,9 +10,11 @@ fake tensors let through.
 from __future__ import annotations
 
 import functools
+import io
 import logging
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from typing import Any
 
 import torch
@@ -108,15 +110,28 @@ def export_error(exc: Exception, model: nn.Module, stack: list[str]) -> CaptureE
 
 @contextmanager
 def quiet_torch_logs(names: tuple[str, ...] = _NOISY_LOGGERS) -> Iterator[None]:
-    """Mute torch loggers that print tracebacks for failures capture reports as one line itself."""
+    """Mute what torch prints for failures capture reports as one line itself.
+
+    Its loggers' tracebacks, and the partial graph ``torch.export`` prints to
+    stderr before it raises (``partial_fx_graph``): the rest of what reaches
+    stderr meanwhile (a warning) is passed on when the block ends.
+    """
     saved = {n: logging.getLogger(n).level for n in names}
+    held = io.StringIO()
     try:
         for n in names:
             logging.getLogger(n).setLevel(logging.CRITICAL)
-        yield
+        with redirect_stderr(held):
+            yield
+    except BaseException as exc:
+        partial = getattr(exc, "partial_fx_graph", None)
+        if partial:
+            held = io.StringIO(held.getvalue().replace(f"{partial}\n", ""))
+        raise
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
+        sys.stderr.write(held.getvalue())
 
 
 def check_dtypes(gm: fx.GraphModule, model: nn.Module) -> None:
