@@ -258,3 +258,50 @@ def resnet_tiny():
     cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=4)
     model = ResNetForImageClassification(cfg)
     return model, {"pixel_values": torch.randn(8, 3, 16, 16), "labels": torch.randint(0, 4, (8,))}
+
+
+class LSTMLanguageModel(torch.nn.Module):
+    """An embedding, a two-layer ``nn.LSTM`` (its defaults: no dropout between layers) and a linear head; the
+    forward returns the next-token loss. On the CPU its layers trace as ``aten.mkldnn_rnn_layer``, which has no
+    sharding rule (replicated) and hands its backward a workspace only when grad mode is on."""
+
+    def __init__(self, vocab: int = 64, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.rnn = torch.nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(ids))
+        return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), labels.flatten())
+
+
+def lstm_tiny():
+    """A two-layer LSTM language model on 8 sequences of 12 tokens."""
+    ids = torch.randint(0, 64, (8, 12))
+    return LSTMLanguageModel(), {"ids": ids, "labels": ids.roll(-1, 1)}
+
+
+class ClickModel(torch.nn.Module):
+    """A recommendation model as DLRM lays one out: dense features through an MLP, sparse ids pooled by an
+    ``nn.EmbeddingBag``, both concatenated into a top MLP whose logit meets ``binary_cross_entropy_with_logits``
+    (whose decomposition reaches ``log_sigmoid_forward``, which DTensor cannot run on a 2-D mesh)."""
+
+    def __init__(self, rows: int = 100, width: int = 16) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(rows, width, mode="sum")
+        self.dense = torch.nn.Sequential(torch.nn.Linear(13, width), torch.nn.ReLU())
+        self.top = torch.nn.Sequential(torch.nn.Linear(2 * width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor, clicked: torch.Tensor) -> torch.Tensor:
+        z = torch.cat([self.dense(dense), self.bag(sparse)], 1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(self.top(z).squeeze(1), clicked)
+
+
+def clicks_tiny():
+    """A click model on 8 rows of 13 dense features and 5 sparse ids."""
+    return ClickModel(), {
+        "dense": torch.randn(8, 13),
+        "sparse": torch.randint(0, 100, (8, 5)),
+        "clicked": torch.randint(0, 2, (8,)).float(),
+    }

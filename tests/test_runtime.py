@@ -11,6 +11,7 @@ checked in one process on torch's fake process group.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections import Counter
 
@@ -41,7 +42,16 @@ from autopar.verify.oracle import (
     random_placements,
     shell_plan,
 )
-from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
+from examples.models import (
+    clicks_tiny,
+    gpt2_tiny,
+    gpt2_tiny4_padded,
+    llama_tiny,
+    lstm_tiny,
+    mlp_deep,
+    mlp_tiny,
+    resnet_tiny,
+)
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -90,7 +100,8 @@ def _accumulating_plan(factory, n: int = 4, microbatches: int = 2) -> autopar.Pl
 def test_plans_on_4_processes_train_like_one_device():
     """The 2-D mesh on 4 ranks, in one launch: the solver's plan, Megatron's layout, random strategies per op
     (not the solver's choice: every op's drawn among all it has, a change of placement between almost any two
-    ops), and padded labels with the loss split over tp; and the solver's tp 4 plan of GPT-2 (collectives and
+    ops), padded labels with the loss split over tp, an LSTM and a click model (EmbeddingBag, a loss DTensor
+    cannot run sharded) under random strategies; and the solver's tp 4 plan of GPT-2 (collectives and
     shards over an axis of 4 ranks, which dp 2 x tp 2 does not have). Placements are laid out on plans made without a search
     (:func:`autopar.verify.oracle.shell_plan`).
 
@@ -104,6 +115,8 @@ def test_plans_on_4_processes_train_like_one_device():
         (llama_tiny, _plan(llama_tiny, 4, 2, 2, "megatron")),
         (mlp_deep, plan_with_layout_random(mlp_deep, 0)),  # planned on a folded capture
         (gpt2_tiny4_padded, _loss_split_plan(gpt2_tiny4_padded, 4, 2, 2)),
+        (lstm_tiny, plan_with_layout_random(lstm_tiny, 0, "flowing")),  # a kernel that reads grad mode
+        (clicks_tiny, plan_with_layout_random(clicks_tiny, 0)),  # EmbeddingBag replicated; a loss run whole
     ]
     count = int(os.environ.get("AUTOPAR_FUZZ_PLANS", "0"))
     cases += [(llama_tiny, plan_with_layout_random(llama_tiny, seed, "flowing")) for seed in range(count)]
@@ -241,6 +254,24 @@ def test_ops_sharded_through_their_decomposition_run_it(fake_world):
     assert placements[backward.name]["inputs"][1] != (R, R)  # the loss's input arrives sharded
     local = shard_graph(captured, placements, device_mesh)
     assert torch.ops.aten.mse_loss_backward.default not in {n.target for n in local.gm.graph.nodes}
+
+
+def test_an_op_dtensor_cannot_run_sharded_runs_whole_on_its_gathered_inputs(fake_world, caplog):
+    """binary_cross_entropy_with_logits has no DTensor rule; its strategies come from its decomposition traced on
+    a one-dimensional mesh, which on a 2-D mesh reaches log_sigmoid_forward, which DTensor cannot run: the op runs
+    whole on every rank, on gathered inputs, with a warning (trained like one device in the 4-process test)."""
+    torch.manual_seed(0)
+    model, inputs = clicks_tiny()
+    captured = capture(model, inputs)
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    bce = torch.ops.aten.binary_cross_entropy_with_logits.default
+    loss = next(n for n in captured.gm.graph.nodes if n.target is bce)
+    placements = random_placements(captured, (2, 2), seed=0)
+    assert any(p != R for p in placements[loss.name]["inputs"][0])  # its logits arrive sharded
+    with caplog.at_level(logging.WARNING, logger="autopar.codegen.shard"):
+        local = shard_graph(captured, placements, device_mesh)
+    assert any("binary_cross_entropy_with_logits" in r.getMessage() and "whole" in r.getMessage() for r in caplog.records)
+    assert bce in {n.target for n in local.gm.graph.nodes}
 
 
 def test_a_plan_for_another_world_size_is_refused_before_any_collective(fake_world):
