@@ -287,6 +287,31 @@ def test_functional_writes_and_constants_have_rules(caplog) -> None:
     assert const.rule == "autopar" and [s.outputs[0] for s in const.strategies] == [(R, R)]
 
 
+class _MobileActivations(nn.Module):
+    """MobileNet's activations (ReLU6, hardswish, hardsigmoid) and a log-sigmoid, whose backwards DTensor has
+    neither a rule nor a traceable decomposition for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.hardswish(nn.functional.relu6(self.a(x)))
+        return (nn.functional.hardsigmoid(self.b(y)) + nn.functional.logsigmoid(y)).square().mean()
+
+
+def test_element_wise_backwards_without_a_dtensor_rule_split_like_their_inputs(caplog) -> None:
+    cg = capture(_MobileActivations(), (torch.randn(8, 8),))
+    with caplog.at_level(logging.WARNING, logger="autopar.search.sharding.strategies"):
+        res = enumerate_strategies(cg.gm, (2, 2))
+    assert "no sharding rule" not in caplog.text
+    by_op = {ns.op: ns for ns in res.values()}
+    for op in ("hardtanh_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward"):
+        ns = by_op[f"aten.{op}.default"]
+        assert ns.rule == "autopar" and (S(0), R) in {s.outputs[0] for s in ns.strategies}, op
+        assert all(set(s.inputs) == {s.outputs[0]} for s in ns.strategies)  # every input split as the output
+
+
 def test_mixture_of_experts_grouped_matmuls_shard() -> None:
     """HuggingFace's experts run as ``transformers::grouped_mm_fallback`` in the trace: column and row parallel.
 

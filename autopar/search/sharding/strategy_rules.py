@@ -23,6 +23,7 @@ from autopar.core.placements import shard as S
 from autopar.ops import batch_norm  # noqa: F401  (registers torch.ops.autopar.batch_norm_*)
 from autopar.ops import experts as experts_op  # noqa: F401  (registers torch.ops.autopar.experts*)
 from autopar.search.sharding import random_ops
+from autopar.search.sharding.node_keys import tensor_inputs
 
 aten = torch.ops.aten
 
@@ -265,6 +266,46 @@ def experts_backward(node: fx.Node) -> list[Row]:
     ]
 
 
+def elementwise(node: fx.Node) -> list[Row]:
+    """An element-wise op DTensor has no rule for (activation backwards such as MobileNet's
+    ``hardswish_backward``): every output and tensor input split alike on any dim, when all have one shape;
+    else whole."""
+    outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    ins = [a.meta["val"] for a in tensor_inputs(node)]
+    tensors = [t for t in (*outs, *ins) if isinstance(t, torch.Tensor)]
+    rows: list[Row] = [[R] * len(tensors)]
+    if len({tuple(t.shape) for t in tensors}) == 1:
+        rows += [[S(d)] * len(tensors) for d in range(tensors[0].dim()) if tensors[0].shape[d] > 1]
+    return rows
+
+
+def stack(node: fx.Node) -> list[Row]:
+    """``stack(tensors, dim)``: every input split alike on any dim, the output split on that dim (one further
+    on past the new one), or all partial sums, or all whole.
+
+    DTensor's rule follows one input's placement and offers a single strategy
+    for many inputs: a GRU's per-step outputs stacked on time came out split on
+    the batch only, which the flatten after it cannot keep.
+    """
+    ins = tensor_inputs(node)
+    rank = ins[0].meta["val"].dim()
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = dim + rank + 1 if dim < 0 else dim
+    rows: list[Row] = [[R] * (1 + len(ins)), [P] * (1 + len(ins))]
+    rows += [[S(d if d < dim else d + 1)] + [S(d)] * len(ins) for d in range(rank)]
+    return rows
+
+
+# element-wise ops with neither a DTensor rule nor a decomposition DTensor can trace
+ELEMENTWISE = (
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.hardtanh_backward.default,
+    aten.log_sigmoid_forward.default,
+    aten.log_sigmoid_backward.default,
+)
+
+
 RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     torch.ops.autopar.experts.default: experts,
     torch.ops.autopar.experts_backward.default: experts_backward,
@@ -278,7 +319,9 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
     aten.fill.Tensor: fill_tensor,
+    aten.stack.default: stack,
 }
+RULES.update({op: elementwise for op in ELEMENTWISE})
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
 RULES.update({op: random_ops.rule_rows for op in random_ops.RANDOM_OPS})
 # ops of libraries that register them when imported, by name: (node target's str) -> rule
