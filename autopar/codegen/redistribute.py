@@ -28,8 +28,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from autopar.core.placements import (
     AVG,
+    REPLICATE,
     SUM,
     Placements,
+    balanced_at,
     balanced_route,
     from_dtensor,
     head_tail,
@@ -92,6 +94,20 @@ def to_planned(x: Any, target: Placements | None, src: Placements | None = None)
     if current == tuple(target):  # a masked partial is a partial sum to autopar: keep it
         return x
     return redistribute(x, want)
+
+
+def natural_order(x: Any, held: Placements | None) -> Any:
+    """``x``, held ``held``, with a head-tail shard gathered on its mesh dim and put back in natural order (the
+    other mesh dims as held); ``x`` itself when ``held`` has none.
+
+    What leaves the graph (the loss, a gradient, a buffer's new value) is then
+    placed by DTensor's plain rules, which read every shard in natural order.
+    """
+    at = balanced_at(held) if held else None
+    if at is None or not isinstance(x, DTensor):
+        return x
+    plain = tuple(REPLICATE if i == at[0] else p for i, p in enumerate(held))
+    return to_planned(x, plain, tuple(held))
 
 
 def reduces(x: Any, target: Placements | None) -> bool:

@@ -46,6 +46,7 @@ from autopar.codegen.redistribute import (
     from_whole,
     local_of,
     match_layout,
+    natural_order,
     redistribute,
     to_planned,
     to_planned_in,
@@ -182,7 +183,7 @@ class _ShardInterpreter(fx.Interpreter):
             if n.name == self.casts.seed and self.casts.scale is not None:
                 out = out * self.casts.scale.to(out.dtype)  # the backward starts from the scaled loss
             if n in self.on_value:
-                self.on_value[n](out)
+                self.on_value[n](natural_order(out, self._held(n)))
         return out
 
     def _move(self, x: Any, target: Placements | None, node: fx.Node, src: Placements | None = None) -> Any:
@@ -501,6 +502,7 @@ def _local_joint(
     """
     n_params = len(captured.params)
     casts = interp.casts
+    result_nodes = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0]
 
     def local_joint(*local: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if casts.seed is not None:
@@ -511,6 +513,11 @@ def _local_joint(
             for t, pl, ph in zip(local, arg_pl, phs, strict=True)
         ]
         loss, *results = interp.run(*dt)
+        # each result as DTensor's plain rules read it, out of a head-tail shard
+        loss, *results = (
+            natural_order(v, interp._held(r) if isinstance(r, fx.Node) else None)
+            for v, r in zip((loss, *results), result_nodes, strict=True)
+        )
         grads, updates = results[:n_params], results[n_params:]
         out = [local_of(redistribute(loss, (Replicate(),) * mesh.ndim))]
         for i, (g, pl) in enumerate(zip(grads, grad_pl, strict=True)):
