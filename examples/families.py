@@ -172,6 +172,13 @@ def bloom():
     return _causal_lm(BloomConfig, BloomForCausalLM, hidden_size=HIDDEN, n_layer=1, n_head=HEADS)
 
 
+def olmo2():
+    """OLMo 2: RMSNorm over the whole query and key projections (across heads), norms after each sublayer."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return _decoder(Olmo2Config, Olmo2ForCausalLM, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1)
+
+
 def falcon():
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -343,7 +350,7 @@ def convnext():
 FAMILIES = {
     f.__name__: f
     for f in (
-        gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, phi, opt, gpt_neox, bloom, falcon,
+        gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, phi, olmo2, opt, gpt_neox, bloom, falcon,
         mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe,
         bert, roberta, distilbert, albert, electra, deberta_v2,
         t5, bart,

@@ -42,16 +42,8 @@ from autopar.verify.oracle import (
     random_placements,
     shell_plan,
 )
-from examples.models import (
-    clicks_tiny,
-    gpt2_tiny,
-    gpt2_tiny4_padded,
-    llama_tiny,
-    lstm_tiny,
-    mlp_deep,
-    mlp_tiny,
-    resnet_tiny,
-)
+from examples.handwritten import clicks_tiny, lstm_tiny, meta_llama
+from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -100,8 +92,9 @@ def _accumulating_plan(factory, n: int = 4, microbatches: int = 2) -> autopar.Pl
 def test_plans_on_4_processes_train_like_one_device():
     """The 2-D mesh on 4 ranks, in one launch: the solver's plan, Megatron's layout, random strategies per op
     (not the solver's choice: every op's drawn among all it has, a change of placement between almost any two
-    ops), padded labels with the loss split over tp, an LSTM and a click model (EmbeddingBag, a loss DTensor
-    cannot run sharded) under random strategies; and the solver's tp 4 plan of GPT-2 (collectives and
+    ops), padded labels with the loss split over tp, an LSTM, a click model (EmbeddingBag, a loss DTensor
+    cannot run sharded) and Meta's reference LLaMA (complex numbers) from examples/handwritten.py under random
+    strategies (tests/test_handwritten.py trains the rest of that file); and the solver's tp 4 plan of GPT-2 (collectives and
     shards over an axis of 4 ranks, which dp 2 x tp 2 does not have). Placements are laid out on plans made without a search
     (:func:`autopar.verify.oracle.shell_plan`).
 
@@ -117,6 +110,7 @@ def test_plans_on_4_processes_train_like_one_device():
         (gpt2_tiny4_padded, _loss_split_plan(gpt2_tiny4_padded, 4, 2, 2)),
         (lstm_tiny, plan_with_layout_random(lstm_tiny, 0, "flowing")),  # a kernel that reads grad mode
         (clicks_tiny, plan_with_layout_random(clicks_tiny, 0)),  # EmbeddingBag replicated; a loss run whole
+        (meta_llama, plan_with_layout_random(meta_llama, 0, "flowing")),  # rotary embeddings in complex numbers
     ]
     count = int(os.environ.get("AUTOPAR_FUZZ_PLANS", "0"))
     cases += [(llama_tiny, plan_with_layout_random(llama_tiny, seed, "flowing")) for seed in range(count)]
