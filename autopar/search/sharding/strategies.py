@@ -97,6 +97,11 @@ def _names_for(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> 
 # ---------------------------------------------------------------------------- the pass
 
 
+def unruled_ops(strategies: dict[str, NodeStrategies]) -> set[str]:
+    """The ops :func:`enumerate_strategies` replicated for want of a sharding rule (those its warning names)."""
+    return {ns.op for ns in strategies.values() if ns.rule == "replicated-fallback"}
+
+
 def enumerate_strategies(
     gm: fx.GraphModule,
     mesh_shape: tuple[int, ...],
