@@ -258,4 +258,3 @@ def resnet_tiny():
     cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=4)
     model = ResNetForImageClassification(cfg)
     return model, {"pixel_values": torch.randn(8, 3, 16, 16), "labels": torch.randint(0, 4, (8,))}
-

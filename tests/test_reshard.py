@@ -125,8 +125,8 @@ def _runtime_collectives(src, dst, mesh, shape) -> list[tuple[str, str, float]]:
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from autopar.codegen.local_graph import LocalGraph
     from autopar.codegen.redistribute import to_planned
-    from autopar.codegen.shard import LocalGraph
 
     local = list(shape)
     for p, n in zip(src, mesh.shape, strict=True):

@@ -23,7 +23,6 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from autopar.core.placements import (
@@ -43,23 +42,20 @@ def dtensor_of(
     local: torch.Tensor,
     mesh: DeviceMesh,
     placements: tuple[Placement, ...] | list[Placement],
-    shape: torch.Size | tuple[int, ...] | None = None,
-    stride: tuple[int, ...] | None = None,
+    shape: torch.Size | tuple[int, ...],
+    stride: tuple[int, ...],
 ) -> DTensor:
-    """``local`` as this rank's shard of a DTensor placed ``placements``, made without ``from_local``.
+    """``local`` as this rank's shard of a DTensor placed ``placements``, whose whole tensor has ``shape``
+    and ``stride``, made without ``from_local``.
 
     ``from_local`` goes through an autograd function that records a ``view`` of
     its input: one traced node per wrap, and on an output a kernel leaves
     undefined at run time (the CPU LSTM's workspace, a 0-element tensor when
     traced) a view of nothing, which fails.  The shard pass traces no autograd,
-    so the DTensor holds ``local`` itself.  ``shape``/``stride``: the whole
-    tensor's (even shards assumed when omitted, as ``from_local`` does).
+    so the DTensor holds ``local`` itself.
     """
-    placements = tuple(placements)
-    if shape is None or stride is None:
-        shape, stride = compute_global_tensor_info(local, mesh, placements)
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=local.requires_grad)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=local.requires_grad)
 
 
 def local_of(x: DTensor) -> torch.Tensor:

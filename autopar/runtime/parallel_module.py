@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.capture.joint import CapturedGraph, input_tensors
-from autopar.codegen.shard import LocalGraph
+from autopar.codegen.local_graph import LocalGraph
 from autopar.core.errors import RuntimeMismatchError
 from autopar.core.placements import REPLICATE, SUM, Placements, to_dtensor_all
 from autopar.ops import rng as rng_state

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture.joint import CapturedGraph, input_tensors
-from autopar.codegen.shard import LocalGraph
+from autopar.codegen.local_graph import LocalGraph
 from autopar.codegen.stage_split import StageGraphs
 from autopar.core.placements import SUM, Placements
 from autopar.cost_models.schedule import schedule_actions
