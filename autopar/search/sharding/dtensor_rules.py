@@ -1,7 +1,8 @@
 """DTensor's sharding rules as the strategy pass reads them.
 
 Which rule an op has (its own, its in-place twin's, or one traced through its
-decomposition), the rows a decomposition gives, and a gate that stops DTensor's
+decomposition), the rows a decomposition gives, which ops DTensor runs on the
+local shards unchanged, and a gate that stops DTensor's
 rules from pricing redistributions the pass throws away.  Kept apart from
 :mod:`autopar.search.sharding.strategies`, which walks the graph, because
 these lean on DTensor's private registry and change with torch releases.
@@ -94,6 +95,36 @@ def with_rule(op: torch._ops.OpOverload, prop: Any) -> torch._ops.OpOverload:
     packet = getattr(torch.ops.aten, f"{op._schema.name.split('::')[-1]}_", None)
     twin = getattr(packet, op._overloadname, None) if packet is not None else None
     return twin if twin is not None and any(twin in r for r in ruled) else op
+
+
+@functools.cache
+def dispatches_unchanged(op: Any) -> bool:
+    """Whether DTensor dispatches ``op``, on inputs laid out as one of its strategies reads them, as the op run on
+    the local shards with its arguments as given, its outputs in that strategy's placements.
+
+    So the sharding interpreter (:mod:`autopar.codegen.shard`) runs such an op on the shards itself and skips
+    DTensor enumerating its strategies again (about half of tracing a rank's graph). Not so for an op DTensor
+    has no rule of its own for (it decomposes it or refuses), one it hands to a custom handler or treats as
+    random, one whose size or shape arguments it rewrites to local ones (views, factories, squeeze, group
+    norm's sizes), or one returning anything but tensors.
+    """
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    dispatcher = DTensor._op_dispatcher
+    prop = dispatcher.sharding_propagator
+    if op not in prop.op_strategy_funcs and op not in prop.op_single_dim_strategy_funcs:
+        return False
+    rewritten = (
+        prop.op_to_shape_and_stride_idx,
+        prop.op_to_scalar_shape_adjuster,
+        prop.squeeze_op_to_dims_variant,
+        dispatcher._custom_op_handlers,
+        dispatcher._random_ops,
+    )
+    if any(op in table for table in rewritten) or op is torch.ops.aten._local_scalar_dense.default:
+        return False
+    returns = op._schema.returns
+    return bool(returns) and all(str(r.type) in ("Tensor", "List[Tensor]", "Tensor[]") for r in returns)
 
 
 @functools.cache

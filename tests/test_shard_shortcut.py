@@ -1,0 +1,48 @@
+"""The sharding interpreter runs the ops DTensor would run on the local shards unchanged itself, skipping
+DTensor's dispatch (``autopar.codegen.shard.SKIP_DTENSOR_DISPATCH``): the traced local graph must be the one
+DTensor's dispatch gives, code for code.
+
+Random dp 2 x tp 2 layouts (every op's strategy drawn among all it has) of HuggingFace's LLaMA (rotary
+embeddings, grouped-query attention) and GPT-2 (Conv1D, a tied head, dropout), traced for the last rank,
+whose coordinates are (1, 1): partial sums held as zeros there, shards at an offset. ``examples/families.py``
+builds both from their default configs. Every family of that file, on the first and the last rank, under
+random and flowing layouts, traced the same both ways when the shortcut was written; these two keep it so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar.capture.joint import capture
+from autopar.codegen import shard
+from autopar.codegen.transfer import transfer_placements
+from autopar.verify.oracle import layout_plan
+from examples import families
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def last_of_four():
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_skipping_dtensor_dispatch_traces_the_same_graph(last_of_four, monkeypatch, name):
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    plan = layout_plan(model, inputs, autopar.Cluster.local(4), 2, 2, "random")
+    captured = capture(model, inputs)
+    chosen, _ = transfer_placements(plan.placements, captured, (2, 2))
+    skipped = shard.shard_graph(captured, chosen, last_of_four).gm.code
+    monkeypatch.setattr(shard, "SKIP_DTENSOR_DISPATCH", False)
+    dispatched = shard.shard_graph(captured, chosen, last_of_four).gm.code
+    assert skipped == dispatched
+    assert "all_gather_into_tensor" in skipped  # a layout that moves values, not one every op reads as it comes
