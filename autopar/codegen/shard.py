@@ -35,6 +35,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_dtensor_caches
 from torch.distributed.tensor.placement_types import Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -502,6 +503,9 @@ def _trace_local(
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    # DTensor caches an op's output placements by a key in which two meshes of one shape are equal: a mesh of
+    # process groups since destroyed (a process that set up its groups again) would come back from it
+    clear_dtensor_caches()
     try:
         # the plan laid every input out as one of the op's strategies reads it: DTensor need only find that one
         with fx_traceback.preserve_node_meta() if keep_sources else contextlib.nullcontext(), costs_off("match"):
