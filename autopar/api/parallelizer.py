@@ -39,6 +39,7 @@ from autopar.runtime.device import on_device, rank_device
 from autopar.runtime.parallel_module import ParallelModule
 from autopar.runtime.pipeline_module import PipelineParallelModule
 from autopar.runtime.precision import PrecisionPolicy
+from autopar.runtime.shared_capture import capture_once
 from autopar.runtime.zero import zero_stages
 from autopar.search.pipeline.stages import stage_of_nodes, untie_across_stages
 from autopar.search.sharding.recompute import apply_recompute
@@ -163,13 +164,16 @@ def parallelize(
     _broadcast_weights(model, device)
     seed = _agree_on_seed(seed)
     micro = plan.global_batch_size // max(plan.microbatches, 1)
-    captured = capture(
-        model,
-        resize_batch(example_inputs, micro),
-        loss_fn=loss_fn,
-        example_targets=resize_batch(example_targets, micro),
-        compute_dtype=policy.param_dtype,
-        device=device,
+    captured = capture_once(
+        lambda: capture(
+            model,
+            resize_batch(example_inputs, micro),
+            loss_fn=loss_fn,
+            example_targets=resize_batch(example_targets, micro),
+            compute_dtype=policy.param_dtype,
+            device=device,
+        ),
+        device,
     )
     if not plan.placements:
         plan = _agree_on_plan(lambda old=plan: _with_data_parallel_placements(old, captured, cluster))

@@ -1,6 +1,9 @@
-"""The sharding interpreter runs the ops DTensor would run on the local shards unchanged itself, skipping
-DTensor's dispatch (``autopar.codegen.shard.SKIP_DTENSOR_DISPATCH``): the traced local graph must be the one
-DTensor's dispatch gives, code for code.
+"""Two shortcuts to a rank's local graph, each held to give the graph the long way gives, code for code.
+
+- The sharding interpreter runs the ops DTensor would run on the local shards unchanged itself, skipping
+  DTensor's dispatch (``autopar.codegen.shard.SKIP_DTENSOR_DISPATCH``).
+- In a job of CPU processes, the ranks but the first take rank 0's captured graph, sent as bytes
+  (:mod:`autopar.runtime.shared_capture`), instead of capturing the model themselves.
 
 Random dp 2 x tp 2 layouts (every op's strategy drawn among all it has) of HuggingFace's LLaMA (rotary
 embeddings, grouped-query attention) and GPT-2 (Conv1D, a tied head, dropout), traced for the last rank,
@@ -10,6 +13,8 @@ random and flowing layouts, traced the same both ways when the shortcut was writ
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ import autopar
 from autopar.capture.joint import capture
 from autopar.codegen import shard
 from autopar.codegen.transfer import transfer_placements
+from autopar.runtime.shared_capture import _from_bytes, _to_bytes
 from autopar.verify.oracle import layout_plan
 from examples import families
 
@@ -46,3 +52,20 @@ def test_skipping_dtensor_dispatch_traces_the_same_graph(last_of_four, monkeypat
     dispatched = shard.shard_graph(captured, chosen, last_of_four).gm.code
     assert skipped == dispatched
     assert "all_gather_into_tensor" in skipped  # a layout that moves values, not one every op reads as it comes
+
+
+@pytest.mark.parametrize("name", ["mixtral", "falcon"])
+def test_a_capture_sent_as_bytes_traces_the_same_graph(last_of_four, name):
+    """Mixtral (autopar's own experts op) and Falcon (a real tensor constant in the graph, from a
+    ``torch.tensor`` literal in its forward)."""
+    torch.manual_seed(0)
+    model, inputs = families.FAMILIES[name]()
+    plan = layout_plan(model, inputs, autopar.Cluster.local(4), 2, 2, "flowing")
+    captured = capture(model, inputs)
+    sent = _from_bytes(_to_bytes(captured))
+    assert sent.gm is not captured.gm and dataclasses.replace(sent, gm=None) == dataclasses.replace(captured, gm=None)
+    codes = []
+    for c in (captured, sent):
+        chosen, _ = transfer_placements(plan.placements, c, (2, 2))
+        codes.append(shard.shard_graph(c, chosen, last_of_four).gm.code)
+    assert codes[0] == codes[1]
