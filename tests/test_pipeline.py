@@ -337,6 +337,41 @@ def test_stage_graphs_compose_to_the_joint_graph(one_rank):
         torch.testing.assert_close(total[p.name], g, rtol=1e-6, atol=1e-7)
 
 
+def test_a_gradient_summed_inside_a_stage_reads_its_terms_as_they_are_held():
+    """T5's shared embedding is read twice by the first stage (the encoder's and the decoder's token
+    embeddings) and once by the last (the tied head): untied, the first stage's gradient of it is a sum the
+    untying adds, which must read both terms in the placement the first one is held in. A plan the search
+    gives under a short time limit made both embeddings' backwards partial sums from batch shards, and the
+    sum took over the first one's own entry: it re-cut its terms to batch shards, added the shards and
+    declared them a partial sum, and the gradient came out half the parameter's rows."""
+    from autopar.core.placements import PARTIAL as P
+    from autopar.core.placements import shard as S
+    from examples.families import t5
+
+    torch.manual_seed(0)
+    model, inputs = t5()
+    captured = capture(model, inputs)
+    placements = {
+        n.name: {"op": str(n.target), "outputs": [(R, R)], "inputs": [(R, R)] * len(n.all_input_nodes)}
+        for n in captured.gm.graph.nodes
+        if n.op != "output"
+    }
+    backwards = [n.name for n in captured.gm.graph.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+    for name in backwards:
+        placements[name] = {**placements[name], "inputs": [(S(0), R), (S(0), R)], "outputs": [(P, R)]}
+    segments = forward_segments(captured)
+    decoder = next(s for s in segments if s.name.startswith("decoder.block."))
+    stage_of = stage_of_nodes(captured, [segments[0].first, decoder.first])
+    untied, after, _, ties = untie_across_stages(captured, placements, stage_of)
+    assert ties
+    added = {n.name for n in untied.gm.graph.nodes if n.op == "call_function"} - set(placements)
+    sums = sorted(added)
+    assert sums, "no stage sums two terms of a gradient"
+    for name in sums:
+        entry = after[name]
+        assert entry["op"] == "aten.add.Tensor" and entry["inputs"] == [(P, R)] * 2 and entry["outputs"] == [(P, R)]
+
+
 # ---------------------------------------------------------------- several processes
 
 

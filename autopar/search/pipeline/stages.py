@@ -258,14 +258,23 @@ def _stage_gradient(
     stage_of: dict[str, int],
     placements: dict[str, dict],
 ) -> fx.Node:
-    """One stage's part of a parameter's gradient: the sum of its addends, added in that stage."""
+    """One stage's part of a parameter's gradient: the sum of its addends, added in that stage.
+
+    Each sum reads both terms as the first addend holds its value and keeps that placement (a partial sum
+    plus a partial sum, shards plus shards): not the first addend's own entry, whose inputs are that op's.
+    """
+    first = placements.get(addends[0].name) or {}
+    held = (first.get("outputs") or [None])[0]
     with g.inserting_before(out_node):
         total = addends[0]
         for a in addends[1:]:
             total = g.call_function(aten.add.Tensor, (total, a))
             total.meta = copy.copy(addends[0].meta)
             stage_of[total.name] = stage
-            placements[total.name] = copy.deepcopy(placements.get(addends[0].name, {}))
+            entry = {k: copy.deepcopy(v) for k, v in first.items() if k not in ("op", "inputs", "outputs")}
+            placements[total.name] = (
+                {**entry, "op": str(aten.add.Tensor), "inputs": [held, held], "outputs": [held]} if first else {}
+            )
     return total
 
 
