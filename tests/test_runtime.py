@@ -36,6 +36,7 @@ from autopar.search.sharding.request import MeshRequest
 from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import (
     check_plans,
+    factory_layout_plan,
     layout_plan,
     loss_split_layout,
     plan_with_layout,
@@ -140,9 +141,7 @@ def test_plans_on_2_processes_train_like_one_device():
 
 
 def plan_with_layout_random(factory, seed: int, layout: str = "random") -> autopar.Plan:
-    torch.manual_seed(0)
-    model, inputs = factory()
-    return layout_plan(model, inputs, autopar.Cluster.local(4), 2, 2, layout, seed=1000 + seed)
+    return factory_layout_plan(factory, autopar.Cluster.local(4), 2, 2, layout, seed=1000 + seed)
 
 
 # ---------------------------------------------------------------- one process, fake process group

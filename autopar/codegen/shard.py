@@ -71,7 +71,7 @@ _RUN_LOCALLY = (aten.convolution.default, aten.convolution_backward.default)
 
 
 # run on the local shards every op DTensor would run so (:func:`dispatches_unchanged`), without its dispatch;
-# tests/test_reshard.py turns it off to hold the two traces equal
+# tests/test_rank_trace.py turns it off to hold the two traces equal
 SKIP_DTENSOR_DISPATCH = True
 
 

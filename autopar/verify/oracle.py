@@ -213,6 +213,16 @@ def layout_plan(
     return plan_with_layout(shell, model, inputs, cluster, layout, seed, loss_fn, balance_masks)
 
 
+def factory_layout_plan(
+    factory: Callable[[], tuple[Any, Any]], cluster: Cluster, dp: int, tp: int, layout: str, *, seed: int = 0
+) -> Plan:
+    """:func:`layout_plan` of ``factory()``'s model, built after ``torch.manual_seed(0)`` as the checks build
+    it."""
+    torch.manual_seed(0)
+    model, inputs = factory()
+    return layout_plan(model, inputs, cluster, dp, tp, layout, seed=seed)
+
+
 def loss_split_layout(make_plan: Callable[[int], Plan], tries: int = 50) -> Plan:
     """``make_plan(seed)`` (a random layout) for the first seed whose class loss splits its targets on every
     mesh dim of size > 1.
