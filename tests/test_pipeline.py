@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import random
 
 import pytest
@@ -423,8 +424,11 @@ def _assert_all_match(cases, checks) -> None:
 
 @pytest.mark.slow
 def test_pipelines_on_4_processes_train_like_one_device():
-    # each schedule once: the schedule's order does not depend on the model
-    cases = [(gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "GPipe", 2)), (llama_tiny4, _hand(llama_tiny4, 4, 2, "1F1B", 2))]
+    # each schedule once: the schedule's order does not depend on the model (1F1B runs in four cases below;
+    # AUTOPAR_EXTENDED=1 adds LLaMA's dp 2 x pp 2 under it, 4.4 CPU-s a rank)
+    cases = [(gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "GPipe", 2))]
+    if os.environ.get("AUTOPAR_EXTENDED"):
+        cases += [(llama_tiny4, _hand(llama_tiny4, 4, 2, "1F1B", 2))]
     cases += [
         (gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "1F1B", 4, tp=2, layout="megatron")),
         (llama_tiny4, _hand(llama_tiny4, 4, 2, "interleaved", 2, chunks=2)),
