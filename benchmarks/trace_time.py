@@ -7,7 +7,7 @@
 re-run node by node on DTensors under ``make_fx``. For an op DTensor would run on the local shards with its
 arguments unchanged, the interpreter runs it so itself (``SKIP_DTENSOR_DISPATCH``) instead of letting
 DTensor enumerate the op's strategies again to find the one the plan already chose; the traced graph is
-the same, code for code (checked here on every row, and by tests/test_shard_shortcut.py).
+the same, code for code (checked here on every row, and by tests/test_rank_trace.py).
 
 Each family (its default config, ``examples/families.py``) under a random dp 2 x tp 2 layout (``--layout``:
 "random" draws every op's strategy among all it has, "flowing" follows its producers), traced for the last
