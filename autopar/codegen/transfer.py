@@ -142,8 +142,9 @@ def transfer_placements(
             missing.append(n)
     if missing:
         strategies = enumerate_strategies(captured.gm, mesh_shape, balance_masks=holds_balanced(placements))
+        anew = set(missing)
         for n in nodes:  # graph order: producers are chosen before their readers
-            if n in missing:
+            if n in anew:
                 chosen[n.name] = _entry(n, _pick(strategies[n.name], n, chosen))
         chosen = {n.name: chosen[n.name] for n in nodes}
     log.info(
