@@ -11,9 +11,11 @@ checked in one process on torch's fake process group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections import Counter
+from signal import SIGKILL
 
 import pytest
 import torch
@@ -391,7 +393,7 @@ def test_a_failing_rank_reports_its_error():
 
 @pytest.mark.parametrize("signal", [6, None])
 def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
-    """check_plans asks launch for its retries; launch runs a job again only when a rank was killed."""
+    """check_plans runs a launch again only when a rank was killed, up to its retries."""
     from autopar.runtime import launch as launching
 
     calls = []
@@ -404,6 +406,40 @@ def test_check_plans_runs_again_only_after_a_native_crash(monkeypatch, signal):
     with pytest.raises(autopar.LaunchError, match="rank 1 was killed"):
         check_plans([(mlp_tiny, None)], autopar.Cluster.local(2), steps=1, crash_retries=2)
     assert len(calls) == (3 if signal else 1)
+
+
+def _killed_once(marker: str, home: int):
+    """mlp_tiny, except that rank 1 of a launched job kills itself the first time it builds it (``marker``
+    then exists): a native crash in the middle of a launch. ``home``: the test's process, which builds it for
+    the reference and is left alone."""
+    if os.getpid() != home and dist.is_initialized() and dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), SIGKILL)
+    return mlp_tiny()
+
+
+def _counted(log: str, home: int):
+    """mlp_tiny, a line appended to ``log`` each time rank 0 of a launched job builds it."""
+    if os.getpid() != home and dist.is_initialized() and dist.get_rank() == 0:
+        with open(log, "a") as f:
+            f.write("built\n")
+    return mlp_tiny()
+
+
+@pytest.mark.slow
+def test_a_launch_killed_midway_runs_again_from_the_case_it_stopped_in(tmp_path, caplog):
+    """Rank 1 is killed in the second of three cases: the launch runs again with the second and third only
+    (the first, finished on every rank, is kept), and all three train like one device."""
+    counted = functools.partial(_counted, str(tmp_path / "built"), os.getpid())
+    killed = functools.partial(_killed_once, str(tmp_path / "killed"), os.getpid())
+    two = autopar.Cluster.local(2)
+    cases = [(counted, _plan(mlp_tiny, 2, 2, 1)), (killed, _plan(mlp_tiny, 2, 1, 2)), (mlp_tiny, _plan(mlp_tiny, 2, 2, 1))]
+    with caplog.at_level(logging.WARNING, logger="autopar.verify.oracle"):
+        checks = check_plans(cases, two, crash_retries=1)
+    assert (tmp_path / "killed").exists()
+    assert "running the 2 cases not finished again" in caplog.text
+    assert (tmp_path / "built").read_text().count("built") == 1  # the first case ran once
+    _assert_all_match(cases, checks)
 
 
 def test_gradients_sum_over_microbatches_into_grad_without_sharing_storage():

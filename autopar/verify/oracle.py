@@ -22,7 +22,9 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from autopar.api.parallelizer import parallelize
 from autopar.api.planner import plan as make_plan
 from autopar.capture.joint import CapturedGraph, capture
+from autopar.core.errors import LaunchError
 from autopar.core.placements import Placements
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.graph_cache import captured_with_stats, resize_batch
@@ -333,12 +336,23 @@ rank), for finding where a test's time goes. Set it before the first launch: ran
 keeps the environment it started with."""
 
 
-def _rank_run_all(cases, cluster, steps, lr, seed, loss_fn, rng="fast", precision: str = "fp32") -> list[tuple]:
-    """``cases``: (factory, plan dict) or (factory, plan dict, local_batch)."""
+def _rank_run_all(
+    cases, cluster, steps, lr, seed, loss_fn, rng="fast", precision: str = "fp32", record: tuple | None = None
+) -> list[tuple]:
+    """``cases``: (factory, plan dict) or (factory, plan dict, local_batch).
+
+    ``record``: (a directory, each case's number): this rank keeps each case's result there as it finishes,
+    for :func:`_launch_resuming` to keep when another rank is killed later in the job.
+    """
     out = []
-    for factory, plan, *local in cases:
+    for k, (factory, plan, *local) in enumerate(cases):
         wall, cpu = time.perf_counter(), time.process_time()
         out.append(_rank_run(factory, cluster, plan, bool(local and local[0]), steps, lr, seed, loss_fn, rng, precision))
+        if record is not None:
+            path = os.path.join(record[0], f"{record[1][k]}.{dist.get_rank()}")
+            with open(path + ".part", "wb") as f:
+                pickle.dump(out[-1], f)
+            os.replace(path + ".part", path)  # whole or absent: a rank killed while writing leaves no result
         if os.environ.get(CASE_TIMES) and dist.get_rank() == 0:
             row = {
                 "world": dist.get_world_size(),
@@ -447,8 +461,9 @@ def check_plans(
     ``local_batch`` (for all cases, or per case): each rank passes only its
     data-parallel part of the batch, ``train_step(..., local_batch=True)``, as
     a job with a sampler per rank does.  A launch whose rank is killed by a
-    signal runs again, up to ``crash_retries`` times (:func:`launch`).  A
-    rank that raises, and every mismatch, fails at once.
+    signal runs again, up to ``crash_retries`` times, with the cases not every
+    rank had finished (:func:`_launch_resuming`).  A rank that raises, and
+    every mismatch, fails at once.
     """
     local = local_batch if isinstance(local_batch, list) else [local_batch] * len(cases)
     factories = list(dict.fromkeys(factory for factory, _ in cases))  # one reference run per model
@@ -476,11 +491,40 @@ def check_plans(
         (factory, plan.to_dict() if plan is not None else None, flag)
         for (factory, _), plan, flag in zip(cases, plans, local, strict=True)
     ]
-    per_rank = launch(
-        _rank_run_all, cluster, wire, cluster, steps, lr, seed, loss_fn, rng or "fast", precision,
-        crash_retries=crash_retries,
-    )  # fmt: skip
+    per_rank = _launch_resuming(wire, cluster, (steps, lr, seed, loss_fn, rng or "fast", precision), crash_retries)
     return [_compare([r[k] for r in per_rank], refs[k]) for k in range(len(cases))]
+
+
+def _launch_resuming(wire: list, cluster: Cluster, args: tuple, crash_retries: int) -> list[list]:
+    """Per rank, each case's result: the cases run in one launch; a launch whose rank is killed by a signal
+    (gloo's rare heap corruption, :func:`autopar.runtime.launch.launch`) runs again, up to ``crash_retries``
+    times, with only the cases not every rank had finished."""
+    world = cluster.world_size
+    results: dict[int, list] = {}
+    with tempfile.TemporaryDirectory(prefix="autopar-cases-") as done:
+        for attempt in range(crash_retries + 1):
+            todo = [k for k in range(len(wire)) if k not in results]
+            try:
+                per_rank = launch(_rank_run_all, cluster, [wire[k] for k in todo], cluster, *args, (done, todo))
+            except LaunchError as exc:
+                if exc.signal is None or attempt == crash_retries:
+                    raise
+                for k in todo:
+                    paths = [os.path.join(done, f"{k}.{r}") for r in range(world)]
+                    if all(os.path.exists(p) for p in paths):
+                        results[k] = [_load(p) for p in paths]
+                left = len(wire) - len(results)
+                log.warning("%s; running the %d cases not finished again (%d of %d)", exc, left, attempt + 1, crash_retries)
+                continue
+            for i, k in enumerate(todo):
+                results[k] = [per_rank[r][i] for r in range(world)]
+            break
+    return [[results[k][r] for k in range(len(wire))] for r in range(world)]
+
+
+def _load(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def check_plan(
