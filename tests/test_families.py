@@ -12,7 +12,7 @@ AdamW steps each within 1e-5 of one device. The random layouts are drawn on a
 mesh of 2 (tp 2, 2 processes), where every op's rules meet every placement of
 one axis; those of ``TRAINED_2D`` on dp 2 x tp 2 (4 processes), where two axes
 split one tensor, as in the 2-D random layouts of GPT-2, LLaMA and nanoGPT elsewhere
-(test_runtime, test_context_parallel, test_zero_runtime). On 2 cores a case on
+(test_runtime, test_context_parallel, test_zero_runtime, test_handwritten). On 2 cores a case on
 4 ranks costs twice its cost on 2. Dropout stays on where the family ships it:
 families that draw random numbers run under ``rng="exact"`` against the same
 model trained by autopar on one process, the others against eager PyTorch
