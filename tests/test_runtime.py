@@ -39,6 +39,7 @@ from autopar.search.sharding.seeds import seed_filter
 from autopar.verify.oracle import (
     check_plans,
     factory_layout_plan,
+    group_error,
     layout_plan,
     loss_split_layout,
     plan_with_layout,
@@ -462,3 +463,12 @@ def test_gradients_sum_over_microbatches_into_grad_without_sharing_storage():
     shards[1].grad = None
     GradAccumulator(shards[1:], [0], None, [False], copy=True).add({0: owned})
     assert shards[1].grad is not owned and torch.equal(shards[1].grad, owned)
+
+
+def test_a_gradient_neither_run_has_agrees_and_one_only_one_run_has_does_not():
+    # a parameter the loss does not reach (BigBird's pooler under its causal LM head) has no gradient on one device
+    # nor under a plan: the reference of a model with dropout, autopar on one process, lists it as None
+    g = torch.ones(3)
+    assert group_error({"w": g, "pooler": None}, {"w": g, "pooler": None}) == (0.0, "w")
+    assert group_error({"w": g, "pooler": torch.zeros(3)}, {"w": g, "pooler": None})[0] == float("inf")
+    assert group_error({"w": g, "pooler": None}, {"w": g, "pooler": torch.zeros(3)})[0] == float("inf")

@@ -80,12 +80,19 @@ class Check:
         )
 
 
-def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """‖ours − ref‖ / ‖ref‖ over all tensors of ``ref`` together, and the tensor with the largest difference."""
+def group_error(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor | None]) -> tuple[float, str]:
+    """‖ours − ref‖ / ‖ref‖ over all tensors of ``ref`` together, and the tensor with the largest difference.
+
+    A name ``ref`` maps to None (a parameter the loss does not reach has no gradient) agrees only with None.
+    """
     diff2 = ref2 = 0.0
     worst, name = -1.0, ""
     for key, b in ref.items():
         a = ours.get(key)
+        if b is None:
+            if a is None:
+                continue
+            return float("inf"), key
         if a is None or a.shape != b.shape:
             return float("inf"), key
         d = (a.detach().double() - b.detach().double()).norm().item() ** 2
