@@ -235,6 +235,35 @@ def test_data_dependent_branch_names_the_module() -> None:
     assert "loss_fn" not in msg
 
 
+class CountingRouter(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        pick = x[:, :2].argmax(1, keepdim=True)
+        # tokens per expert as Python numbers (JetMoe's router): export keeps them as sizes it cannot know
+        sizes = torch.zeros(x.shape[0], 2).scatter(1, pick, 1).long().sum(0).tolist()
+        return sizes, pick.flatten().sort(0)[1]
+
+
+class CountedExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.router = CountingRouter()
+        self.experts = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        sizes, order = self.router(h)
+        return torch.cat([part @ self.experts[i] for i, part in enumerate(h[order].split(sizes))]).sum()
+
+
+def test_sizes_read_from_tensor_values_name_the_module_that_reads_them() -> None:
+    with pytest.raises(CaptureError) as err:
+        capture(CountedExperts(), torch.randn(8, 4))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "router (CountingRouter)" in msg and ".tolist()" in msg and "depend on the data" in msg
+
+
 class LabeledOnly(nn.Module):
     """A loss over the labelled rows only, picked by a data-dependent branch (DeBERTa-v2's classification head)."""
 

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.capture.graph import node_module, node_phase
-from autopar.capture.inputs import NoLoss
+from autopar.capture.inputs import NoLoss, strip_wrapper
 from autopar.core.errors import CaptureError
 
 aten = torch.ops.aten
@@ -106,6 +106,32 @@ def export_error(exc: Exception, model: nn.Module, stack: list[str]) -> CaptureE
     ):
         return CaptureError(f"example inputs do not fit {cls}: {one_line(exc)} (in module {where})")
     return CaptureError(f"could not export {cls}: {one_line(exc)} (in module {where})")
+
+
+# ops that read a tensor's value into Python (``.item()``, ``.tolist()``): export keeps their results as unbacked
+# sizes, but the backward traced on fake tensors has no value to give them
+_VALUE_READS = (aten.item.default, aten._local_scalar_dense.default)
+
+
+def joint_error(exc: Exception, exported: fx.Graph, model: nn.Module) -> CaptureError:
+    """Turn a failure to trace the joint forward + backward of an exported graph into a one-line CaptureError.
+
+    The usual cause is a forward that turns tensor values into Python numbers (a mixture of experts that
+    counts its tokens per expert with ``.tolist()``): the shapes after it depend on the data. The message
+    names the module that reads them, from the exported node's module stack.
+    """
+    cls = type(model).__name__
+    if any(isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)) for e in _chain(exc)):
+        reads = [n for n in exported.nodes if n.op == "call_function" and n.target in _VALUE_READS]
+        stack = reads[0].meta.get("nn_module_stack") if reads else None
+        path = strip_wrapper(list(stack.values())[-1][0]) if stack else ""
+        where = describe_module(model, path) if reads else "its forward"
+        return CaptureError(
+            f"could not trace the backward of {cls}: {where} reads tensor values into Python numbers (`.item()`, "
+            "`.tolist()`), so the shapes after it depend on the data; write that step with shapes that do not "
+            "(HuggingFace's experts modules route with fixed shapes, and autopar captures them as one op)"
+        )
+    return CaptureError(f"could not trace the backward of {cls}: {one_line(exc)}")
 
 
 @contextmanager

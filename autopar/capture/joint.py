@@ -42,7 +42,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
-from autopar.capture.diagnostics import check_dtypes, export_error, one_line, quiet_torch_logs, track_modules
+from autopar.capture.diagnostics import (
+    check_dtypes,
+    export_error,
+    joint_error,
+    quiet_torch_logs,
+    track_modules,
+)
 from autopar.capture.experts import experts_as_op
 from autopar.capture.graph import (
     CapturedGraph,
@@ -243,7 +249,7 @@ def capture(
     t1 = time.perf_counter()
     sources = _exported_sources(ep, state, fakes, cls)
     fake_args = fakes.joint_args(state)
-    gm, updated = _joint_graph(ep, sources, state, fake_args, fakes.mode, cls)
+    gm, updated = _joint_graph(ep, sources, state, fake_args, fakes.mode, model)
     infos, owners = _name_placeholders(gm, state, fakes, fake_args)
     loss = _annotate(gm, owners, len(state.trainable))
     check_dtypes(gm, model)
@@ -397,9 +403,10 @@ def _joint_graph(
     state: _ModelState,
     fake_args: list[torch.Tensor],
     fake_mode: FakeTensorMode,
-    cls: str,
+    model: nn.Module,
 ) -> tuple[fx.GraphModule, list[int]]:
     """The joint trace, functionalized when it holds in-place ops; the cleaned graph and the updated buffers."""
+    cls = type(model).__name__
     n_params = len(state.trainable)
     try:
         with fake_mode, quiet_torch_logs(), _lean_tracing():
@@ -416,7 +423,7 @@ def _joint_graph(
         raise
     except Exception as exc:  # noqa: BLE001
         log.debug("joint trace of %s failed", cls, exc_info=True)
-        raise CaptureError(f"could not trace the backward of {cls}: {one_line(exc)}") from exc
+        raise joint_error(exc, ep.graph, model) from exc
     _clean(gm)
     bad = sorted({str(n.target) for n in gm.graph.nodes if is_mutating(n)})
     if bad:
