@@ -243,6 +243,40 @@ def olmoe():
     )
 
 
+# ------------------------------------------------------------------ newer architectures
+# built by examples.zoo's one rule from their default configs (one layer of each kind the stack has, the sizes
+# above): benchmarks/hf_zoo.py trains every causal LM transformers ships; these four keep in the suite an op
+# or a layer none of the families above has
+
+
+def gpt_oss():
+    """Attention sinks, sliding and full layers, experts with biases and a clamped SwiGLU."""
+    from examples import zoo
+
+    return zoo.causal_lm("GptOss")
+
+
+def llama4():
+    """Chunked attention beside layers without rotary embeddings, a routed expert beside a shared one."""
+    from examples import zoo
+
+    return zoo.causal_lm("Llama4")
+
+
+def mamba():
+    """A state-space model: no attention, a selective scan over the sequence."""
+    from examples import zoo
+
+    return zoo.causal_lm("Mamba")
+
+
+def jamba():
+    """Mamba and attention layers in one stack, mixtures of experts among them."""
+    from examples import zoo
+
+    return zoo.causal_lm("Jamba")
+
+
 # ------------------------------------------------------------------ encoders
 
 
@@ -352,6 +386,7 @@ FAMILIES = {
     for f in (
         gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, phi, olmo2, opt, gpt_neox, bloom, falcon,
         mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe,
+        gpt_oss, llama4, mamba, jamba,
         bert, roberta, distilbert, albert, electra, deberta_v2,
         t5, bart,
         vit, deit, swin, convnext,
