@@ -245,7 +245,7 @@ def olmoe():
 
 # ------------------------------------------------------------------ newer architectures
 # built by examples.zoo's one rule from their default configs (one layer of each kind the stack has, the sizes
-# above): benchmarks/hf_zoo.py trains every causal LM transformers ships; these four keep in the suite an op
+# above): benchmarks/hf_zoo.py trains every causal LM transformers ships; these five keep in the suite an op
 # or a layer none of the families above has
 
 
@@ -268,6 +268,13 @@ def mamba():
     from examples import zoo
 
     return zoo.causal_lm("Mamba")
+
+
+def mamba2():
+    """Mamba-2: the scan in chunks of the sequence (PyTorch's reference, without the mamba_ssm kernels)."""
+    from examples import zoo
+
+    return zoo.causal_lm("Mamba2")
 
 
 def jamba():
@@ -386,7 +393,7 @@ FAMILIES = {
     for f in (
         gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, phi, olmo2, opt, gpt_neox, bloom, falcon,
         mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe,
-        gpt_oss, llama4, mamba, jamba,
+        gpt_oss, llama4, mamba, mamba2, jamba,
         bert, roberta, distilbert, albert, electra, deberta_v2,
         t5, bart,
         vit, deit, swin, convnext,

@@ -50,6 +50,8 @@ TRAINED = [
     "bloom",  # ALiBi
     "falcon",  # tensor literals in the forward
     "mixtral",  # mixture of experts (grouped expert matmuls, top-k routing)
+    "llama4",  # chunked attention, layers without rotary embeddings; its router's scatter gathers across shards
+    "mamba2",  # a state-space scan in chunks: views of permuted tensors that a shard cannot take
     "bert",  # masked LM over padded labels, dropout
     "deberta_v2",  # disentangled relative attention
     "t5",  # encoder-decoder, relative position buckets, label shift

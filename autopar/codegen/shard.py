@@ -175,6 +175,8 @@ class _ShardInterpreter(fx.Interpreter):
         args, kwargs = self._bring(n, args, kwargs, entry)
         if n.target is aten.embedding.default and any(p.is_shard(0) for p in entry["inputs"][0] or ()):
             return self._declare(self._vocab_parallel_embedding(args, entry), entry, n)
+        if n.target is aten.gather.default and self._gathers_across_shards(n, entry):
+            return self._declare(self._masked_gather(n, args, entry), entry, n)
         if n.target in reshape_shards.RESHAPES and self._contiguous(n, entry):
             return self._declare(self._local_reshape(n, args, entry), entry, n)
         if strategy_rules.rule_for(n.target) is not None or n.target in _RUN_LOCALLY:
@@ -190,6 +192,8 @@ class _ShardInterpreter(fx.Interpreter):
             # DTensor would pick the planned strategy (the inputs are laid out as it reads it) and run the op on
             # the local shards, its arguments unchanged: that, without enumerating the op's strategies again
             return self._declare(self._local(n, args, kwargs, entry), entry, n)
+        if n.target is aten.view.default and self._shard_not_viewable(n, args[0], entry):
+            args = (args[0].contiguous(), *args[1:])
         try:
             out = n.target(*args, **kwargs)
         except NotImplementedError:  # no DTensor rule: the strategy pass offered only what runs locally
@@ -360,13 +364,7 @@ class _ShardInterpreter(fx.Interpreter):
         applied at once and the placement is a plain partial sum.
         """
         weight, indices, *rest = args
-        spec = entry["inputs"][0]
-        rows = weight.shape[0]
-        offset, coord = 0, self.mesh.get_coordinate()
-        for i, p in enumerate(spec):
-            if p.is_shard(0):
-                rows //= self.mesh.size(i)
-                offset += coord[i] * rows
+        offset, rows = self._held_rows(entry["inputs"][0], 0, weight.shape[0])
         idx = local_of(indices) if isinstance(indices, DTensor) else indices
         outside = (idx < offset) | (idx >= offset + rows)
         local = aten.embedding.default(local_of(weight), (idx - offset).masked_fill(outside, 0), *rest)
@@ -379,6 +377,52 @@ class _ShardInterpreter(fx.Interpreter):
             torch.Size([*indices.shape, weight.shape[1]]),
             torch.empty([*indices.shape, weight.shape[1]], device="meta").stride(),
         )
+
+    def _shard_not_viewable(self, n: fx.Node, x: Any, entry: dict) -> bool:
+        """Whether ``n`` (a view) cannot view this rank's shard of ``x``, though it views the whole: a permuted
+        tensor split on a dim beside the ones the view merges (Mamba-2's chunked scan) holds its shard at
+        strides no view can merge. The shard is then made contiguous first: the same values, copied."""
+        out = entry["outputs"][0] if entry["outputs"] else None
+        if not isinstance(x, DTensor) or not out:
+            return False
+        shape = list(n.meta["val"].shape)
+        for p, size in zip(out, self.mesh.shape, strict=True):
+            if p.is_shard():
+                shape[p.dim] //= size
+        local = local_of(x)
+        try:
+            torch.empty_strided(local.shape, local.stride(), device="meta").view(shape)
+        except (RuntimeError, ValueError):
+            return True
+        return False
+
+    def _held_rows(self, spec: Placements, dim: int, size: int) -> tuple[int, int]:
+        """Where this rank's rows of a tensor dim of ``size`` placed ``spec`` start, and how many it holds."""
+        rows, offset, coord = size, 0, self.mesh.get_coordinate()
+        for i, p in enumerate(spec):
+            if p.is_shard(dim):
+                rows //= self.mesh.size(i)
+                offset += coord[i] * rows
+        return offset, rows
+
+    @staticmethod
+    def _gathers_across_shards(n: fx.Node, entry: dict) -> bool:
+        """Whether ``gather`` is planned on a source split along the dim it gathers from (its index whole there)."""
+        source = entry["inputs"][0]
+        dim = n.args[1] % n.args[0].meta["val"].dim()
+        return bool(source) and any(p.is_shard(dim) for p in source)
+
+    def _masked_gather(self, n: fx.Node, args: Any, entry: dict) -> Any:
+        """``gather`` from a source split along its gather dim: each rank picks the entries it holds, zeros
+        elsewhere, a partial sum over the splitting mesh dims (DTensor's masked-partial strategy, whose
+        masking lives in its dispatch: run on the local shards as such, it indexed past them)."""
+        source, dim, index = args[0], n.args[1] % n.args[0].meta["val"].dim(), args[2]
+        offset, rows = self._held_rows(entry["inputs"][0], dim, source.shape[dim])
+        idx = local_of(index) if isinstance(index, DTensor) else index
+        outside = (idx < offset) | (idx >= offset + rows)
+        local = aten.gather.default(local_of(source), dim, (idx - offset).masked_fill(outside, 0))
+        self.local_only[str(n.target)] += 1
+        return self._wrap(local.masked_fill(outside, 0), n.meta["val"], entry)
 
     def _contiguous(self, n: fx.Node, entry: dict) -> bool:
         """Whether ``n`` (a reshape) is planned as one DTensor calls strided that keeps each rank's elements."""
