@@ -83,6 +83,8 @@ def small_config(config_cls: type) -> Any:
         over[alias.get("num_experts_per_tok", "num_experts_per_tok")] = min(2, top_k)
     if "kv_lora_rank" in d:  # latent attention expands its keys and values to every head
         over["num_key_value_heads"] = HEADS
+        if "head_dim" in d and "qk_rope_head_dim" in d:  # its head_dim is the rotary part's
+            over["head_dim"] = SIZES["qk_rope_head_dim"]
     if "expand" in d and "num_heads" in d and "head_dim" in d:  # Mamba-2: heads x head dim = expand x hidden
         over["num_heads"] = d["expand"] * HIDDEN // HEAD_DIM
     if "mamba_n_heads" in d:
