@@ -106,6 +106,7 @@ def fp32_floor(make) -> list[float]:
 
     from autopar.capture.inputs import model_loss
     from autopar.verify.oracle import group_error
+    from autopar.verify.reference import train
 
     torch.manual_seed(0)
     model, inputs = make()
@@ -113,16 +114,16 @@ def fp32_floor(make) -> list[float]:
     for dtype in (torch.float32, torch.float64):
         m = copy.deepcopy(model).to(dtype)
         feed = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        losses, first = [], None
-        for _ in range(3):
-            loss = model_loss(m, feed, None)
+
+        def step(m=m, feed=feed) -> torch.Tensor:
+            loss = model_loss(m, feed)
             loss.backward()
-            losses.append(float(loss))
-            if first is None:
-                first = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-            opt.step()
-            opt.zero_grad()
+            return loss.detach()
+
+        def grads(m=m) -> dict:
+            return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+        losses, first = train(m, feed, step, torch.optim.AdamW(m.parameters(), lr=1e-3), 3, grads)
         runs.append((losses, first, {n: p.detach().clone() for n, p in m.named_parameters()}))
     (l32, g32, p32), (l64, g64, p64) = runs
     loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(l32, l64, strict=True))

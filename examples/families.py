@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from examples import zoo
+
 BATCH = 8
 SEQ = 16
 VOCAB = 128
@@ -251,36 +253,26 @@ def olmoe():
 
 def gpt_oss():
     """Attention sinks, sliding and full layers, experts with biases and a clamped SwiGLU."""
-    from examples import zoo
-
     return zoo.causal_lm("GptOss")
 
 
 def llama4():
     """Chunked attention beside layers without rotary embeddings, a routed expert beside a shared one."""
-    from examples import zoo
-
     return zoo.causal_lm("Llama4")
 
 
 def mamba():
     """A state-space model: no attention, a selective scan over the sequence."""
-    from examples import zoo
-
     return zoo.causal_lm("Mamba")
 
 
 def mamba2():
     """Mamba-2: the scan in chunks of the sequence (PyTorch's reference, without the mamba_ssm kernels)."""
-    from examples import zoo
-
     return zoo.causal_lm("Mamba2")
 
 
 def jamba():
     """Mamba and attention layers in one stack, mixtures of experts among them."""
-    from examples import zoo
-
     return zoo.causal_lm("Jamba")
 
 

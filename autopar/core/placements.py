@@ -188,9 +188,11 @@ def to_dtensor_all(placements: Iterable[Placement]) -> tuple[dt.Placement, ...]:
 def from_dtensor(p: dt.Placement, is_input: bool = False) -> Placement | None:
     """The placement a DTensor placement stands for, or None if autopar has no such kind.
 
-    DTensor's vocab-sharded embedding asks for its *indices* as a ``_MaskPartial``:
-    the indices are whole on every rank and the op masks the rows it does not own,
-    so as an input that is a replica.  As an output it is a true partial sum.
+    DTensor's vocab-sharded embedding, and its gather from a source split along the
+    gather dim, ask for their *indices* as a ``_MaskPartial``: the indices are whole on
+    every rank and the op masks the rows it does not own (DTensor in its dispatch,
+    autopar's sharding interpreter in its own handlers of the two), so as an input that
+    is a replica.  As an output it is a true partial sum.
     """
     if isinstance(p, dt.Replicate):
         return REPLICATE
