@@ -192,7 +192,8 @@ def from_dtensor(p: dt.Placement, is_input: bool = False) -> Placement | None:
     gather dim, ask for their *indices* as a ``_MaskPartial``: the indices are whole on
     every rank and the op masks the rows it does not own (DTensor in its dispatch,
     autopar's sharding interpreter in its own handlers of the two), so as an input that
-    is a replica.  As an output it is a true partial sum.
+    is a replica.  As an output it is a true partial sum.  Other partials of DTensor's own
+    (a p-norm's) are no kind autopar has.
     """
     if isinstance(p, dt.Replicate):
         return REPLICATE
@@ -200,8 +201,10 @@ def from_dtensor(p: dt.Placement, is_input: bool = False) -> Placement | None:
         return shard(p.dim)
     if isinstance(p, dt._MaskPartial):
         return REPLICATE if is_input else PARTIAL
-    if isinstance(p, dt.Partial):
+    if type(p) is dt.Partial:
         return partial(p.reduce_op)
+    # any other partial completes by more than its reduce_op: a p-norm's ``_NormPartial`` (reduce_op "sum")
+    # sums the p-th powers and takes the root, which a P of the shards' norms would add up as they are
     return None
 
 

@@ -296,6 +296,22 @@ def stack(node: fx.Node) -> list[Row]:
     return rows
 
 
+def scan(node: fx.Node) -> list[Row]:
+    """``cumsum`` / ``cumprod`` / ``logcumsumexp`` (input, dim): output and input split alike on any dim but the
+    scanned one, or whole.
+
+    DTensor's rule (``scan_strategy``, torch 2.13) compares shard dims with ``dim`` as written: a scan over
+    ``dim=-1`` kept its input split along that very dim, and each rank scanned only its own part (Mamba-2's
+    chunked scan, 1e-2 off in its gradients).
+    """
+    (source,) = tensor_inputs(node)
+    rank = source.meta["val"].dim()
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    dim = dim + rank if dim < 0 else dim
+    sizes = node.meta["val"].shape
+    return [[R, R]] + [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
+
+
 # element-wise ops with neither a DTensor rule nor a decomposition DTensor can trace
 ELEMENTWISE = (
     aten.hardswish_backward.default,
@@ -320,6 +336,9 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_flash_cpu_backward,
     aten.fill.Tensor: fill_tensor,
     aten.stack.default: stack,
+    aten.cumsum.default: scan,
+    aten.cumprod.default: scan,
+    aten.logcumsumexp.default: scan,
 }
 RULES.update({op: elementwise for op in ELEMENTWISE})
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
