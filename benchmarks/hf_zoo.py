@@ -12,9 +12,12 @@ cannot stop the sweep):
 1. capture: the joint forward + backward graph (:func:`autopar.capture.joint.capture`);
 2. rules: every op of it has a sharding rule on a 2 x 2 mesh, or is listed;
 3. with ``--train``: a random flowing layout on tp 2 (every op's strategy
-   drawn among those it has, as ``tests/test_families.py`` draws them) trains 3
+   drawn among those it has, as ``tests/test_families.py`` draws them; or, with
+   ``--layout random``, each op's drawn without regard to its neighbours') trains 3
    AdamW steps on 2 gloo processes under ``rng="exact"`` and is held to one
-   device at 1e-5 (:func:`autopar.verify.oracle.check_plans`).
+   device at 1e-5 (:func:`autopar.verify.oracle.check_plans`); a family that
+   differs is then run op by op, and the first node whose value differs is
+   printed (:func:`autopar.verify.localize.differences`).
 
 A family whose shrunk config transformers refuses, whose build fails, or
 whose eager forward and backward fail before autopar sees the model, is
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples import zoo  # noqa: E402
 
 
-def one(name: str, train: bool) -> dict:
+def one(name: str, train: bool, layout: str = "flowing") -> dict:
     """The three stages for one family, in this process; the last stage reached and what it found."""
     import logging
     import warnings
@@ -49,6 +52,7 @@ def one(name: str, train: bool) -> dict:
     from autopar.capture.inputs import model_loss
     from autopar.capture.joint import capture
     from autopar.search.sharding.strategies import enumerate_strategies, unruled_ops
+    from autopar.verify.localize import differences
     from autopar.verify.oracle import check_plans, draws_random, factory_layout_plan
 
     warnings.filterwarnings("ignore")
@@ -80,13 +84,18 @@ def one(name: str, train: bool) -> dict:
         launch.PRELOAD.append("examples.zoo")
         two = autopar.Cluster.local(2)
         make = zoo.factory(name)
-        (check,) = check_plans([(make, factory_layout_plan(make, two, 1, 2, "flowing"))], two, rng="exact")
+        kind, _, seed = layout.partition(":")
+        plan = factory_layout_plan(make, two, 1, 2, kind, seed=int(seed or 0))
+        (check,) = check_plans([(make, plan)], two, rng="exact")
         row.update(ok=check.ok(1e-5), errors=[check.loss_error, check.grad_error, check.param_error])
         if not row["ok"] and not draws_random(make):
             try:
                 row["floor"] = fp32_floor(make)
             except Exception as e:  # noqa: BLE001 - a model with no fp64 kernel (grouped matmuls) has no floor
                 row["floor_error"] = _line(e)
+        if not row["ok"]:
+            first = differences(make, two, plan, limit=1)
+            row["first"] = str(first[0]) if first else "no node's value differs by 1e-4 of its scale"
         return {**row, "stage": "trained"}
     except Exception as e:  # noqa: BLE001
         return {**row, "stage": "train", "error": _line(e)}
@@ -142,9 +151,9 @@ def _limit(memory_gb: float):
     return cap
 
 
-def run(name: str, train: bool, timeout: float, memory_gb: float) -> dict:
+def run(name: str, train: bool, timeout: float, memory_gb: float, layout: str = "flowing") -> dict:
     """:func:`one` in a process of its own."""
-    cmd = [sys.executable, __file__, "--one", name] + (["--train"] if train else [])
+    cmd = [sys.executable, __file__, "--one", name, "--layout", layout] + (["--train"] if train else [])
     t = time.perf_counter()
     try:
         out = subprocess.run(
@@ -165,7 +174,9 @@ def verdict(row: dict) -> str:
         floor = row.get("floor")
         if floor and all(e <= max(1e-5, 2 * f) for e, f in zip(row["errors"], floor, strict=True)):
             return f"trains like one device, within fp32's own error ({worst:.1e}; one device fp32 vs fp64: {max(floor):.1e})"
-        return f"DIFFERS from one device ({worst:.1e}" + (f"; one device fp32 vs fp64: {max(floor):.1e})" if floor else ")")
+        notes = [f"one device fp32 vs fp64: {max(floor):.1e}"] if floor else []
+        notes += [f"first: {row['first']}"] if row.get("first") else []
+        return f"DIFFERS from one device ({'; '.join([f'{worst:.1e}', *notes])})"
     if row["stage"] == "rules":
         return "every op has a rule" if not row["unruled"] else "replicated: " + ", ".join(row["unruled"])
     return f"{row['stage']}: {row.get('error', '')}"
@@ -177,16 +188,19 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated families (Llama, GptOss, ...)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a family may take")
     ap.add_argument("--memory-gb", type=float, default=12, help="address space a family's process may take")
+    ap.add_argument(
+        "--layout", default="flowing", help='the layout trained: "flowing" or "random", with ":seed" (default 0)'
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.train)), flush=True)
+        print(json.dumps(one(args.one, args.train, args.layout)), flush=True)
         return
     names = args.only.split(",") if args.only else zoo.causal_lm_names()
     print(f"{'family':<28} {'params':>9} {'nodes':>6} {'capture s':>9} {'s':>6}  result", flush=True)
     rows = []
     for name in names:
-        row = run(name, args.train, args.timeout, args.memory_gb)
+        row = run(name, args.train, args.timeout, args.memory_gb, args.layout)
         rows.append(row)
         print(
             f"{name:<28} {row.get('params', ''):>9} {row.get('nodes', ''):>6} {row.get('capture_s', ''):>9} "

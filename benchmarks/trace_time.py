@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopar  # noqa: E402
 from autopar.capture.joint import capture  # noqa: E402
-from autopar.codegen import shard  # noqa: E402
+from autopar.codegen import shard, shard_interpreter  # noqa: E402
 from autopar.codegen.transfer import transfer_placements  # noqa: E402
 from autopar.verify.oracle import layout_plan  # noqa: E402
 from examples import families  # noqa: E402
 
 
 def _trace(captured, chosen, mesh, skip: bool) -> tuple[float, str]:
-    shard.SKIP_DTENSOR_DISPATCH = skip
+    shard_interpreter.SKIP_DTENSOR_DISPATCH = skip
     start = time.perf_counter()
     code = shard.shard_graph(captured, chosen, mesh).gm.code
     return time.perf_counter() - start, code
@@ -76,7 +76,7 @@ def main() -> None:
         nodes = len(captured.gm.graph.nodes)
         rows.append((name, nodes, dispatched, skipped, "yes" if len(codes) == 1 else "NO"))
         print(f"{name:>12} {nodes:6d} nodes  dispatched {dispatched:6.2f} s  skipped {skipped:6.2f} s", flush=True)
-    shard.SKIP_DTENSOR_DISPATCH = True
+    shard_interpreter.SKIP_DTENSOR_DISPATCH = True
     dist.destroy_process_group()
     print(f"\n{args.layout} dp 2 x tp 2 layouts, last of 4 ranks; medians of {args.repeats}\n")
     print("| family | joint nodes | DTensor's dispatch s | skipped s | skipped / dispatch | same code |")

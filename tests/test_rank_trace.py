@@ -1,7 +1,7 @@
 """Two shortcuts to a rank's local graph, each held to give the graph the long way gives, code for code.
 
 - The sharding interpreter runs the ops DTensor would run on the local shards unchanged itself, skipping
-  DTensor's dispatch (``autopar.codegen.shard.SKIP_DTENSOR_DISPATCH``).
+  DTensor's dispatch (``autopar.codegen.shard_interpreter.SKIP_DTENSOR_DISPATCH``).
 - In a job of CPU processes, the ranks but the first take rank 0's captured graph, sent as bytes
   (:mod:`autopar.runtime.shared_capture`), instead of capturing the model themselves.
 
@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar.capture.joint import capture
-from autopar.codegen import shard
+from autopar.codegen import shard, shard_interpreter
 from autopar.codegen.transfer import transfer_placements
 from autopar.runtime.shared_capture import _from_bytes, _to_bytes
 from autopar.verify.oracle import layout_plan
@@ -48,7 +48,7 @@ def test_skipping_dtensor_dispatch_traces_the_same_graph(last_of_four, monkeypat
     captured = capture(model, inputs)
     chosen, _ = transfer_placements(plan.placements, captured, (2, 2))
     skipped = shard.shard_graph(captured, chosen, last_of_four).gm.code
-    monkeypatch.setattr(shard, "SKIP_DTENSOR_DISPATCH", False)
+    monkeypatch.setattr(shard_interpreter, "SKIP_DTENSOR_DISPATCH", False)
     dispatched = shard.shard_graph(captured, chosen, last_of_four).gm.code
     assert skipped == dispatched
     assert "all_gather_into_tensor" in skipped  # a layout that moves values, not one every op reads as it comes

@@ -71,7 +71,7 @@ def costs_off(mode: bool | str = True) -> Iterator[None]:
 
     ``mode="match"``: a move costs the number of mesh dims whose placements differ, so that
     DTensor, dispatching an op whose inputs are laid out as one of its strategies reads them, picks that
-    strategy, as it would on real prices, without computing them (what :mod:`autopar.codegen.shard` needs).
+    strategy, as it would on real prices, without computing them (what :mod:`autopar.codegen.shard_interpreter` needs).
     """
     _install_cost_gate()
     before = getattr(_quiet, "on", False)
@@ -102,7 +102,7 @@ def dispatches_unchanged(op: Any) -> bool:
     """Whether DTensor dispatches ``op``, on inputs laid out as one of its strategies reads them, as the op run on
     the local shards with its arguments as given, its outputs in that strategy's placements.
 
-    So the sharding interpreter (:mod:`autopar.codegen.shard`) runs such an op on the shards itself and skips
+    So the sharding interpreter (:mod:`autopar.codegen.shard_interpreter`) runs such an op on the shards itself and skips
     DTensor enumerating its strategies again (about half of tracing a rank's graph). Not so for an op DTensor
     has no rule of its own for (it decomposes it or refuses), one it hands to a custom handler or treats as
     random, one whose size or shape arguments it rewrites to local ones (views, factories, squeeze, group

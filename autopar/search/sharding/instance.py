@@ -47,7 +47,7 @@ class EdgeInfo:
 
         The runtime casts a gradient on the chain up before a reduction and keeps it
         there, and returns every gradient in the reduce dtype
-        (:class:`autopar.codegen.shard.GradientCasts`): its own synchronisation
+        (:class:`autopar.codegen.shard_interpreter.GradientCasts`): its own synchronisation
         edge moves it in that dtype whatever the move.
         """
         if self.reduce_scale == 1.0 or have is None or need is None:
