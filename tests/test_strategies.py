@@ -342,7 +342,8 @@ def test_mixture_of_experts_grouped_matmuls_shard() -> None:
         assert any(s.outputs == ((R, P), (R, S(2))) for s in ns.strategies)
 
 
-# Ops that take a dim and no sizes, so that each rank may run them on its shards with the same arguments.
+# Ops that take a dim and no sizes (nor decompose into ops that do), so that each rank may run them on its
+# shards with the same arguments.
 _DIM_OPS = {
     "cumsum": lambda x, d: torch.cumsum(x, d),
     "cumprod": lambda x, d: torch.cumprod(x, d),
@@ -359,8 +360,26 @@ _DIM_OPS = {
     "norm1": lambda x, d: torch.linalg.vector_norm(x, ord=1, dim=d),
     "norm_inf": lambda x, d: torch.linalg.vector_norm(x, ord=float("inf"), dim=d),
     "flip": lambda x, d: x.flip(d),
-    "sort": lambda x, d: x.sort(d)[0],
     "cat": lambda x, d: torch.cat([x, x.exp()], d),
+    "argmax": lambda x, d: x.argmax(d),
+    "max": lambda x, d: x.max(d),
+    "topk": lambda x, d: x.topk(2, d),
+    "sort": lambda x, d: x.sort(d),
+    "cummax": lambda x, d: torch.cummax(x, d),
+    "std": lambda x, d: x.std(d),
+    "var_mean": lambda x, d: torch.var_mean(x, d),
+    "amin": lambda x, d: x.amin(d, keepdim=True),
+    "softmax_backward": lambda x, d: torch.ops.aten._softmax_backward_data(x, x.softmax(d), d, x.dtype),
+    "log_softmax_backward": lambda x, d: torch.ops.aten._log_softmax_backward_data(x, x.log_softmax(d), d, x.dtype),
+    "nansum": lambda x, d: x.nansum(d),
+    "roll": lambda x, d: x.roll(1, d),
+    "glu": lambda x, d: torch.nn.functional.glu(x, d),
+    "unbind": lambda x, d: x.unbind(d)[1],
+    "diff": lambda x, d: torch.diff(x, dim=d),
+    "median": lambda x, d: x.median(d),
+    "kthvalue": lambda x, d: x.kthvalue(2, d),
+    "count_nonzero": lambda x, d: torch.count_nonzero(x > 1, d),
+    "renorm": lambda x, d: x.renorm(2, d, 1.0),
 }
 
 
