@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py                 capture and rules, every family
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --train         ... and 3 AdamW steps on 2 processes
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --only Llama,GptOss --train
+    PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --run-rules     every strategy of every op run alone
 
 Each ``<Family>ForCausalLM`` is built from its default config shrunk by one
 rule (:mod:`examples.zoo`), then, in a process of its own (capped at
@@ -11,6 +12,8 @@ cannot stop the sweep):
 
 1. capture: the joint forward + backward graph (:func:`autopar.capture.joint.capture`);
 2. rules: every op of it has a sharding rule on a 2 x 2 mesh, or is listed;
+   with ``--run-rules``, every strategy of every op is also run alone on 2
+   gloo processes and held to one device (:mod:`autopar.verify.rule_check`);
 3. with ``--train``: a random flowing layout on tp 2 (every op's strategy
    drawn among those it has, as ``tests/test_families.py`` draws them; or, with
    ``--layout random``, each op's drawn without regard to its neighbours') trains 3
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples import zoo  # noqa: E402
 
 
-def one(name: str, train: bool, layout: str = "flowing") -> dict:
+def one(name: str, train: bool, layout: str = "flowing", run_rules: bool = False) -> dict:
     """The three stages for one family, in this process; the last stage reached and what it found."""
     import logging
     import warnings
@@ -54,6 +57,7 @@ def one(name: str, train: bool, layout: str = "flowing") -> dict:
     from autopar.search.sharding.strategies import enumerate_strategies, unruled_ops
     from autopar.verify.localize import differences
     from autopar.verify.oracle import check_plans, draws_random, factory_layout_plan
+    from autopar.verify.rule_check import check_rules
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -76,6 +80,12 @@ def one(name: str, train: bool, layout: str = "flowing") -> dict:
         row["unruled"] = sorted(map(str, unruled_ops(enumerate_strategies(captured.gm, (2, 2)))))
     except Exception as e:  # noqa: BLE001
         return {**row, "stage": "capture", "error": _line(e)}
+    if run_rules:
+        try:
+            (ran,) = check_rules([zoo.factory(name)], (1, 2))
+            row["ran"] = [ran.checked, len(ran.wrong), [str(w) for w in ran.wrong[:3]]]
+        except Exception as e:  # noqa: BLE001
+            row["ran"] = [0, 0, [_line(e)]]
     if not train:
         return {**row, "stage": "rules"}
     try:
@@ -151,9 +161,10 @@ def _limit(memory_gb: float):
     return cap
 
 
-def run(name: str, train: bool, timeout: float, memory_gb: float, layout: str = "flowing") -> dict:
+def run(name: str, train: bool, timeout: float, memory_gb: float, layout: str = "flowing", run_rules: bool = False) -> dict:
     """:func:`one` in a process of its own."""
-    cmd = [sys.executable, __file__, "--one", name, "--layout", layout] + (["--train"] if train else [])
+    cmd = [sys.executable, __file__, "--one", name, "--layout", layout]
+    cmd += (["--train"] if train else []) + (["--run-rules"] if run_rules else [])
     t = time.perf_counter()
     try:
         out = subprocess.run(
@@ -182,6 +193,16 @@ def verdict(row: dict) -> str:
     return f"{row['stage']}: {row.get('error', '')}"
 
 
+def ran(row: dict) -> str:
+    """What running every strategy alone found (``--run-rules``)."""
+    if "ran" not in row:
+        return ""
+    checked, wrong, first = row["ran"]
+    if not checked:
+        return f"; strategies not run: {first[0]}"
+    return f"; {checked} strategies run alone, {wrong} wrong" + (f" (first: {first[0]})" if wrong else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", action="store_true", help="also train each family on 2 processes")
@@ -191,20 +212,23 @@ def main() -> None:
     ap.add_argument(
         "--layout", default="flowing", help='the layout trained: "flowing" or "random", with ":seed" (default 0)'
     )
+    ap.add_argument(
+        "--run-rules", action="store_true", help="also run every strategy of every op alone on 2 processes"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.train, args.layout)), flush=True)
+        print(json.dumps(one(args.one, args.train, args.layout, args.run_rules)), flush=True)
         return
     names = args.only.split(",") if args.only else zoo.causal_lm_names()
     print(f"{'family':<28} {'params':>9} {'nodes':>6} {'capture s':>9} {'s':>6}  result", flush=True)
     rows = []
     for name in names:
-        row = run(name, args.train, args.timeout, args.memory_gb, args.layout)
+        row = run(name, args.train, args.timeout, args.memory_gb, args.layout, args.run_rules)
         rows.append(row)
         print(
             f"{name:<28} {row.get('params', ''):>9} {row.get('nodes', ''):>6} {row.get('capture_s', ''):>9} "
-            f"{row['s']:>6}  {verdict(row)}",
+            f"{row['s']:>6}  {verdict(row)}{ran(row)}",
             flush=True,
         )
     outcome = collections.Counter(

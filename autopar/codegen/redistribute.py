@@ -34,6 +34,7 @@ from autopar.core.placements import (
     balanced_route,
     from_dtensor,
     head_tail,
+    replicated,
     to_dtensor_all,
 )
 
@@ -188,6 +189,15 @@ def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -
         elif isinstance(p, Partial) and p.reduce_op == SUM and coord[i] != 0:
             local = torch.zeros_like(local)
     return dtensor_of(local, mesh, want, t.shape, t.stride())
+
+
+def from_whole_planned(t: torch.Tensor, mesh: DeviceMesh, target: Placements) -> DTensor:
+    """``t``, held whole by every rank, in autopar's placements ``target`` (no communication): a head-tail
+    shard is cut from a replica reordered locally."""
+    if balanced_at(target) is None:
+        return from_whole(t, mesh, to_dtensor_all(target))
+    everywhere = replicated(mesh.ndim)
+    return to_planned(from_whole(t, mesh, to_dtensor_all(everywhere)), target, everywhere)
 
 
 def _layout_strides(shape: torch.Size, like: torch.Tensor) -> tuple[int, ...]:

@@ -32,17 +32,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.capture.joint import CapturedGraph, gradient_chain
 from autopar.codegen.collective_order import one_chunk_in_flight, schedule_collectives
 from autopar.codegen.local_graph import LocalGraph
-from autopar.codegen.redistribute import (
-    dtensor_of,
-    from_whole,
-    local_of,
-    natural_order,
-    redistribute,
-    to_planned,
-)
+from autopar.codegen.redistribute import dtensor_of, from_whole_planned, local_of, natural_order, redistribute
 from autopar.codegen.shard_interpreter import GradientCasts, ShardInterpreter
 from autopar.codegen.zero_grads import early_zero_gradients, zero_gradient
-from autopar.core.placements import replicated, to_dtensor_all
+from autopar.core.placements import to_dtensor_all
 from autopar.search.sharding.dtensor_rules import costs_off
 
 log = logging.getLogger(__name__)
@@ -223,9 +216,6 @@ def run_sharded(
     gm = captured.gm
     interp = ShardInterpreter(gm, plan_placements, mesh, {n: functools.partial(record, n) for n in gm.graph.nodes})
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    everywhere = replicated(mesh.ndim)
-    args = [
-        to_planned(from_whole(t, mesh, to_dtensor_all(everywhere)), tuple(plan_placements[ph.name]["outputs"][0]), everywhere)
-        for t, ph in zip(whole, phs, strict=True)
-    ]
+    places = [tuple(plan_placements[ph.name]["outputs"][0]) for ph in phs]
+    args = [from_whole_planned(t, mesh, p) for t, p in zip(whole, places, strict=True)]
     interp.run(*args)

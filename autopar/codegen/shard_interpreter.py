@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from autopar.codegen import sequence_attention
 from autopar.codegen.redistribute import (
     dtensor_of,
-    from_whole,
+    from_whole_planned,
     local_of,
     match_layout,
     natural_order,
@@ -328,12 +328,7 @@ class ShardInterpreter(fx.Interpreter):
         res = []
         for o in flat:
             if isinstance(o, torch.Tensor):
-                p = tuple(next(outs, None) or replicated(self.mesh.ndim))
-                if balanced_at(p) is None:
-                    o = from_whole(o, self.mesh, to_dtensor_all(p))
-                else:  # cut from a replica in head-tail order: reordered locally, then sliced
-                    whole = replicated(self.mesh.ndim)
-                    o = to_planned(from_whole(o, self.mesh, to_dtensor_all(whole)), p, whole)
+                o = from_whole_planned(o, self.mesh, tuple(next(outs, None) or replicated(self.mesh.ndim)))
             res.append(o)
         return pytree.tree_unflatten(res, spec)
 

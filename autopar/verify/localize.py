@@ -46,6 +46,13 @@ from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.verify.oracle import draws_random
 
+aten = torch.ops.aten
+# ops whose values are whatever memory held: no two runs need agree on them
+UNDEFINED = frozenset(
+    {aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+     aten.new_empty_strided.default}
+)
+
 
 @dataclass(frozen=True)
 class Difference:
@@ -129,14 +136,14 @@ def _rank_values(
         if pickled is not None:
             reference = pickle.loads(pickled)
         else:
-            reference = _captured_values(captured.gm, whole) if dist.get_rank() == 0 else {}
+            reference = graph_values(captured.gm, whole) if dist.get_rank() == 0 else {}
     found: list[Difference] = []
     for node in captured.gm.graph.nodes:
-        if node.name not in values:
+        if node.name not in values or node.target in UNDEFINED:
             continue
         full = values[node.name].full_tensor()  # every rank gathers, in the same order
         want = reference.get(node.name)
-        if dist.get_rank() != 0 or want is None or len(found) >= limit:
+        if dist.get_rank() != 0 or not isinstance(want, torch.Tensor) or len(found) >= limit:
             continue
         diff = _difference(node, full, want, placements.get(node.name) or {}, tolerance)
         if diff is not None:
@@ -144,16 +151,14 @@ def _rank_values(
     return found
 
 
-def _captured_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every floating-point tensor the joint graph computes from ``args``, run as captured."""
-    values: dict[str, torch.Tensor] = {}
+def graph_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> dict[str, Any]:
+    """Every node's value when the joint graph runs as captured on ``args`` (one device's values)."""
+    values: dict[str, Any] = {}
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            out = super().run_node(n)
-            if isinstance(out, torch.Tensor) and out.is_floating_point():
-                values[n.name] = out
-            return out
+            values[n.name] = super().run_node(n)
+            return values[n.name]
 
     Recorder(gm).run(*args)
     return values
@@ -167,26 +172,44 @@ def _whole(entry: dict) -> dict:
     return {**entry, "inputs": [whole(p) for p in entry["inputs"]], "outputs": [whole(p) for p in entry["outputs"]]}
 
 
-def _difference(
-    node: fx.Node, got: torch.Tensor, want: torch.Tensor, entry: dict, tolerance: float
-) -> Difference | None:
+def gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """The largest absolute difference between ``got`` and ``want``, and the largest finite ``|want|``.
+
+    Equal infinities (a mask's -inf) and NaNs in the same places agree; other shapes are infinitely apart.
+    """
     want, got = want.double(), got.double()
     finite = want.isfinite()
     scale = want[finite].abs().max().item() if finite.any() else 0.0
     if got.shape != want.shape:
-        error = float("inf")
-    else:  # equal infinities (a mask's -inf), and NaNs in the same places, agree
-        same = (got == want) | (got.isnan() & want.isnan())
-        gap = (got - want).abs().masked_fill(same, 0.0)
-        error = gap.max().item() if gap.numel() else 0.0
-        error = float("inf") if error != error else error
+        return float("inf"), scale
+    same = (got == want) | (got.isnan() & want.isnan())
+    far = (got - want).abs().masked_fill(same, 0.0)
+    error = far.max().item() if far.numel() else 0.0
+    return (float("inf") if error != error else error), scale
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | None:
+    """How far ``got`` is from ``want`` when further than ``tolerance`` of its scale; None when not."""
+    error, scale = gap(got, want)
     if error <= tolerance * max(scale, 1e-3):
         return None
+    return f"off by {error:.1e} (its values up to {scale:.1e})"
 
-    def placed(ps: list) -> str:
+
+def placed(inputs: Any, outputs: Any) -> str:
+    """A strategy's placements as plans print them: ``inputs -> outputs``."""
+
+    def text(ps: Any) -> str:
         return ", ".join("-" if p is None else "(" + ", ".join(map(str, p)) + ")" for p in ps)
 
-    strategy = f"{placed(entry.get('inputs', []))} -> {placed(entry.get('outputs', []))}"
-    return Difference(
-        node.name, str(node.target), error, scale, tuple(a.name for a in node.all_input_nodes), strategy
-    )
+    return f"{text(inputs)} -> {text(outputs)}"
+
+
+def _difference(
+    node: fx.Node, got: torch.Tensor, want: torch.Tensor, entry: dict, tolerance: float
+) -> Difference | None:
+    error, scale = gap(got, want)
+    if error <= tolerance * max(scale, 1e-3):
+        return None
+    strategy = placed(entry.get("inputs", []), entry.get("outputs", []))
+    return Difference(node.name, str(node.target), error, scale, tuple(a.name for a in node.all_input_nodes), strategy)
