@@ -248,3 +248,39 @@ def test_expert_parallel_checkpoints_round_trip(tmp_path) -> None:
     assert trip.loaded_exactly, "the ep plan did not load what one device saved"
     assert trip.step_error <= 1e-5, f"the step after loading: {trip.step_error:.1e} ({trip.worst})"
     assert trip.reloaded_exactly, "one device did not load ep's save"
+
+
+def _ep_gradients_with_an_idle_rank() -> list[float]:
+    """On each of 2 ranks: the expert-parallel backward where every token chooses experts 0 and 1 (rank 0's),
+    so rank 1 computes no rows; each gradient's largest difference from one device's."""
+    import torch.distributed as dist
+
+    from autopar.ops.experts import _grads
+
+    torch.manual_seed(0)
+    tokens, k, hidden, inter, n_experts = 8, 2, 4, 3, 4
+    x, w = torch.randn(tokens, hidden), torch.rand(tokens, k)
+    gate_up, down = torch.randn(n_experts, 2 * inter, hidden), torch.randn(n_experts, hidden, inter)
+    index = torch.tensor([[0, 1]] * tokens)
+    grad = torch.randn(tokens, hidden)
+    whole = _grads(grad, x, index, w, gate_up, down, "silu")
+    rank = dist.get_rank()
+    mine = slice(rank * tokens // 2, (rank + 1) * tokens // 2)
+    experts = slice(rank * n_experts // 2, (rank + 1) * n_experts // 2)
+    group = dist.distributed_c10d._get_default_group().group_name
+    local = torch.ops.autopar.experts_ep_backward(
+        grad[mine], x[mine], index[mine], w[mine], gate_up[experts], down[experts], "silu", group, 2
+    )
+    want = (whole[0][mine], whole[1][mine], whole[2][experts], whole[3][experts])
+    return [(a - b).abs().max().item() for a, b in zip(local, want, strict=True)]
+
+
+def test_expert_parallel_backward_runs_on_a_rank_whose_experts_get_no_tokens() -> None:
+    """A rank of the expert-parallel group whose experts no token chose still takes part in the backward's
+    all-to-alls: it once computed its (empty) output from nothing, which cut its autograd graph, skipped the
+    all-to-alls the other rank waited in, and hung the job (found by running every strategy of GPT-OSS-style
+    Afmoe alone: ``autopar.verify.rule_check``)."""
+    from autopar.runtime.launch import launch
+
+    for errors in launch(_ep_gradients_with_an_idle_rank, 2, collective_timeout_s=30):
+        assert max(errors) < 1e-5, errors

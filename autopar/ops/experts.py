@@ -63,11 +63,14 @@ def _experts_mlp(x: torch.Tensor, expert_of_row: torch.Tensor, gate_up: torch.Te
     counts = torch.bincount(expert_of_row, minlength=gate_up.shape[0]).tolist()
     outs = []
     for e, rows in enumerate(torch.split(x, counts)):
-        if counts[e] == 0:
+        # no rows at all: expert 0 runs on none. An output made of nothing (new_zeros) would cut the autograd
+        # graph from ``x``, and a rank of an expert-parallel group given no rows would skip the backward's
+        # all-to-alls that the other ranks wait in
+        if counts[e] == 0 and (x.shape[0] or e):
             continue
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
         outs.append(F.linear(ACTIVATIONS[act](gate) * up, down[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    return torch.cat(outs)
 
 
 def routed(
