@@ -177,15 +177,17 @@ def _relabel(local: torch.Tensor, like: DTensor, pls: list[Placement]) -> DTenso
 def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -> DTensor:
     """``t``, held whole by every rank, as a DTensor placed ``want`` (no communication).
 
-    A shard keeps this rank's chunk; a partial sum keeps the value on the first rank of
-    its mesh dim and zeros elsewhere, so that the ranks sum to it; any other partial
-    (an average, a max) keeps the value on every rank, which it reduces to.
+    A shard keeps this rank's chunk, contiguous as DTensor's own shards are (some CPU
+    kernels read a strided operand as if it were dense: ``native_layer_norm_backward``'s
+    mean and rstd); a partial sum keeps the value on the first rank of its mesh dim and
+    zeros elsewhere, so that the ranks sum to it; any other partial (an average, a max)
+    keeps the value on every rank, which it reduces to.
     """
     local = t
     coord = mesh.get_coordinate()
     for i, p in enumerate(want):
         if isinstance(p, Shard):
-            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
+            local = local.chunk(mesh.size(i), p.dim)[coord[i]].contiguous()
         elif isinstance(p, Partial) and p.reduce_op == SUM and coord[i] != 0:
             local = torch.zeros_like(local)
     return dtensor_of(local, mesh, want, t.shape, t.stride())
