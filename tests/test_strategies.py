@@ -20,6 +20,7 @@ from autopar.search.sharding.node_keys import tensor_inputs
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides, tensor_placements
 from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.localize import graph_values
 
 pytest.importorskip("transformers")
 
@@ -422,19 +423,6 @@ def _simulated(node: fx.Node, s: Strategy, values: dict[str, torch.Tensor], rank
     return whole
 
 
-def _values(gm: fx.GraphModule, *args: torch.Tensor) -> dict[str, object]:
-    """Every node's value when ``gm`` runs on ``args``."""
-    values: dict[str, object] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> object:
-            values[n.name] = super().run_node(n)
-            return values[n.name]
-
-    Recorder(gm).run(*args)
-    return values
-
-
 @pytest.mark.parametrize("name", list(_DIM_OPS))
 def test_every_strategy_of_an_op_over_a_dim_is_exact_on_shards(name: str) -> None:
     """Each rank runs the op on its shards as the strategy places them; the outputs, assembled, are the op's.
@@ -448,7 +436,7 @@ def test_every_strategy_of_an_op_over_a_dim_is_exact_on_shards(name: str) -> Non
     for dim in (-1, -2, 1, 0):
         gm = _fx(functools.partial(lambda d, t: fn(t, d), dim), x)
         strategies = enumerate_strategies(gm, (2,))
-        values = _values(gm, x)
+        values = graph_values(gm, [x])
         for node in gm.graph.nodes:
             ns = strategies.get(node.name)
             if node.op != "call_function" or ns.rule == "follower":
