@@ -151,13 +151,26 @@ def _rank_values(
     return found
 
 
+def _as_traced(out: Any, val: Any) -> Any:
+    """``out`` laid out in memory as the trace's fake value ``val`` was.
+
+    A real kernel may lay its output out otherwise than its fake one does (``softplus_backward``'s takes its
+    first operand's strides, its fake its second's: a view the trace recorded after it then fails on Doge's
+    real values); the graph's later ops were traced for the fake layout."""
+    if isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and out.shape == val.shape:
+        if out.stride() != val.stride() and out.numel() > 1:
+            return torch.empty_strided(val.shape, val.stride(), dtype=out.dtype, device=out.device).copy_(out)
+    return out
+
+
 def graph_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> dict[str, Any]:
-    """Every node's value when the joint graph runs as captured on ``args`` (one device's values)."""
+    """Every node's value when the joint graph runs as captured on ``args`` (one device's values), each laid
+    out as the trace laid it out."""
     values: dict[str, Any] = {}
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            values[n.name] = super().run_node(n)
+            values[n.name] = _as_traced(super().run_node(n), n.meta.get("val"))
             return values[n.name]
 
     Recorder(gm).run(*args)
