@@ -4,6 +4,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --train         ... and 3 AdamW steps on 2 processes
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --only Llama,GptOss --train
     PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --run-rules     every strategy of every op run alone
+    PYTHONPATH=. .venv/bin/python benchmarks/hf_zoo.py --run-rules 2x2 --only Llama,Mamba2   ... on 4 processes
 
 Each ``<Family>ForCausalLM`` is built from its default config shrunk by one
 rule (:mod:`examples.zoo`), then, in a process of its own (capped at
@@ -13,7 +14,8 @@ cannot stop the sweep):
 1. capture: the joint forward + backward graph (:func:`autopar.capture.joint.capture`);
 2. rules: every op of it has a sharding rule on a 2 x 2 mesh, or is listed;
    with ``--run-rules``, every strategy of every op is also run alone on 2
-   gloo processes and held to one device (:mod:`autopar.verify.rule_check`);
+   gloo processes (or the dp x tp mesh given) and held to one device
+   (:mod:`autopar.verify.rule_check`);
 3. with ``--train``: a random flowing layout on tp 2 (every op's strategy
    drawn among those it has, as ``tests/test_families.py`` draws them; or, with
    ``--layout random``, each op's drawn without regard to its neighbours') trains 3
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples import zoo  # noqa: E402
 
 
-def one(name: str, train: bool, layout: str = "flowing", run_rules: bool = False) -> dict:
+def one(name: str, train: bool, layout: str = "flowing", run_rules: str | None = None) -> dict:
     """The three stages for one family, in this process; the last stage reached and what it found."""
     import logging
     import warnings
@@ -82,7 +84,7 @@ def one(name: str, train: bool, layout: str = "flowing", run_rules: bool = False
         return {**row, "stage": "capture", "error": _line(e)}
     if run_rules:
         try:
-            (ran,) = check_rules([zoo.factory(name)], (1, 2))
+            (ran,) = check_rules([zoo.factory(name)], tuple(int(n) for n in run_rules.split("x")))
             row["ran"] = [ran.checked, len(ran.wrong), [str(w) for w in ran.wrong[:3]]]
         except Exception as e:  # noqa: BLE001
             row["ran"] = [0, 0, [_line(e)]]
@@ -161,10 +163,12 @@ def _limit(memory_gb: float):
     return cap
 
 
-def run(name: str, train: bool, timeout: float, memory_gb: float, layout: str = "flowing", run_rules: bool = False) -> dict:
+def run(
+    name: str, train: bool, timeout: float, memory_gb: float, layout: str = "flowing", run_rules: str | None = None
+) -> dict:
     """:func:`one` in a process of its own."""
     cmd = [sys.executable, __file__, "--one", name, "--layout", layout]
-    cmd += (["--train"] if train else []) + (["--run-rules"] if run_rules else [])
+    cmd += (["--train"] if train else []) + (["--run-rules", run_rules] if run_rules else [])
     t = time.perf_counter()
     try:
         out = subprocess.run(
@@ -213,7 +217,11 @@ def main() -> None:
         "--layout", default="flowing", help='the layout trained: "flowing" or "random", with ":seed" (default 0)'
     )
     ap.add_argument(
-        "--run-rules", action="store_true", help="also run every strategy of every op alone on 2 processes"
+        "--run-rules",
+        nargs="?",
+        const="1x2",
+        metavar="MESH",
+        help="also run every strategy of every op alone on a dp x tp mesh of processes (1x2 unless given)",
     )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
