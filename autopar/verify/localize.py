@@ -151,7 +151,7 @@ def _rank_values(
     return found
 
 
-def _as_traced(out: Any, val: Any) -> Any:
+def as_traced(out: Any, val: Any) -> Any:
     """``out`` laid out in memory as the trace's fake value ``val`` was.
 
     A real kernel may lay its output out otherwise than its fake one does (``softplus_backward``'s takes its
@@ -170,7 +170,7 @@ def graph_values(gm: fx.GraphModule, args: list[torch.Tensor]) -> dict[str, Any]
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            values[n.name] = _as_traced(super().run_node(n), n.meta.get("val"))
+            values[n.name] = as_traced(super().run_node(n), n.meta.get("val"))
             return values[n.name]
 
     Recorder(gm).run(*args)

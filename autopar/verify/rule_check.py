@@ -44,7 +44,7 @@ from autopar.search.sharding.node_keys import node_keys, tensor_inputs
 from autopar.search.sharding.node_strategies import Strategy
 from autopar.search.sharding.random_ops import KEYED_KERNELS, is_random
 from autopar.search.sharding.strategies import enumerate_strategies
-from autopar.verify.localize import UNDEFINED, differs, graph_values, placed
+from autopar.verify.localize import UNDEFINED, as_traced, differs, placed
 
 # a follower takes its source's placement; the others' values are whatever memory held
 _UNCHECKED = {operator.getitem, *UNDEFINED}
@@ -102,37 +102,50 @@ def _rank_check(factory: Callable, mesh: Any, loss_fn: Callable | None, seed: in
     gm = captured.gm
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     whole = [state[i.name].detach() for i in captured.params + captured.buffers] + input_tensors(model, inputs)
+    checker = _Checker(gm, enumerate_strategies(gm, tuple(mesh.shape)), ShardInterpreter(gm, {}, mesh), tolerance)
     with torch.no_grad():
-        values = graph_values(gm, whole)  # every rank the same: one device's values
-    strategies = enumerate_strategies(gm, tuple(mesh.shape))
-    keys = node_keys(gm)
-    interp = ShardInterpreter(gm, {}, mesh)
-    seen: set = set()
-    wrong: list[WrongStrategy] = []
-    nodes = checked = 0
-    ops: Counter = Counter()
-    for n in gm.graph.nodes:
+        checker.run(*whole)
+    wrong = checker.wrong if dist.get_rank() == 0 else []
+    return RuleCheck(tuple(mesh.shape), checker.nodes, sum(checker.ops.values()), wrong, dict(checker.ops))
+
+
+class _Checker(fx.Interpreter):
+    """The captured graph run as it is (one device's values, every rank alike), each node's strategies run on
+    the ranks as soon as its value is known: a value is held only while the run needs it, not for the whole
+    step."""
+
+    def __init__(
+        self, gm: fx.GraphModule, strategies: dict, sharded: ShardInterpreter, tolerance: float
+    ) -> None:
+        super().__init__(gm)
+        self.strategies, self.sharded, self.tolerance = strategies, sharded, tolerance
+        self.keys = node_keys(gm)
+        self.seen: set = set()
+        self.wrong: list[WrongStrategy] = []
+        self.ops: Counter = Counter()
+        self.nodes = 0
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = as_traced(super().run_node(n), n.meta.get("val"))
         if n.op != "call_function" or n.target in _UNCHECKED or is_random(n) or n.target in KEYED_KERNELS:
-            continue
-        template = keys[n].template
-        nodes += 1
-        for s in strategies[n.name].strategies:
+            return out
+        self.nodes += 1
+        values = {a.name: self.env[a] for a in n.all_input_nodes}
+        values[n.name] = out
+        template = self.keys[n].template
+        for s in self.strategies[n.name].strategies:
             sig = (template if template is not None else n.name, s.inputs, s.outputs)
-            if sig in seen:
+            if sig in self.seen:
                 continue
-            seen.add(sig)
-            checked += 1
-            ops[str(n.target)] += 1
-            with torch.no_grad():
-                error = _run_one(interp, n, s, values, mesh, tolerance)
+            self.seen.add(sig)
+            self.ops[str(n.target)] += 1
+            error = _run_one(self.sharded, n, s, values, self.tolerance)
             if error is not None:
-                wrong.append(WrongStrategy(n.name, str(n.target), placed(s.inputs, s.outputs), error))
-    return RuleCheck(tuple(mesh.shape), nodes, checked, wrong if dist.get_rank() == 0 else [], dict(ops))
+                self.wrong.append(WrongStrategy(n.name, str(n.target), placed(s.inputs, s.outputs), error))
+        return out
 
 
-def _run_one(
-    interp: ShardInterpreter, n: fx.Node, s: Strategy, values: dict[str, Any], mesh: Any, tolerance: float
-) -> str | None:
+def _run_one(interp: ShardInterpreter, n: fx.Node, s: Strategy, values: dict[str, Any], tolerance: float) -> str | None:
     """``n`` run as ``s`` places it, its inputs cut from ``values``; None when every output is the node's value,
     else how it is not."""
     plan: dict[str, dict] = {}
@@ -140,7 +153,7 @@ def _run_one(
     for a, p in zip(tensor_inputs(n), s.inputs, strict=True):
         if p is not None and isinstance(values.get(a.name), torch.Tensor):
             plan[a.name] = {"op": "", "inputs": [], "outputs": [tuple(p)]}
-            env[a] = from_whole_planned(values[a.name], mesh, tuple(p))
+            env[a] = from_whole_planned(values[a.name], interp.mesh, tuple(p))
     plan[n.name] = {"op": str(n.target), "inputs": list(s.inputs), "outputs": list(s.outputs)}
     interp.plan, interp.env = plan, env
     try:
