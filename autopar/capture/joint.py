@@ -271,6 +271,13 @@ def capture(
     return with_canonical_names(c)
 
 
+def whole_arguments(captured: CapturedGraph, model: nn.Module, inputs: Any, targets: Any = None) -> list[torch.Tensor]:
+    """The joint graph's arguments, whole, for one batch of ``model``: its parameters, its fixed state, then the
+    batch's tensors (the order of the graph's placeholders)."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return [state[i.name].detach() for i in captured.params + captured.buffers] + input_tensors(model, inputs, targets)
+
+
 def state_infos(model: nn.Module) -> tuple[list[TensorInfo], list[TensorInfo]]:
     """The model's trainable parameters and its fixed state as the joint graph takes them (placeholders unnamed)."""
     state = _ModelState.of(model)

@@ -33,8 +33,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.capture.inputs import input_tensors
-from autopar.capture.joint import capture
+from autopar.capture.joint import capture, whole_arguments
 from autopar.codegen.shard import run_sharded
 from autopar.codegen.transfer import transfer_placements
 from autopar.core.errors import PlanError
@@ -119,9 +118,7 @@ def _rank_values(
     placements, _ = transfer_placements(plan.placements, captured, shape)
     if alone:
         placements = {name: _whole(entry) for name, entry in placements.items()}
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    whole = [state[i.name].detach() for i in captured.params + captured.buffers]
-    whole += input_tensors(model, inputs)
+    whole = whole_arguments(captured, model, inputs)
     values: dict[str, DTensor] = {}
 
     def record(node: fx.Node, value: Any) -> None:

@@ -33,8 +33,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autopar.capture.inputs import input_tensors
-from autopar.capture.joint import capture
+from autopar.capture.joint import capture, whole_arguments
 from autopar.codegen.redistribute import from_whole_planned
 from autopar.codegen.shard_interpreter import ShardInterpreter
 from autopar.core.mesh import SHARDING_AXES
@@ -100,8 +99,7 @@ def _rank_check(factory: Callable, mesh: Any, loss_fn: Callable | None, seed: in
     model, inputs = factory()
     captured = capture(model, inputs, loss_fn=loss_fn)
     gm = captured.gm
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    whole = [state[i.name].detach() for i in captured.params + captured.buffers] + input_tensors(model, inputs)
+    whole = whole_arguments(captured, model, inputs)
     checker = _Checker(gm, enumerate_strategies(gm, tuple(mesh.shape)), ShardInterpreter(gm, {}, mesh), tolerance)
     with torch.no_grad():
         checker.run(*whole)
