@@ -6,6 +6,7 @@ import pytest
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.core.errors import PlanError
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
 from autopar.verify.localize import differences
@@ -36,3 +37,10 @@ def test_the_first_difference_is_the_node_the_plan_runs_wrong() -> None:
     assert found, "a scan run on halves of its dim computes other values"
     assert found[0].node == scan.name and found[0].strategy == f"(R, S({dim})) -> (R, S({dim}))", str(found[0])
     assert found[0].error > 1e-2 * found[0].scale
+
+
+def test_a_plan_for_another_cluster_is_refused_in_one_line() -> None:
+    make = families.FAMILIES["mamba2"]
+    plan = factory_layout_plan(make, autopar.Cluster.local(2), 1, 2, "flowing")
+    with pytest.raises(PlanError, match="the plan is for 2 devices but the cluster has 4"):
+        differences(make, autopar.Cluster.local(4), plan)

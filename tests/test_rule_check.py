@@ -26,3 +26,8 @@ def test_every_strategy_of_mamba2_zaya_and_biogpt_runs_like_one_device() -> None
     assert mamba2.ops["aten.cumsum.default"] >= 2
     assert zaya.ops["aten.linalg_vector_norm.default"] >= 1
     assert biogpt.ops["aten.native_layer_norm_backward.default"] >= 3
+
+
+def test_a_mesh_that_is_not_dp_by_tp_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="not a dp x tp shape"):
+        check_rules([families.FAMILIES["mamba2"]], (2,))

@@ -187,9 +187,11 @@ def from_whole(t: torch.Tensor, mesh: DeviceMesh, want: tuple[Placement, ...]) -
     coord = mesh.get_coordinate()
     for i, p in enumerate(want):
         if isinstance(p, Shard):
-            local = local.chunk(mesh.size(i), p.dim)[coord[i]].contiguous()
+            local = local.chunk(mesh.size(i), p.dim)[coord[i]]
         elif isinstance(p, Partial) and p.reduce_op == SUM and coord[i] != 0:
             local = torch.zeros_like(local)
+    if any(isinstance(p, Shard) for p in want):
+        local = local.contiguous()
     return dtensor_of(local, mesh, want, t.shape, t.stride())
 
 

@@ -37,7 +37,7 @@ from autopar.capture.joint import capture, whole_arguments
 from autopar.codegen.shard import run_sharded
 from autopar.codegen.transfer import transfer_placements
 from autopar.core.errors import PlanError
-from autopar.core.mesh import SHARDING_AXES
+from autopar.core.mesh import SHARDING_AXES, world_size
 from autopar.core.placements import REPLICATE
 from autopar.hardware.cluster import Cluster
 from autopar.ops import rng
@@ -91,6 +91,11 @@ def differences(
         raise PlanError("differences compares plans without a pipeline; check each stage's layout on its own")
     if not plan.placements:
         raise PlanError("the plan has no per-node placements (an analytic data-parallel plan): nothing to compare")
+    if world_size(plan.mesh) != cluster.world_size:
+        raise PlanError(
+            f"the plan is for {world_size(plan.mesh)} devices but the cluster has {cluster.world_size}; "
+            "pass the cluster the plan was made for"
+        )
     wire = plan.to_dict()
     reference = None
     if draws_random(factory, seed, loss_fn):  # one device's draws under "exact": autopar's own, on one process

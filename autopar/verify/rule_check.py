@@ -83,6 +83,8 @@ def check_rules(
 ) -> list[RuleCheck]:
     """Run every strategy of every op of each ``factory()``'s joint graph on a ``mesh`` (dp x tp) of local
     processes, one launch for them all; each model is built after ``torch.manual_seed(seed)``."""
+    if len(mesh) != len(SHARDING_AXES) or min(mesh) < 1:
+        raise ValueError(f"mesh {tuple(mesh)} is not a dp x tp shape: give two sizes, e.g. (1, 2) or (2, 2)")
     cluster = Cluster.local(math.prod(mesh))
     return launch(_rank_checks, cluster, list(factories), tuple(mesh), loss_fn, seed, tolerance)[0]
 
