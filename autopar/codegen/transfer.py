@@ -7,11 +7,16 @@ one: tracing specializes a dim of size 1 (an ``expand`` to the same shape is
 dropped, a matmul reshapes by ``view`` where it would ``clone``), so a graph of
 one-row micro-batches has a few ops fewer or other, and every later node's
 name shifts.  Read by name, the placements would then land on the wrong ops.
+The same holds for a model whose trace orders its ops by a set of strings
+(HuggingFace's ExaoneMoe builds its masks so): a process of another hash seed
+traces the same ops in another order, the same names on other nodes.  Each
+entry records the nodes its op reads (``"args"``), so such a graph is told
+from the plan's.
 
 :func:`transfer_placements` aligns the two graphs' op sequences (op and module
 path per node, as a diff aligns lines) and carries each entry over to the node
-it aligns with, when it still fits that node (same numbers of inputs and
-outputs, shards that divide its shapes).  A node left without an entry gets the
+it aligns with, when it is one of the strategies the strategy pass offers that
+node (an aligned node of the same op may read other shapes).  A node left without an entry gets the
 strategy that moves the fewest of its inputs from where their producers put
 them: any strategy the strategy pass offers is exact, so this changes what the
 step costs, never what it computes, and it touches only the handful of cheap
@@ -30,7 +35,7 @@ import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.search.sharding.balanced_shards import holds_balanced
-from autopar.search.sharding.node_keys import tensor_inputs
+from autopar.search.sharding.node_keys import input_names, tensor_inputs
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides
 from autopar.search.sharding.strategies import enumerate_strategies
@@ -64,10 +69,18 @@ def _fits(entry: dict, node: fx.Node, mesh_shape: tuple[int, ...]) -> bool:
 
 
 def same_graph(placements: dict[str, dict], captured: CapturedGraph) -> bool:
-    """Whether ``placements`` name exactly ``captured``'s nodes, with the same ops."""
+    """Whether ``placements`` name exactly ``captured``'s nodes, with the same ops reading the same nodes.
+
+    The inputs are compared where the plan records them (``"args"``; plans written before it compare ops
+    alone): a model that orders its ops by a set of strings traces another order in a process of another
+    hash seed, the same names on other nodes.
+    """
     nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
     return len(nodes) == len(placements) and all(
-        n.name in placements and placements[n.name].get("op", _op(n)) == _op(n) for n in nodes
+        n.name in placements
+        and placements[n.name].get("op", _op(n)) == _op(n)
+        and placements[n.name].get("args", input_names(n)) == input_names(n)
+        for n in nodes
     )
 
 
@@ -98,10 +111,17 @@ def _moves(s: Strategy, node: fx.Node, chosen: dict[str, dict]) -> int:
     return count
 
 
+def _offered(entry: dict, ns: NodeStrategies) -> bool:
+    """Whether ``entry``'s placements are one of the strategies the strategy pass offers its node."""
+    ins, outs = tuple(entry.get("inputs", ())), tuple(entry.get("outputs", ()))
+    return any(tuple(s.inputs) == ins and tuple(s.outputs) == outs for s in ns.strategies)
+
+
 def _entry(node: fx.Node, s: Strategy) -> dict:
     return {
         "op": _op(node),
         "module": node_module(node),
+        "args": input_names(node),
         "outputs": list(s.outputs),
         "inputs": list(s.inputs),
     }
@@ -132,16 +152,16 @@ def transfer_placements(
     mapping = align(placements, captured)
     nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
     by_run = {run: plan for plan, run in mapping.items()}
+    strategies = enumerate_strategies(captured.gm, mesh_shape, balance_masks=holds_balanced(placements))
     chosen: dict[str, dict] = {}
     missing: list[fx.Node] = []
     for n in nodes:
         entry = placements.get(by_run.get(n.name, ""))
-        if entry is not None and _fits(entry, n, mesh_shape):
-            chosen[n.name] = copy.deepcopy(entry)
+        if entry is not None and _fits(entry, n, mesh_shape) and _offered(entry, strategies[n.name]):
+            chosen[n.name] = {**copy.deepcopy(entry), "args": input_names(n)}
         else:
             missing.append(n)
     if missing:
-        strategies = enumerate_strategies(captured.gm, mesh_shape, balance_masks=holds_balanced(placements))
         anew = set(missing)
         for n in nodes:  # graph order: producers are chosen before their readers
             if n in anew:

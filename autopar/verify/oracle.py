@@ -47,6 +47,7 @@ from autopar.plans.plan import Plan
 from autopar.runtime.launch import launch
 from autopar.search.pipeline.stages import forward_segments
 from autopar.search.sharding.layouts import layout_placements
+from autopar.search.sharding.node_keys import input_names
 from autopar.search.sharding.random_ops import is_random
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.verify.reference import single_device_run, slice_batch, train
@@ -135,6 +136,7 @@ def random_placements(
         node = by_name[name]
         out[name] = {
             "op": str(node.target) if node.op == "call_function" else node.op,
+            "args": input_names(node),
             "outputs": list(s.outputs),
             "inputs": list(s.inputs),
         }

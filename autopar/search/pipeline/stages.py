@@ -271,10 +271,9 @@ def _stage_gradient(
             total = g.call_function(aten.add.Tensor, (total, a))
             total.meta = copy.copy(addends[0].meta)
             stage_of[total.name] = stage
-            entry = {k: copy.deepcopy(v) for k, v in first.items() if k not in ("op", "inputs", "outputs")}
-            placements[total.name] = (
-                {**entry, "op": str(aten.add.Tensor), "inputs": [held, held], "outputs": [held]} if first else {}
-            )
+            entry = {k: copy.deepcopy(v) for k, v in first.items() if k not in ("op", "args", "inputs", "outputs")}
+            sum_entry = {"op": str(aten.add.Tensor), "args": [total.args[0].name, a.name], "inputs": [held, held]}
+            placements[total.name] = {**entry, **sum_entry, "outputs": [held]} if first else {}
     return total
 
 

@@ -57,6 +57,7 @@ from autopar.search.sharding.instance import (
     per_microbatch_grad_sync,
     tp_seconds,
 )
+from autopar.search.sharding.node_keys import input_names
 from autopar.search.sharding.node_strategies import Strategy
 from autopar.search.sharding.step_memory import step_memory
 from autopar.solver import Solution
@@ -333,6 +334,7 @@ def placements_of(
         out[name] = {
             "op": op_names[node.target] if node.op == "call_function" else node.op,
             "module": node_module(node),
+            "args": input_names(node),
             "outputs": list(s.outputs),
             "inputs": list(s.inputs),
         }

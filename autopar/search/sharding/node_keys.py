@@ -44,6 +44,16 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in flat if is_tensor_node(a)]
 
 
+def input_names(node: fx.Node) -> list[str]:
+    """The names of ``node``'s tensor inputs, in :func:`tensor_inputs`' order.
+
+    A plan's entry records them (``"args"``): two captures of a model can give the same names to other
+    nodes (a model that iterates a set of strings orders its ops by the process's hash seed), and only
+    the names a node reads tell a plan's node from another of the same op and name.
+    """
+    return [a.name for a in tensor_inputs(node)]
+
+
 def freeze(x: Any) -> Any:
     """A hashable stand-in for a non-tensor argument (lists become tuples)."""
     if isinstance(x, (list, tuple)):

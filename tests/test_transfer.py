@@ -1,0 +1,85 @@
+"""A plan carried onto a graph traced in another process, whose nodes of the same names are other nodes.
+
+A model that iterates a set of strings traces its ops in the order of the process's hash seed: HuggingFace's
+ExaoneMoe builds its full and sliding-window masks so, and a plan made in one process (the planner's) named
+other nodes than the ranks' capture gave those names (a random layout of it failed to trace: a shard of a
+0-dim tensor). ``TwoMasks`` builds two masks in the order it is given; the two graphs have the same node
+names and ops, read by other nodes. (:mod:`autopar.codegen.transfer`; a plan carried onto a one-row
+micro-batch's graph is tested in ``tests/test_rng.py``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import autopar
+from autopar.capture.joint import capture
+from autopar.codegen.transfer import _offered, same_graph, transfer_placements
+from autopar.search.sharding.strategies import enumerate_strategies
+from autopar.verify.oracle import check_plans, layout_plan, random_placements
+
+MESH = (1, 2)
+
+
+class TwoMasks(torch.nn.Module):
+    """A mask over rows ([b, s]) and one over cells ([b, s, h]), built in ``order``."""
+
+    def __init__(self, order: tuple[str, str]) -> None:
+        super().__init__()
+        self.order = order
+        self.proj = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        made = {}
+        for kind in self.order:
+            made[kind] = h.sum(-1) > 0 if kind == "rows" else h > 0.1
+        z = torch.where(made["rows"].unsqueeze(-1) & made["cells"], h, 0.5 * h)
+        return torch.nn.functional.mse_loss(self.out(z), y)
+
+
+def two_masks(order: tuple[str, str] = ("cells", "rows")):
+    torch.manual_seed(0)
+    return TwoMasks(order), (torch.randn(8, 4, 16), torch.randn(8, 4, 16))
+
+
+def _by_name_offered(placements: dict, captured) -> bool:
+    strategies = enumerate_strategies(captured.gm, MESH)
+    return all(_offered(placements[n], strategies[n]) for n in strategies)
+
+
+def test_a_plan_is_carried_by_what_its_nodes_read_not_by_their_names():
+    planned = capture(*two_masks(("rows", "cells")))
+    ran = capture(*two_masks())
+    ops = {n.name: str(n.target) for n in planned.gm.graph.nodes}
+    assert ops == {n.name: str(n.target) for n in ran.gm.graph.nodes}  # by name and op, the same graph
+    strategies = enumerate_strategies(ran.gm, MESH)
+    misread = 0
+    for seed in range(6):
+        placements = random_placements(planned, MESH, seed)
+        assert same_graph(placements, planned) and not same_graph(placements, ran)
+        misread += not _by_name_offered(placements, ran)
+        moved, _ = transfer_placements(placements, ran, MESH)
+        assert list(moved) == list(strategies)
+        assert all(_offered(moved[n], strategies[n]) for n in strategies)
+    assert misread  # read by name, some layout puts a node in placements its op does not compute in
+
+
+@functools.cache
+def _misread_plan() -> autopar.Plan:
+    """The first random layout of the rows-first graph that, read by name, misplaces a node of the other."""
+    model, inputs = two_masks(("rows", "cells"))
+    ran = capture(*two_masks())
+    for seed in range(20):
+        plan = layout_plan(model, inputs, autopar.Cluster.local(2), *MESH, "random", seed=seed)
+        if not _by_name_offered(plan.placements, ran):
+            return plan
+    raise AssertionError("no random layout of 20 misplaces a node read by name")
+
+
+def test_a_plan_made_on_the_other_order_trains_like_one_device():
+    (check,) = check_plans([(two_masks, _misread_plan())], autopar.Cluster.local(2))
+    assert check.ok(1e-5), str(check)
