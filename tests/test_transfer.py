@@ -3,7 +3,7 @@
 A model that iterates a set of strings traces its ops in the order of the process's hash seed: HuggingFace's
 ExaoneMoe builds its full and sliding-window masks so, and a plan made in one process (the planner's) named
 other nodes than the ranks' capture gave those names (a random layout of it failed to trace: a shard of a
-0-dim tensor). ``TwoMasks`` builds two masks in the order it is given; the two graphs have the same node
+0-dim tensor). ``TwoGates`` makes two gates in the order it is given; the two graphs have the same node
 names and ops, read by other nodes. (:mod:`autopar.codegen.transfer`; a plan carried onto a one-row
 micro-batch's graph is tested in ``tests/test_rng.py``.)
 """
@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import functools
 
+import onnx
 import torch
 
 import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.transfer import _offered, same_graph, transfer_placements
+from autopar.onnx import export_onnx, read_onnx_plan
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.verify.oracle import check_plans, layout_plan, random_placements
 
 MESH = (1, 2)
 
 
-class TwoMasks(torch.nn.Module):
-    """A mask over rows ([b, s]) and one over cells ([b, s, h]), built in ``order``."""
+class TwoGates(torch.nn.Module):
+    """A gate over rows ([b, s]) and one over cells ([b, s, h]), made in ``order`` by the same op."""
 
     def __init__(self, order: tuple[str, str]) -> None:
         super().__init__()
@@ -36,14 +38,14 @@ class TwoMasks(torch.nn.Module):
         h = self.proj(x)
         made = {}
         for kind in self.order:
-            made[kind] = h.sum(-1) > 0 if kind == "rows" else h > 0.1
-        z = torch.where(made["rows"].unsqueeze(-1) & made["cells"], h, 0.5 * h)
+            made[kind] = torch.sigmoid(h.sum(-1) if kind == "rows" else h)
+        z = h * made["rows"].unsqueeze(-1) * made["cells"]
         return torch.nn.functional.mse_loss(self.out(z), y)
 
 
-def two_masks(order: tuple[str, str] = ("cells", "rows")):
+def two_gates(order: tuple[str, str] = ("cells", "rows")):
     torch.manual_seed(0)
-    return TwoMasks(order), (torch.randn(8, 4, 16), torch.randn(8, 4, 16))
+    return TwoGates(order), (torch.randn(8, 4, 16), torch.randn(8, 4, 16))
 
 
 def _by_name_offered(placements: dict, captured) -> bool:
@@ -52,8 +54,8 @@ def _by_name_offered(placements: dict, captured) -> bool:
 
 
 def test_a_plan_is_carried_by_what_its_nodes_read_not_by_their_names():
-    planned = capture(*two_masks(("rows", "cells")))
-    ran = capture(*two_masks())
+    planned = capture(*two_gates(("rows", "cells")))
+    ran = capture(*two_gates())
     ops = {n.name: str(n.target) for n in planned.gm.graph.nodes}
     assert ops == {n.name: str(n.target) for n in ran.gm.graph.nodes}  # by name and op, the same graph
     strategies = enumerate_strategies(ran.gm, MESH)
@@ -71,8 +73,8 @@ def test_a_plan_is_carried_by_what_its_nodes_read_not_by_their_names():
 @functools.cache
 def _misread_plan() -> autopar.Plan:
     """The first random layout of the rows-first graph that, read by name, misplaces a node of the other."""
-    model, inputs = two_masks(("rows", "cells"))
-    ran = capture(*two_masks())
+    model, inputs = two_gates(("rows", "cells"))
+    ran = capture(*two_gates())
     for seed in range(20):
         plan = layout_plan(model, inputs, autopar.Cluster.local(2), *MESH, "random", seed=seed)
         if not _by_name_offered(plan.placements, ran):
@@ -81,5 +83,27 @@ def _misread_plan() -> autopar.Plan:
 
 
 def test_a_plan_made_on_the_other_order_trains_like_one_device():
-    (check,) = check_plans([(two_masks, _misread_plan())], autopar.Cluster.local(2))
+    (check,) = check_plans([(two_gates, _misread_plan())], autopar.Cluster.local(2))
     assert check.ok(1e-5), str(check)
+
+
+def test_onnx_annotations_of_a_plan_made_on_the_other_order_name_the_nodes_they_place(tmp_path):
+    """The annotated ONNX export captures the model again: each annotation names the plan node that placed it,
+    and that node computes a tensor of the annotated value's shape (by name, the rows gate would annotate the
+    cells gate)."""
+    plan = _misread_plan()
+    planned = capture(*two_gates(("rows", "cells")))
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in planned.gm.graph.nodes if "val" in n.meta}
+    model, inputs = two_gates()
+    export_onnx(model, plan, str(tmp_path / "two_gates.onnx"), inputs)
+    back = read_onnx_plan(str(tmp_path / "two_gates.onnx"))
+    proto = onnx.load(str(tmp_path / "two_gates.onnx"))
+    onnx_shapes = {
+        v.name: tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
+        for v in [*proto.graph.value_info, *proto.graph.input, *proto.graph.output]
+    }
+    onnx_shapes.update({t.name: tuple(t.dims) for t in proto.graph.initializer})
+    compared = [t for t in back.plan_nodes if t in onnx_shapes]
+    assert len(compared) > 8
+    for tensor in compared:
+        assert shapes[back.plan_nodes[tensor]] == onnx_shapes[tensor], tensor

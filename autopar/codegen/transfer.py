@@ -85,7 +85,8 @@ def same_graph(placements: dict[str, dict], captured: CapturedGraph) -> bool:
 
 
 def align(placements: dict[str, dict], captured: CapturedGraph) -> dict[str, str]:
-    """Plan node name -> node name of ``captured``, for the nodes whose op (and module) line up."""
+    """Plan node name -> node name of ``captured``, for the nodes whose op (and module) line up and whose
+    inputs are the nodes the plan node's inputs map to."""
     plan_names = list(placements)
     plan_keys = [(e.get("op"), e.get("module", "")) for e in placements.values()]
     nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
@@ -94,10 +95,24 @@ def align(placements: dict[str, dict], captured: CapturedGraph) -> dict[str, str
         keys = [(op, "") for op, _ in keys]  # an older plan without module paths: align on ops alone
         plan_keys = [(op, "") for op, _ in plan_keys]
     matcher = difflib.SequenceMatcher(None, plan_keys, keys, autojunk=False)
-    mapping = {}
+    pairs = {}
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
-            mapping[plan_names[block.a + k]] = nodes[block.b + k].name
+            pairs[plan_names[block.a + k]] = nodes[block.b + k]
+    # a pair stands where each node its plan node reads (as the plan records them) maps to the node it reads,
+    # or neither maps to any: the pairs run in both graphs' order (the matching is monotone), so a node's
+    # inputs are decided before it
+    mapping: dict[str, str] = {}
+    image: set[str] = set()
+    for name, node in pairs.items():
+        reads, have = placements[name].get("args"), input_names(node)
+        if reads is not None and (
+            len(reads) != len(have)
+            or any(mapping[a] != b if a in mapping else b in image for a, b in zip(reads, have, strict=True))
+        ):
+            continue
+        mapping[name] = node.name
+        image.add(node.name)
     return mapping
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from autopar.capture.inputs import hf_no_cache
 from autopar.capture.joint import CapturedGraph, node_module, node_phase
+from autopar.codegen.transfer import transfer_placements
 from autopar.core.errors import RuntimeMismatchError
 from autopar.core.mesh import SHARDING_AXES
 from autopar.core.placements import Placements, texts
@@ -186,9 +187,16 @@ def _pair(ir_model: Any, captured: CapturedGraph, plan: Plan, model: nn.Module) 
     """Annotated ONNX value -> its placements: initializers, graph inputs, paired op outputs."""
     graph = ir_model.graph
     found: dict[Any, _Found] = {}
+    # this capture's names may be other nodes' in the plan's graph (another batch, another hash seed):
+    # a captured node is annotated with the plan node it carries the entry of
+    carried, mapping = transfer_placements(plan.placements, captured, tuple(plan.mesh[a] for a in SHARDING_AXES))
+    plan_node = {
+        run: name for name, run in mapping.items() if carried[run]["outputs"] == plan.placements[name]["outputs"]
+    }
 
     def take(value: Any, node: str, joint_shape: Any = None) -> None:
-        """Annotate ``value`` with the first output placement of plan node ``node``, if it has one."""
+        """Annotate ``value`` with the first output placement of captured node ``node``'s plan node, if any."""
+        node = plan_node.get(node, "")
         entry = plan.placements.get(node)
         outs = entry.get("outputs") if isinstance(entry, dict) else None
         p = outs[0] if outs else None
