@@ -5,7 +5,8 @@ ExaoneMoe builds its full and sliding-window masks so, and a plan made in one pr
 other nodes than the ranks' capture gave those names (a random layout of it failed to trace: a shard of a
 0-dim tensor). ``TwoGates`` makes two gates in the order it is given; the two graphs have the same node
 names and ops, read by other nodes. (:mod:`autopar.codegen.transfer`; a plan carried onto a one-row
-micro-batch's graph is tested in ``tests/test_rng.py``.)
+micro-batch's graph is tested in ``tests/test_rng.py``.) Ranks that each capture their own graph (on GPUs)
+check that they traced the same one (:func:`autopar.runtime.shared_capture.same_graph_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import functools
 
 import onnx
 import torch
+import torch.distributed as dist
 
 import autopar
 from autopar.capture.joint import capture
 from autopar.codegen.transfer import _offered, same_graph, transfer_placements
+from autopar.core.errors import RuntimeMismatchError
 from autopar.onnx import export_onnx, read_onnx_plan
+from autopar.runtime.launch import launch
+from autopar.runtime.shared_capture import same_graph_on_every_rank
 from autopar.search.sharding.strategies import enumerate_strategies
 from autopar.verify.oracle import check_plans, layout_plan, random_placements
 
@@ -107,3 +112,23 @@ def test_onnx_annotations_of_a_plan_made_on_the_other_order_name_the_nodes_they_
     assert len(compared) > 8
     for tensor in compared:
         assert shapes[back.plan_nodes[tensor]] == onnx_shapes[tensor], tensor
+
+
+def _agreement() -> tuple[str, str]:
+    """On each rank: the check on the same graph, then on a rank 1 that traced the other order."""
+    outcomes = []
+    for differ in (False, True):
+        order = ("rows", "cells") if differ and dist.get_rank() == 1 else ("cells", "rows")
+        try:
+            same_graph_on_every_rank(capture(*two_gates(order)))
+            outcomes.append("same")
+        except RuntimeMismatchError as e:
+            outcomes.append(str(e))
+    return tuple(outcomes)
+
+
+def test_ranks_that_traced_other_orders_fail_in_one_line_instead_of_waiting_on_each_other():
+    """On GPUs every rank captures its own graph, in a process of its own hash seed (torchrun sets none)."""
+    for same, other in launch(_agreement, 2, collective_timeout_s=30):
+        assert same == "same"
+        assert "rank 1 traced another graph of TwoGates" in other and "PYTHONHASHSEED" in other

@@ -8,6 +8,7 @@ pass that only reads a captured graph need not know how it was traced.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +95,20 @@ def graph_results(gm: fx.GraphModule | fx.Graph, params: int) -> tuple[Any, list
     g = gm.graph if isinstance(gm, fx.GraphModule) else gm
     out = next(n for n in reversed(g.nodes) if n.op == "output").args[0]
     return out[0], list(out[1 : 1 + params]), list(out[1 + params :])
+
+
+def graph_digest(gm: fx.GraphModule | fx.Graph) -> str:
+    """A digest of every node's name, op and the nodes it reads, in the graph's order.
+
+    What the ranks of a job must agree on to run the same collectives in the same order; the values a
+    node is traced with (a factory op's device, on GPUs each rank's own) are left out.
+    """
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    h = hashlib.sha1()
+    for n in graph.nodes:
+        reads = [a.name for a in n.all_input_nodes]
+        h.update(f"{n.name} {n.op} {n.target if n.op == 'call_function' else ''} {reads}\n".encode())
+    return h.hexdigest()
 
 
 def node_module(node: fx.Node) -> str:

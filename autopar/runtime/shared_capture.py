@@ -28,29 +28,59 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._graph_pickler import GraphPickler, Options
 
-from autopar.capture.graph import CapturedGraph
+from autopar.capture.graph import CapturedGraph, graph_digest
+from autopar.core.errors import RuntimeMismatchError
 
 log = logging.getLogger(__name__)
 
 _ALL_OF_IT = Options(ops_filter=None, node_metadata_key_filter=None)
+_EACH = "every rank captures its own"  # what rank 0 sends in place of a graph it cannot send
 
 
 def capture_once(make: Callable[[], CapturedGraph], device: torch.device) -> CapturedGraph:
-    """``make()``'s graph on every rank: made by rank 0 and sent to the others when the job runs on CPUs."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or device.type != "cpu":
+    """``make()``'s graph on every rank: made by rank 0 and sent to the others when the job runs on CPUs.
+
+    Where every rank captures its own graph, the ranks check that they traced the same one
+    (:func:`same_graph_on_every_rank`).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return make()
+    if device.type != "cpu":
+        return same_graph_on_every_rank(make())
     if dist.get_rank() == 0:
         try:
             captured = make()
         except BaseException:
             dist.broadcast_object_list([None], src=0)  # the others capture, and fail, themselves
             raise
-        box = [_to_bytes(captured)]
-        dist.broadcast_object_list(box, src=0)
-        return captured
+        data = _to_bytes(captured)
+        dist.broadcast_object_list([_EACH if data is None else data], src=0)
+        return same_graph_on_every_rank(captured) if data is None else captured
     box = [None]
     dist.broadcast_object_list(box, src=0)
-    return make() if box[0] is None else _from_bytes(box[0])
+    if box[0] is None:
+        return make()
+    return same_graph_on_every_rank(make()) if box[0] == _EACH else _from_bytes(box[0])
+
+
+def same_graph_on_every_rank(captured: CapturedGraph) -> CapturedGraph:
+    """``captured``, once every rank has traced the same graph (:func:`autopar.capture.graph.graph_digest`).
+
+    A model whose forward iterates a set of strings traces its ops in the order of the process's hash
+    seed, which Python draws anew for every process (``torchrun`` sets none): ranks that traced other
+    orders would issue their collectives in other orders and wait on each other for ever. Every rank
+    raises the same one-line error instead.
+    """
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, graph_digest(captured.gm))
+    other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if other is not None:
+        raise RuntimeMismatchError(
+            f"rank {other} traced another graph of {captured.model_name} than rank 0 (its ops in another order): "
+            "a forward that iterates a set follows each process's hash seed; launch every rank with the same "
+            "PYTHONHASHSEED (e.g. PYTHONHASHSEED=0)"
+        )
+    return captured
 
 
 def _to_bytes(captured: CapturedGraph) -> bytes | None:
