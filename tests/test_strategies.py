@@ -16,6 +16,7 @@ from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
 from autopar.core.placements import REPLICATE as R
 from autopar.core.placements import shard as S
+from autopar.search.sharding import strategy_rules
 from autopar.search.sharding.node_keys import tensor_inputs
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
 from autopar.search.sharding.placement_sets import divides, tensor_placements
@@ -381,6 +382,8 @@ _DIM_OPS = {
     "kthvalue": lambda x, d: x.kthvalue(2, d),
     "count_nonzero": lambda x, d: torch.count_nonzero(x > 1, d),
     "renorm": lambda x, d: x.renorm(2, d, 1.0),
+    "unfold": lambda x, d: x.unfold(d, 3, 2),
+    "unfold_backward": lambda x, d: torch.ops.aten.unfold_backward(x.unfold(d, 3, 2).exp(), x.shape, d, 3, 2),
 }
 
 
@@ -403,6 +406,8 @@ def _simulated(node: fx.Node, s: Strategy, values: dict[str, torch.Tensor], rank
     for r in range(ranks):
         local = {a.name: part(a.name, p, r) for a, p in zip(tensor_inputs(node), s.inputs, strict=True)}
         args = torch.fx.node.map_arg((node.args, dict(node.kwargs)), lambda a, loc=local: loc[a.name])
+        if node.target in strategy_rules.LOCAL_ARGUMENTS:  # as the sharding interpreter runs it
+            args = strategy_rules.LOCAL_ARGUMENTS[node.target](*args)
         out = node.target(*args[0], **args[1])
         outs.append(out if isinstance(out, (tuple, list)) else (out,))
     whole = []

@@ -423,6 +423,8 @@ class ShardInterpreter(fx.Interpreter):
         """Run ``n`` on local shards; its outputs are what the plan says they are."""
         self.local_only[str(n.target)] += 1
         local_args, local_kwargs = pytree.tree_map_only(DTensor, local_of, (args, kwargs))
+        if n.target in strategy_rules.LOCAL_ARGUMENTS:
+            local_args, local_kwargs = strategy_rules.LOCAL_ARGUMENTS[n.target](local_args, local_kwargs)
         if n.target in experts_op.EXPERT_OPS:
             axes = experts_op.ep_axes(
                 [tuple(p) if p else None for p in entry["inputs"]], n.target is torch.ops.autopar.experts_backward.default

@@ -312,6 +312,42 @@ def scan(node: fx.Node) -> list[Row]:
     return [[R, R]] + [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
 
 
+def _window_rows(dim: int, rank: int, sizes: tuple[int, ...]) -> list[Row]:
+    """A window op's rows: its two tensors split alike on any dim but the windowed one, partial sums, or whole."""
+    dim = dim + rank if dim < 0 else dim
+    return [[R, R], [P, P]] + [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
+
+
+def unfold(node: fx.Node) -> list[Row]:
+    """``unfold(x, dim, size, step)``, the view of ``x``'s windows along ``dim`` (a new last dim holds each
+    window): split on any other dim, each rank's windows are its own rows'; a partial sum's windows are
+    partial sums. The windows cross a split of ``dim`` itself."""
+    (source,) = tensor_inputs(node)
+    return _window_rows(node.args[1], source.meta["val"].dim(), tuple(source.meta["val"].shape))
+
+
+def unfold_backward(node: fx.Node) -> list[Row]:
+    """``unfold_backward(grad, input_sizes, dim, size, step)``: the windows' gradients added back into
+    ``input_sizes``; split as :func:`unfold`. ``input_sizes`` are the whole input's: a rank runs it with its
+    shard's (:data:`LOCAL_ARGUMENTS`)."""
+    sizes = tuple(node.args[1])
+    return _window_rows(node.args[2], len(sizes), sizes)
+
+
+def _unfold_backward_sizes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A rank's ``input_sizes``: its gradient's (windows dropped, the windowed dim whole)."""
+    grad, sizes, dim, *rest = args
+    local = list(grad.shape[:-1])
+    local[dim] = sizes[dim]
+    return (grad, local, dim, *rest), kwargs
+
+
+# ops whose non-tensor arguments name whole sizes: a rank runs them with its shards' (args, kwargs) -> same
+LOCAL_ARGUMENTS: dict[object, Callable[[tuple, dict], tuple[tuple, dict]]] = {
+    aten.unfold_backward.default: _unfold_backward_sizes,
+}
+
+
 # element-wise ops with neither a DTensor rule nor a decomposition DTensor can trace
 ELEMENTWISE = (
     aten.hardswish_backward.default,
@@ -339,6 +375,8 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten.cumsum.default: scan,
     aten.cumprod.default: scan,
     aten.logcumsumexp.default: scan,
+    aten.unfold.default: unfold,
+    aten.unfold_backward.default: unfold_backward,
 }
 RULES.update({op: elementwise for op in ELEMENTWISE})
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
