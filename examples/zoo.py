@@ -38,6 +38,8 @@ SIZES: dict[str, Any] = dict(
     # state-space layers: a small state, chunks of the sequence
     state_size=8, mamba_d_state=8, ssm_state_size=8, chunk_size=SEQ, mamba_chunk_size=SEQ,
     sliding_window=8, rotary_dim=4,
+    # a stack of layers run in cycles (HRM): one layer a stack
+    num_layers_per_stack=1,
 )
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
 MAX_KINDS = 4  # layers kept: one of each kind, at most this many
