@@ -28,16 +28,13 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
-from typing import Any
 
-import torch
 import torch.fx as fx
 
 from autopar.capture.joint import CapturedGraph, node_module
 from autopar.search.sharding.balanced_shards import holds_balanced
 from autopar.search.sharding.node_keys import input_names, tensor_inputs
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
-from autopar.search.sharding.placement_sets import divides
 from autopar.search.sharding.strategies import enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -45,27 +42,6 @@ log = logging.getLogger(__name__)
 
 def _op(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_function" else node.op
-
-
-def _outputs(node: fx.Node) -> list[Any]:
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (tuple, list)) else [val]
-
-
-def _fits(entry: dict, node: fx.Node, mesh_shape: tuple[int, ...]) -> bool:
-    """Whether ``entry`` can place ``node``: as many outputs and inputs, and every shard divides."""
-    outs, ins = _outputs(node), tensor_inputs(node)
-    if len(entry.get("outputs", [])) != len(outs) or len(entry.get("inputs", [])) != len(ins):
-        return False
-    pairs = list(zip(entry["outputs"], outs, strict=True)) + [
-        (p, a.meta["val"]) for p, a in zip(entry["inputs"], ins, strict=True)
-    ]
-    for p, val in pairs:
-        if p is None or not isinstance(val, torch.Tensor):
-            continue
-        if len(p) != len(mesh_shape) or not divides(tuple(p), tuple(val.shape), mesh_shape):
-            return False
-    return True
 
 
 def same_graph(placements: dict[str, dict], captured: CapturedGraph) -> bool:
@@ -172,7 +148,7 @@ def transfer_placements(
     missing: list[fx.Node] = []
     for n in nodes:
         entry = placements.get(by_run.get(n.name, ""))
-        if entry is not None and _fits(entry, n, mesh_shape) and _offered(entry, strategies[n.name]):
+        if entry is not None and _offered(entry, strategies[n.name]):  # offered: its shards divide the node's shapes
             chosen[n.name] = {**copy.deepcopy(entry), "args": input_names(n)}
         else:
             missing.append(n)

@@ -307,15 +307,18 @@ def scan(node: fx.Node) -> list[Row]:
     (source,) = tensor_inputs(node)
     rank = source.meta["val"].dim()
     dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    return [[R, R]] + _split_beside(dim, rank, tuple(node.meta["val"].shape))
+
+
+def _split_beside(dim: int, rank: int, sizes: tuple[int, ...]) -> list[Row]:
+    """An op of one input and one output over ``dim``: both split alike on any other dim."""
     dim = dim + rank if dim < 0 else dim
-    sizes = node.meta["val"].shape
-    return [[R, R]] + [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
+    return [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
 
 
 def _window_rows(dim: int, rank: int, sizes: tuple[int, ...]) -> list[Row]:
     """A window op's rows: its two tensors split alike on any dim but the windowed one, partial sums, or whole."""
-    dim = dim + rank if dim < 0 else dim
-    return [[R, R], [P, P]] + [[S(d), S(d)] for d in range(rank) if d != dim and sizes[d] > 1]
+    return [[R, R], [P, P]] + _split_beside(dim, rank, sizes)
 
 
 def unfold(node: fx.Node) -> list[Row]:
