@@ -333,14 +333,12 @@ _SEVEN_B = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_llama_7b_shape_on_meta_is_fast_and_small() -> None:
-    """SLOW (~20 s with imports): fake-tensor capture lets a 7B model be planned on a laptop."""
+def test_llama_7b_shape_on_meta_is_captured_in_little_memory() -> None:
+    """SLOW (~20 s with imports): fake-tensor capture lets a 7B model be planned on a laptop. How long the
+    capture takes is measured by benchmarks/plan_time.py (its "capture" column), not held here."""
     proc = subprocess.run([sys.executable, "-c", _SEVEN_B], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 6.5e9 < result["params"] < 7.0e9
     assert result["grads"] == result["n_params"] == 291 and result["batch"] == 1
-    # CPU time is the budget (~10 s measured); wall time is not held: on a box shared with other
-    # runs it measured 40 s for 7 s of CPU
-    assert result["cpu_seconds"] < 15, result
     assert result["rss_mb"] < 2048, result

@@ -645,7 +645,9 @@ def test_time_limit_is_honoured_and_recorded(monkeypatch: pytest.MonkeyPatch) ->
     assert st.stop_reason in ("time limit", "gap target")
     if st.stop_reason == "time limit":
         assert st.used_s >= 0.8 * 3.0 and (sol.gap is None or sol.gap > 0.01)
-    assert st.lns_rounds > 0 and sol.objective <= st.greedy_objective
+    # how far a budget gets past the heuristics depends on the machine (none of 3 s went to a search round
+    # on a loaded CI box): that the search improves on them is held by test_too_large_milp_is_improved_past_the_heuristics
+    assert sol.objective <= st.greedy_objective
     assert sol.status == "feasible"
 
 
