@@ -491,7 +491,7 @@ def load_single(
 
 def _gather_chunk(zero: ZeroChunks, w: _Weight, chunk: torch.Tensor) -> torch.Tensor:
     out = torch.empty(w.chunk[2] * zero.size, dtype=chunk.dtype, device=chunk.device)
-    dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=zero.group)
+    dist.all_gather_single(out, chunk.detach().contiguous(), group=zero.group)
     return out[: w.local.numel()].view(w.local.shape)
 
 

@@ -189,7 +189,7 @@ class ZeroChunks:
 
     def _gather(self, chunk: torch.Tensor, i: int) -> torch.Tensor:
         out = torch.empty(self.chunk_numel[i] * self.size, dtype=chunk.dtype, device=chunk.device)
-        dist.all_gather_into_tensor(out, chunk.detach().contiguous(), group=self.group)
+        dist.all_gather_single(out, chunk.detach().contiguous(), group=self.group)
         return out[: self.shards[i].numel()].view(self.shards[i].shape)
 
     def full_master(self, i: int) -> torch.Tensor:
@@ -219,7 +219,7 @@ class ZeroChunks:
                 direct = p.is_contiguous() and p.numel() == n
                 out = p.detach().view(-1) if direct else torch.empty(n, dtype=p.dtype, device=p.device)
                 chunk = self.chunk(i).detach().to(p.dtype).contiguous()
-                dist.all_gather_into_tensor(out, chunk, group=self.group)
+                dist.all_gather_single(out, chunk, group=self.group)
                 if not direct:
                     p.copy_(out[: p.numel()].view(p.shape))
 
