@@ -295,6 +295,43 @@ def mobilenet_like():
     return MobileNetLike(), {"x": torch.randn(BATCH, 3, 32, 32), "labels": torch.randint(0, 4, (BATCH,))}
 
 
+# ------------------------------------------------------------------ audio
+class _ResBlock(nn.Module):
+    """HiFi-GAN's residual block: leaky ReLU, then dilated convolutions under weight normalization."""
+
+    def __init__(self, c: int, dilation: int) -> None:
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.c1 = wn(nn.Conv1d(c, c, 3, dilation=dilation, padding=dilation))
+        self.c2 = wn(nn.Conv1d(c, c, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c2(F.leaky_relu(self.c1(F.leaky_relu(x, 0.1)), 0.1))
+
+
+class Vocoder(nn.Module):
+    """A HiFi-GAN generator in small: mel frames in, a waveform out. A convolution, a transposed one that
+    upsamples, residual blocks of dilated convolutions, each under weight normalization (the pre-hook
+    ``nn.utils.weight_norm`` on the first, as HiFi-GAN's code calls it, the parametrization on the rest),
+    tanh, an L1 loss."""
+
+    def __init__(self, mels: int = 16, c: int = 32) -> None:
+        super().__init__()
+        self.pre = nn.utils.weight_norm(nn.Conv1d(mels, c, 7, padding=3))
+        self.up = nn.utils.parametrizations.weight_norm(nn.ConvTranspose1d(c, c // 2, 4, stride=2, padding=1))
+        self.blocks = nn.Sequential(_ResBlock(c // 2, 1), _ResBlock(c // 2, 3))
+        self.post = nn.utils.parametrizations.weight_norm(nn.Conv1d(c // 2, 1, 7, padding=3))
+
+    def forward(self, mel: torch.Tensor, wave: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.up(F.leaky_relu(self.pre(mel), 0.1)))
+        return F.l1_loss(torch.tanh(self.post(F.leaky_relu(x))), wave)
+
+
+def vocoder_tiny():
+    """A vocoder on 8 clips of 12 mel frames (16 bands) and their 24-sample waveforms."""
+    return Vocoder(), {"mel": torch.randn(BATCH, 16, 12), "wave": torch.rand(BATCH, 1, 24) * 2 - 1}
+
+
 # ------------------------------------------------------------------ recommendation
 class ClickModel(nn.Module):
     """A recommendation model as DLRM lays one out: dense features through an MLP, sparse ids pooled by an
@@ -323,5 +360,7 @@ def clicks_tiny():
 
 HANDWRITTEN = {
     f.__name__: f
-    for f in (nanogpt, meta_llama, torch_encoder, torch_seq2seq, lstm_tiny, gru, unet, mobilenet_like, clicks_tiny)
+    for f in (
+        nanogpt, meta_llama, torch_encoder, torch_seq2seq, lstm_tiny, gru, unet, mobilenet_like, vocoder_tiny, clicks_tiny
+    )
 }

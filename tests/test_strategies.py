@@ -384,7 +384,18 @@ _DIM_OPS = {
     "renorm": lambda x, d: x.renorm(2, d, 1.0),
     "unfold": lambda x, d: x.unfold(d, 3, 2),
     "unfold_backward": lambda x, d: torch.ops.aten.unfold_backward(x.unfold(d, 3, 2).exp(), x.shape, d, 3, 2),
+    "weight_norm": lambda x, d: torch._weight_norm_interface(x, *_weight_norm_args(x, d)),
+    "weight_norm_backward": lambda x, d: torch.ops.aten._weight_norm_interface_backward(
+        x.exp(), x, *_weight_norm_args(x, d)[:1], torch._weight_norm_interface(x, *_weight_norm_args(x, d))[1],
+        _weight_norm_args(x, d)[1],
+    ),
 }
+
+
+def _weight_norm_args(x: torch.Tensor, d: int) -> tuple[torch.Tensor, int]:
+    """A gain for ``weight_norm`` over ``d`` (its fused kernel takes the first or the last dim only) and that dim."""
+    dim = 0 if d % x.dim() < x.dim() // 2 else x.dim() - 1
+    return torch.linalg.vector_norm(x, dim=[k for k in range(x.dim()) if k != dim], keepdim=True) * 2, dim
 
 
 def _simulated(node: fx.Node, s: Strategy, values: dict[str, torch.Tensor], ranks: int) -> list[torch.Tensor]:
@@ -395,8 +406,8 @@ def _simulated(node: fx.Node, s: Strategy, values: dict[str, torch.Tensor], rank
     def part(name: str, p: tuple, r: int) -> torch.Tensor:
         (pl,) = p
         whole = values[name]
-        if pl.is_shard():
-            return whole.chunk(ranks, pl.dim)[r]
+        if pl.is_shard():  # contiguous, as DTensor lays a shard out (weight_norm's kernel reads strides wrong)
+            return whole.chunk(ranks, pl.dim)[r].contiguous()
         if pl.is_partial():
             cuts = [torch.rand(whole.shape, generator=gen, dtype=whole.dtype) for _ in range(ranks - 1)]
             return cuts[r] if r < ranks - 1 else whole - sum(cuts)

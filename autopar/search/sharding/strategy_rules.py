@@ -345,6 +345,17 @@ def _unfold_backward_sizes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (grad, local, dim, *rest), kwargs
 
 
+def weight_norm_backward(node: fx.Node) -> list[Row]:
+    """``_weight_norm_interface_backward(grad_w, v, g, norms, dim) -> (grad_v, grad_g)``, the backward of
+    ``weight_norm``'s ``w = g * v / ||v||`` (norms over every dim but ``dim``): split alike on ``dim``, each
+    rank's norms its own rows'; or partial sums of ``grad_w`` giving partial sums of both gradients (they are
+    linear in it); or whole. The forward's rows are DTensor's."""
+    v = tensor_inputs(node)[1].meta["val"]
+    dim = node.args[4] if len(node.args) > 4 else node.kwargs["dim"]
+    dim = dim + v.dim() if dim < 0 else dim
+    return [[R] * 6, [S(dim)] * 6, [P, P, P, R, R, R]]
+
+
 # ops whose non-tensor arguments name whole sizes: a rank runs them with its shards' (args, kwargs) -> same
 LOCAL_ARGUMENTS: dict[object, Callable[[tuple, dict], tuple[tuple, dict]]] = {
     aten.unfold_backward.default: _unfold_backward_sizes,
@@ -380,6 +391,7 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten.logcumsumexp.default: scan,
     aten.unfold.default: unfold,
     aten.unfold_backward.default: unfold_backward,
+    aten._weight_norm_interface_backward.default: weight_norm_backward,
 }
 RULES.update({op: elementwise for op in ELEMENTWISE})
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
