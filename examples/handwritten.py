@@ -332,6 +332,36 @@ def vocoder_tiny():
     return Vocoder(), {"mel": torch.randn(BATCH, 16, 12), "wave": torch.rand(BATCH, 1, 24) * 2 - 1}
 
 
+# ------------------------------------------------------------------ graphs
+class GraphNet(nn.Module):
+    """A graph convolutional network as written without a graph library: node features ``(nodes, features)``,
+    an edge list ``(edges,)`` twice (sources, destinations), messages summed into each destination by
+    ``index_add``, degrees by ``scatter_add``, a classifier over the nodes. The batch is the nodes; the edge
+    lists are not batches of samples."""
+
+    def __init__(self, features: int = 8, hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(features, hidden), nn.Linear(hidden, classes)
+
+    def _propagate(self, h: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        degree = torch.zeros(h.shape[0], dtype=h.dtype).scatter_add(0, dst, torch.ones_like(dst, dtype=h.dtype))
+        return h + torch.zeros_like(h).index_add(0, dst, h[src]) / degree.clamp(min=1)[:, None]
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self._propagate(self.l1(x), src, dst))
+        return F.cross_entropy(self._propagate(self.l2(h), src, dst), labels)
+
+
+def graph_net():
+    """A graph of 16 nodes and 40 random edges."""
+    return GraphNet(), {
+        "x": torch.randn(16, 8),
+        "src": torch.randint(0, 16, (40,)),
+        "dst": torch.randint(0, 16, (40,)),
+        "labels": torch.randint(0, 3, (16,)),
+    }
+
+
 # ------------------------------------------------------------------ recommendation
 class ClickModel(nn.Module):
     """A recommendation model as DLRM lays one out: dense features through an MLP, sparse ids pooled by an
@@ -361,6 +391,16 @@ def clicks_tiny():
 HANDWRITTEN = {
     f.__name__: f
     for f in (
-        nanogpt, meta_llama, torch_encoder, torch_seq2seq, lstm_tiny, gru, unet, mobilenet_like, vocoder_tiny, clicks_tiny
+        nanogpt,
+        meta_llama,
+        torch_encoder,
+        torch_seq2seq,
+        lstm_tiny,
+        gru,
+        unet,
+        mobilenet_like,
+        vocoder_tiny,
+        graph_net,
+        clicks_tiny,
     )
 }

@@ -46,7 +46,7 @@ from autopar.verify.oracle import (
     random_placements,
     shell_plan,
 )
-from examples.handwritten import clicks_tiny, lstm_tiny, meta_llama
+from examples.handwritten import clicks_tiny, graph_net, lstm_tiny, meta_llama
 from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
 
 TOL = 1e-5
@@ -137,6 +137,8 @@ def test_plans_on_2_processes_train_like_one_device():
         # rotary embeddings in complex numbers, under random strategies: on tp 2 here, a quarter of its cost on the
         # 4-process launch (8.5 CPU-s a rank there); AUTOPAR_HANDWRITTEN=all trains it on dp 2 x tp 2
         (meta_llama, factory_layout_plan(meta_llama, autopar.Cluster.local(2), 1, 2, "flowing", seed=1000)),
+        # inputs that are not batches of samples (a graph's edge lists beside its nodes): the search's plan
+        (graph_net, _searched_plan(graph_net, 2)),
         (gpt2_tiny, _accumulating_plan(gpt2_tiny, 2, 4)),
         (gpt2_tiny4_padded, _accumulating_plan(gpt2_tiny4_padded, 2, 4)),
     ]
@@ -144,6 +146,28 @@ def test_plans_on_2_processes_train_like_one_device():
     local_batch = [False] * (len(cases) - 1) + [True]
     checks = check_plans(cases, autopar.Cluster.local(2), local_batch=local_batch)
     _assert_all_match(cases, checks)
+
+
+def _searched_plan(factory, n: int) -> autopar.Plan:
+    torch.manual_seed(0)
+    model, inputs = factory()
+    return autopar.plan(model, inputs, autopar.Cluster.local(n), precision="fp32", time_limit_s=10)
+
+
+def test_inputs_that_are_not_batches_of_samples_keep_their_shape_and_one_micro_batch() -> None:
+    """A graph network's edge lists (40 rows beside 16 nodes): the capture at another batch leaves them as they
+    are, the search plans one micro-batch, and a fixed count of more is refused in one line."""
+    from autopar.core.errors import PlanError
+    from autopar.cost_models.graph_cache import resize_batch
+
+    torch.manual_seed(0)
+    model, inputs = graph_net()
+    resized = resize_batch(inputs, 8)
+    assert [tuple(v.shape) for v in resized.values()] == [(8, 8), (40,), (40,), (8,)]
+    plan = autopar.plan(model, inputs, autopar.Cluster.local(2), precision="fp32", time_limit_s=10)
+    assert plan.microbatches == 1
+    with pytest.raises(PlanError, match="input src is not a batch of 16 samples.*microbatches=1"):
+        autopar.plan(model, inputs, autopar.Cluster.local(2), fixed={"dp": 2, "microbatches": 2}, time_limit_s=10)
 
 
 def plan_with_layout_random(factory, seed: int, layout: str = "random") -> autopar.Plan:

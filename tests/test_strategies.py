@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import zlib
 
 import pytest
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn import functional as F
 
 from autopar.capture.joint import capture
 from autopar.core.placements import PARTIAL as P
@@ -401,14 +403,14 @@ def _weight_norm_args(x: torch.Tensor, d: int) -> tuple[torch.Tensor, int]:
 def _simulated(node: fx.Node, s: Strategy, values: dict[str, torch.Tensor], ranks: int) -> list[torch.Tensor]:
     """``node``'s outputs assembled from ``ranks`` ranks each running it on its shards of ``values`` as ``s``
     places them: a shard is a chunk, a partial sum a random split that adds up to the whole."""
-    gen = torch.Generator().manual_seed(0)
 
     def part(name: str, p: tuple, r: int) -> torch.Tensor:
         (pl,) = p
         whole = values[name]
         if pl.is_shard():  # contiguous, as DTensor lays a shard out (weight_norm's kernel reads strides wrong)
             return whole.chunk(ranks, pl.dim)[r].contiguous()
-        if pl.is_partial():
+        if pl.is_partial():  # the same cuts for every rank's call
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             cuts = [torch.rand(whole.shape, generator=gen, dtype=whole.dtype) for _ in range(ranks - 1)]
             return cuts[r] if r < ranks - 1 else whole - sum(cuts)
         return whole
@@ -462,3 +464,60 @@ def test_every_strategy_of_an_op_over_a_dim_is_exact_on_shards(name: str) -> Non
                 want = [o for o, p in zip(outs, s.outputs, strict=True) if p is not None]
                 for got, w in zip(_simulated(node, s, values, 2), want, strict=True):
                     assert torch.allclose(got, w, rtol=1e-9, atol=1e-9), f"{name} dim {dim}: {node.target} {s}"
+
+
+def _weight_norm(dim: int):
+    return lambda x: torch._weight_norm_interface(x, *_weight_norm_args(x, dim))[0]
+
+
+# backwards with autopar's rules, each whose incoming gradient may be partial sums: (forward, input shape, op)
+_BACKWARDS = {
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), (4, 6, 8, 10), "avg_pool2d_backward"),
+    "avg_pool2d_padded": (
+        lambda x: F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False),
+        (4, 6, 8, 10),
+        "avg_pool2d_backward",
+    ),
+    "avg_pool2d_unbatched": (lambda x: F.avg_pool2d(x, 2), (6, 8, 10), "avg_pool2d_backward"),
+    "avg_pool3d": (lambda x: F.avg_pool3d(x, 2), (4, 6, 4, 6, 8), "avg_pool3d_backward"),
+    "max_pool3d": (lambda x: F.max_pool3d(x, 2), (4, 6, 4, 6, 8), "max_pool3d_with_indices_backward"),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 3), (4, 6, 8, 10), "adaptive_max_pool2d_backward"),
+    "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, 2), (4, 6, 4, 6, 8), "adaptive_max_pool3d_backward"),
+    "adaptive_avg_pool3d": (
+        lambda x: F.adaptive_avg_pool3d(x, (2, 3, 3)),
+        (4, 6, 4, 6, 8),
+        "_adaptive_avg_pool3d_backward",
+    ),
+    "prelu_channels": (lambda x: F.prelu(x - 1, torch.linspace(-0.5, 0.5, 6, dtype=x.dtype)), (4, 6, 8, 10), "_prelu_kernel_backward"),
+    "prelu_one": (lambda x: F.prelu(x - 1, torch.tensor([0.25], dtype=x.dtype)), (4, 6, 8, 10), "_prelu_kernel_backward"),
+    "weight_norm_first": (_weight_norm(0), (4, 6, 8, 10), "_weight_norm_interface_backward"),
+    "weight_norm_last": (_weight_norm(-1), (4, 6, 8, 10), "_weight_norm_interface_backward"),
+}
+
+
+@pytest.mark.parametrize("name", list(_BACKWARDS))
+def test_every_strategy_of_a_backward_is_exact_on_shards(name: str) -> None:
+    """A backward with autopar's rule, its incoming gradient a sum (which can hand over partial sums, unlike
+    an input), run on its shards as each strategy places them: whole, split on dim 0 (and on the channels,
+    or the normalized dim), or partial sums in and out."""
+    forward, shape, op = _BACKWARDS[name]
+    x = torch.randn(shape, dtype=torch.float64).abs() + 0.5
+
+    def grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(forward(x), x, w.sum(0))[0]
+
+    w = torch.randn((2, *forward(x).shape), dtype=torch.float64)
+    gm = _fx(grad, x, w)
+    strategies = enumerate_strategies(gm, (2,))
+    values = graph_values(gm, [x, w])
+    kinds = set()
+    for node in gm.graph.nodes:
+        if getattr(node.target, "__name__", "").split(".")[0] != op:
+            continue
+        whole = values[node.name] if isinstance(values[node.name], (tuple, list)) else (values[node.name],)
+        for s in strategies[node.name].strategies:
+            for got, want in zip(_simulated(node, s, values, 2), whole, strict=True):
+                assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), f"{name}: {s}"
+            kinds.add(str(s.outputs[0][0])[0])
+    assert kinds == {"R", "S", "P"}, kinds

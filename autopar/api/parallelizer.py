@@ -28,7 +28,7 @@ from autopar.codegen.stage_split import split_stages
 from autopar.codegen.transfer import transfer_name, transfer_placements
 from autopar.core.errors import RuntimeMismatchError
 from autopar.core.mesh import SHARDING_AXES, world_size
-from autopar.cost_models.graph_cache import resize_batch
+from autopar.cost_models.graph_cache import example_batch, resize_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.cost_models.memory import precision_spec
 from autopar.cost_models.pipeline import schedule_name
@@ -169,7 +169,7 @@ def parallelize(
             model,
             resize_batch(example_inputs, micro),
             loss_fn=loss_fn,
-            example_targets=resize_batch(example_targets, micro),
+            example_targets=resize_batch(example_targets, micro, example_batch(example_inputs)),
             compute_dtype=policy.param_dtype,
             device=device,
         ),

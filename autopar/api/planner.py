@@ -286,11 +286,20 @@ def _sharded_as_fixed(
 def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
     """``fixed`` with one micro-batch and no pipeline for a model whose forward couples the samples of a batch
     (BatchNorm in training, a mixture of experts' load-balancing loss), unless the user fixed them; and a
-    warning when the user did.
+    warning when the user did. A model with inputs that are not batches of samples (a graph's edge lists) gets
+    one micro-batch, and a PlanError if more were fixed.
 
     Cut into micro-batches, such a model normalizes each by its own statistics: the
     function of gradient accumulation on one device, not of the global batch.
     """
+    odd = captured.unbatched_inputs()
+    if odd:  # not batches of samples: no micro-batch can take a part of them
+        if (fixed.microbatches or 1) > 1:
+            raise PlanError(
+                f"input {odd[0]} is not a batch of {captured.batch_size} samples (its dim 0 has another length), "
+                "so micro-batches cannot split it; plan with microbatches=1"
+            )
+        return dataclasses.replace(fixed, microbatches=1), ""
     modules = coupling_modules(captured.gm)
     balancing = experts_op.balancing_loss(captured.gm)
     if not modules and not balancing:

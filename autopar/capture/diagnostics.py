@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.capture.graph import node_module, node_phase
@@ -100,6 +100,13 @@ def export_error(exc: Exception, model: nn.Module, stack: list[str]) -> CaptureE
         return CaptureError(
             f"data-dependent control flow in {where}: a Python branch on a tensor value cannot be "
             f"captured; replace it with torch.where or torch.cond{loss}"
+        )
+    dynamic = next((e for e in _chain(exc) if isinstance(e, DynamicOutputShapeException)), None)
+    if dynamic is not None:  # torch's fake tensors have no shape for its output (``ctc_loss``): no fix in the inputs
+        op = one_line(dynamic)
+        return CaptureError(
+            f"could not capture {cls}: {op} in {where} gives an output whose shape depends on its inputs' values, "
+            "which torch.export cannot trace; the op cannot be part of a captured model or loss_fn"
         )
     if isinstance(exc, (TypeError, ValueError, IndexError, RuntimeError)) and not isinstance(
         exc, NotImplementedError

@@ -62,6 +62,12 @@ class CapturedGraph:
     recapture: Callable[[int], CapturedGraph] | None = field(default=None, repr=False, compare=False)
 
 
+    def unbatched_inputs(self) -> list[str]:
+        """The inputs whose dim 0 is not the batch (a graph's edge list beside its node features, ``(40,)``
+        beside ``(16, 8)``): not batches of samples, so micro-batches cannot split them."""
+        return [i.name for i in self.inputs if i.shape and i.shape[0] != self.batch_size]
+
+
 @dataclass
 class Fold:
     """What a graph written from a four-layer trace (:mod:`autopar.capture.unroll`) stands on.

@@ -37,8 +37,9 @@ def captured_with_stats(
     """Capture ``model`` (at ``batch`` samples if given) and read its statistics, reusing the last capture."""
     global _last
     if batch is not None:
-        example_inputs = resize_batch(example_inputs, batch)
-        example_targets = resize_batch(example_targets, batch)
+        whole = example_batch(example_inputs)
+        example_inputs = resize_batch(example_inputs, batch, whole)
+        example_targets = resize_batch(example_targets, batch, whole)
     # keyed by the inputs as captured: a batch the examples already have is the capture without one
     key = (_model_key(model), _shapes(example_inputs), _shapes(example_targets), id(loss_fn))
     if _last is not None and _last[0] == key:
@@ -61,7 +62,8 @@ def _offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, ex
     def at(batch: int, template: bool = False) -> CapturedGraph:
         key = (template, batch)
         if key not in made:
-            inputs, targets = resize_batch(example_inputs, batch), resize_batch(example_targets, batch)
+            whole = example_batch(example_inputs)
+            inputs, targets = resize_batch(example_inputs, batch, whole), resize_batch(example_targets, batch, whole)
             made[key] = (capture_template if template else capture_folded)(model, inputs, loss_fn, targets)
         got = made[key]
         if got is None:
@@ -81,16 +83,22 @@ def example_batch(example_inputs) -> int | None:
     return None
 
 
-def resize_batch(x, batch: int):
-    """The same inputs with dim 0 set to ``batch``, on the meta device (capture needs only shapes)."""
+def resize_batch(x, batch: int, whole: int | None = None):
+    """The same inputs with the batch set to ``batch``, on the meta device (capture needs only shapes).
+
+    The batch is dim 0 of the tensors whose dim 0 is the examples' batch (``whole``, by default
+    :func:`example_batch`'s): a tensor of another length there (a graph's edge list beside its node
+    features) is not a batch of samples and keeps its shape.
+    """
+    whole = example_batch(x) if whole is None else whole
     if isinstance(x, torch.Tensor):
-        if x.dim() == 0 or x.shape[0] == batch:
+        if x.dim() == 0 or x.shape[0] == batch or x.shape[0] != whole:
             return x
         return torch.empty((batch, *x.shape[1:]), dtype=x.dtype, device="meta")
     if isinstance(x, dict):
-        return {k: resize_batch(v, batch) for k, v in x.items()}
+        return {k: resize_batch(v, batch, whole) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(resize_batch(v, batch) for v in x)
+        return type(x)(resize_batch(v, batch, whole) for v in x)
     return x
 
 

@@ -268,15 +268,32 @@ def experts_backward(node: fx.Node) -> list[Row]:
 
 def elementwise(node: fx.Node) -> list[Row]:
     """An element-wise op DTensor has no rule for (activation backwards such as MobileNet's
-    ``hardswish_backward``): every output and tensor input split alike on any dim, when all have one shape;
-    else whole."""
+    ``hardswish_backward``): every output and tensor input split alike on any dim of the outputs' shape, an
+    input broadcast along it (size 1 there, or fewer dims) whole; else all whole."""
     outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+    outs = [t for t in outs if isinstance(t, torch.Tensor)]
     ins = [a.meta["val"] for a in tensor_inputs(node)]
-    tensors = [t for t in (*outs, *ins) if isinstance(t, torch.Tensor)]
-    rows: list[Row] = [[R] * len(tensors)]
-    if len({tuple(t.shape) for t in tensors}) == 1:
-        rows += [[S(d)] * len(tensors) for d in range(tensors[0].dim()) if tensors[0].shape[d] > 1]
+    rows: list[Row] = [[R] * (len(outs) + len(ins))]
+    shape = tuple(outs[0].shape)
+    if any(tuple(t.shape) != shape for t in outs):
+        return rows
+    for d in range(len(shape)):
+        if shape[d] == 1:
+            continue
+        row: Row = [S(d)] * len(outs)
+        for t in ins:
+            at = d - (len(shape) - t.dim())  # the input's dim broadcast against ``d``
+            row.append(R if at < 0 or t.shape[at] == 1 else S(at) if t.shape[at] == shape[d] else None)
+        if None not in row:
+            rows.append(row)
     return rows
+
+
+def prelu_backward(node: fx.Node) -> list[Row]:
+    """``_prelu_kernel_backward(grad, x, weight) -> (grad_x, grad_weight)``, both of ``x``'s shape (the sum
+    over the weight's broadcast dims comes after): element-wise, the weight whole where it is broadcast; or
+    partial sums of ``grad`` giving partial sums of both (they are linear in it)."""
+    return elementwise(node) + [[P, P, P, R, R]]
 
 
 def stack(node: fx.Node) -> list[Row]:
@@ -356,6 +373,28 @@ def weight_norm_backward(node: fx.Node) -> list[Row]:
     return [[R] * 6, [S(dim)] * 6, [P, P, P, R, R, R]]
 
 
+# pooling backwards without a DTensor rule (DTensor has the forwards'), by the spatial dims they pool over
+POOL_BACKWARDS = {
+    aten.avg_pool2d_backward.default: 2,
+    aten.avg_pool3d_backward.default: 3,
+    aten.max_pool3d_with_indices_backward.default: 3,
+    aten.adaptive_max_pool2d_backward.default: 2,
+    aten.adaptive_max_pool3d_backward.default: 3,
+    aten._adaptive_avg_pool3d_backward.default: 3,
+}
+
+
+def pool_backward(node: fx.Node) -> list[Row]:
+    """A pooling op's backward ``(grad_output, self[, indices]) -> grad_input``: split alike on the batch or
+    the channels (each plane pooled alone; a max pool's indices count inside a plane), or partial sums of
+    ``grad_output`` giving partial sums (it is linear in them; ``self`` and the indices whole), or whole."""
+    ins = tensor_inputs(node)
+    rows: list[Row] = [[R] * (1 + len(ins)), [S(0)] * (1 + len(ins)), [P, P] + [R] * (len(ins) - 1)]
+    if ins[1].meta["val"].dim() == POOL_BACKWARDS[node.target] + 2:  # batched: (N, C, *spatial)
+        rows.append([S(1)] * (1 + len(ins)))
+    return rows
+
+
 # ops whose non-tensor arguments name whole sizes: a rank runs them with its shards' (args, kwargs) -> same
 LOCAL_ARGUMENTS: dict[object, Callable[[tuple, dict], tuple[tuple, dict]]] = {
     aten.unfold_backward.default: _unfold_backward_sizes,
@@ -392,8 +431,10 @@ RULES: dict[object, Callable[[fx.Node], list[Row]]] = {
     aten.unfold.default: unfold,
     aten.unfold_backward.default: unfold_backward,
     aten._weight_norm_interface_backward.default: weight_norm_backward,
+    aten._prelu_kernel_backward.default: prelu_backward,
 }
 RULES.update({op: elementwise for op in ELEMENTWISE})
+RULES.update({op: pool_backward for op in POOL_BACKWARDS})
 # random ops shard like element-wise ops: each rank draws the numbers of its own elements (random_ops)
 RULES.update({op: random_ops.rule_rows for op in random_ops.RANDOM_OPS})
 # ops of libraries that register them when imported, by name: (node target's str) -> rule
