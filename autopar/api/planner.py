@@ -299,6 +299,7 @@ def _keep_batches_whole(captured, fixed: Fixed) -> tuple[Fixed, str]:
                 f"input {odd[0]} is not a batch of {captured.batch_size} samples (its dim 0 has another length), "
                 "so micro-batches cannot split it; plan with microbatches=1"
             )
+        log.info("input %s is not a batch of %d samples: one micro-batch", odd[0], captured.batch_size)
         return dataclasses.replace(fixed, microbatches=1), ""
     modules = coupling_modules(captured.gm)
     balancing = experts_op.balancing_loss(captured.gm)

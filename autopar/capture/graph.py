@@ -61,7 +61,6 @@ class CapturedGraph:
     # autopar.search.sharding.batch_dims reads which dims of each value scale with the batch
     recapture: Callable[[int], CapturedGraph] | None = field(default=None, repr=False, compare=False)
 
-
     def unbatched_inputs(self) -> list[str]:
         """The inputs whose dim 0 is not the batch (a graph's edge list beside its node features, ``(40,)``
         beside ``(16, 8)``): not batches of samples, so micro-batches cannot split them."""
