@@ -386,11 +386,7 @@ _DIM_OPS = {
     "renorm": lambda x, d: x.renorm(2, d, 1.0),
     "unfold": lambda x, d: x.unfold(d, 3, 2),
     "unfold_backward": lambda x, d: torch.ops.aten.unfold_backward(x.unfold(d, 3, 2).exp(), x.shape, d, 3, 2),
-    "weight_norm": lambda x, d: torch._weight_norm_interface(x, *_weight_norm_args(x, d)),
-    "weight_norm_backward": lambda x, d: torch.ops.aten._weight_norm_interface_backward(
-        x.exp(), x, *_weight_norm_args(x, d)[:1], torch._weight_norm_interface(x, *_weight_norm_args(x, d))[1],
-        _weight_norm_args(x, d)[1],
-    ),
+    "weight_norm": lambda x, d: torch._weight_norm_interface(x, *_weight_norm_args(x, d)),  # its backward: below
 }
 
 
@@ -488,7 +484,11 @@ _BACKWARDS = {
         (4, 6, 4, 6, 8),
         "_adaptive_avg_pool3d_backward",
     ),
-    "prelu_channels": (lambda x: F.prelu(x - 1, torch.linspace(-0.5, 0.5, 6, dtype=x.dtype)), (4, 6, 8, 10), "_prelu_kernel_backward"),
+    "prelu_channels": (
+        lambda x: F.prelu(x - 1, torch.linspace(-0.5, 0.5, 6, dtype=x.dtype)),
+        (4, 6, 8, 10),
+        "_prelu_kernel_backward",
+    ),
     "prelu_one": (lambda x: F.prelu(x - 1, torch.tensor([0.25], dtype=x.dtype)), (4, 6, 8, 10), "_prelu_kernel_backward"),
     "weight_norm_first": (_weight_norm(0), (4, 6, 8, 10), "_weight_norm_interface_backward"),
     "weight_norm_last": (_weight_norm(-1), (4, 6, 8, 10), "_weight_norm_interface_backward"),
