@@ -168,6 +168,23 @@ def llama_tiny():
     return llama(2, 64, 4, 128, vocab=128, seq=16, batch=8, device="cpu")
 
 
+def _shared_positions(model_inputs):
+    """``model_inputs`` with ``position_ids`` of shape (1, T), as user code often passes them: one row every
+    sample of the batch shares (HuggingFace broadcasts it), not a batch of rows."""
+    model, inputs = model_inputs
+    return model, {**inputs, "position_ids": torch.arange(inputs["input_ids"].shape[1]).unsqueeze(0)}
+
+
+def gpt2_tiny_shared_positions():
+    """gpt2_tiny called with ``position_ids`` of shape (1, T) beside the (8, T) ids."""
+    return _shared_positions(gpt2_tiny())
+
+
+def gpt2_tiny4_shared_positions():
+    """gpt2_tiny4 called with ``position_ids`` of shape (1, T) beside the (8, T) ids."""
+    return _shared_positions(gpt2_tiny4())
+
+
 def gpt2_tiny4():
     """gpt2_tiny with 4 layers: enough to cut into pipeline stages of whole layers (no dropout)."""
     return gpt(4, 64, 4, vocab=128, seq=16, batch=8, device="cpu", dropout=0.0)

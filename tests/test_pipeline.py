@@ -43,7 +43,7 @@ from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, unt
 from autopar.search.sharding.microbatches import microbatch_divides
 from autopar.search.sharding.request import MeshRequest
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline, shell_plan
-from examples.models import gpt2_tiny4, gpt2_tiny4_padded, llama_tiny4
+from examples.models import gpt2_tiny4, gpt2_tiny4_padded, gpt2_tiny4_shared_positions, llama_tiny4
 
 TOL = 1e-5
 
@@ -426,7 +426,10 @@ def _assert_all_match(cases, checks) -> None:
 def test_pipelines_on_4_processes_train_like_one_device():
     # each schedule once: the schedule's order does not depend on the model (1F1B runs in four cases below;
     # AUTOPAR_EXTENDED=1 adds LLaMA's dp 2 x pp 2 under it, 4.4 CPU-s a rank)
-    cases = [(gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "GPipe", 2))]
+    # GPipe's with position_ids of shape (1, T) every sample shares, taken whole by every micro-batch of one
+    # sample (where the rank's capture at that batch cannot tell them from the batch)
+    shared = _hand(gpt2_tiny4_shared_positions, 4, 2, "GPipe", 8, tp=2, layout="megatron")
+    cases = [(gpt2_tiny4_shared_positions, shared)]
     if os.environ.get("AUTOPAR_EXTENDED"):
         cases += [(llama_tiny4, _hand(llama_tiny4, 4, 2, "1F1B", 2))]
     cases += [

@@ -47,7 +47,15 @@ from autopar.verify.oracle import (
     shell_plan,
 )
 from examples.handwritten import clicks_tiny, graph_net, lstm_tiny, meta_llama
-from examples.models import gpt2_tiny, gpt2_tiny4_padded, llama_tiny, mlp_deep, mlp_tiny, resnet_tiny
+from examples.models import (
+    gpt2_tiny,
+    gpt2_tiny4_padded,
+    gpt2_tiny_shared_positions,
+    llama_tiny,
+    mlp_deep,
+    mlp_tiny,
+    resnet_tiny,
+)
 
 TOL = 1e-5
 FACTORIES = [mlp_tiny, gpt2_tiny, llama_tiny]
@@ -129,8 +137,8 @@ def test_plans_on_2_processes_train_like_one_device():
     """The 1-D meshes, in one launch of 2 ranks: the solver's data-parallel and tensor-parallel plans, Meta's
     reference LLaMA (rotary embeddings in complex numbers) under random strategies on tp 2, and
     gradient accumulation on the analytic data-parallel path over 4 micro-batches of one sequence a rank (as
-    dp 4 at 2 micro-batches cuts them), GPT-2's and padded labels', each rank fed its own part of the padded
-    batch."""
+    dp 4 at 2 micro-batches cuts them), GPT-2's with position_ids of shape (1, T) and padded labels', each rank
+    fed its own part of the batch (and the whole position_ids)."""
     cases = [(mlp_tiny, _plan(mlp_tiny, 2, dp, tp)) for dp, tp in [(2, 1), (1, 2)]]
     cases += [
         (llama_tiny, _plan(llama_tiny, 2, 2, 1)),
@@ -139,11 +147,12 @@ def test_plans_on_2_processes_train_like_one_device():
         (meta_llama, factory_layout_plan(meta_llama, autopar.Cluster.local(2), 1, 2, "flowing", seed=1000)),
         # inputs that are not batches of samples (a graph's edge lists beside its nodes): the search's plan
         (graph_net, _searched_plan(graph_net, 2)),
-        (gpt2_tiny, _accumulating_plan(gpt2_tiny, 2, 4)),
+        # position_ids of shape (1, T) every sample shares: each rank and micro-batch takes them whole
+        (gpt2_tiny_shared_positions, _accumulating_plan(gpt2_tiny_shared_positions, 2, 4)),
         (gpt2_tiny4_padded, _accumulating_plan(gpt2_tiny4_padded, 2, 4)),
     ]
     assert all(p.micro_batch_size == 1 for _, p in cases[-2:])
-    local_batch = [False] * (len(cases) - 1) + [True]
+    local_batch = [False] * (len(cases) - 2) + [True, True]
     checks = check_plans(cases, autopar.Cluster.local(2), local_batch=local_batch)
     _assert_all_match(cases, checks)
 
@@ -168,6 +177,39 @@ def test_inputs_that_are_not_batches_of_samples_keep_their_shape_and_one_micro_b
     assert plan.microbatches == 1
     with pytest.raises(PlanError, match="input src is not a batch of 16 samples.*microbatches=1"):
         autopar.plan(model, inputs, autopar.Cluster.local(2), fixed={"dp": 2, "microbatches": 2}, time_limit_s=10)
+
+
+def test_an_input_every_sample_shares_goes_whole_to_every_micro_batch() -> None:
+    """position_ids of shape (1, T) beside (8, T) ids: not the batch (also where the examples list it first), kept
+    whole by a capture at another batch, micro-batches allowed (one sample each included, where the capture alone
+    cannot tell it from the batch), and a shared input of another shape refused in one line at the step."""
+    from autopar.capture.inputs import batch_of, batched_flags, input_tensors
+    from autopar.core.errors import RuntimeMismatchError
+    from autopar.cost_models.graph_cache import resize_batch
+    from autopar.runtime.parallel_module import batch_placement, micro_part
+    from autopar.verify.reference import slice_batch
+
+    torch.manual_seed(0)
+    model, inputs = gpt2_tiny_shared_positions()
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    assert batch_of([positions, ids]) == 8 and batched_flags([positions, ids, torch.ones(())]) == [False, True, False]
+    assert batch_of([positions]) == 1 and batched_flags([positions]) == [True]
+    assert tuple(resize_batch(inputs, 2)["position_ids"].shape) == (1, 16)
+    assert [tuple(v.shape) for v in slice_batch(inputs, 1, 4).values()] == [(2, 16), (2, 16), (1, 16)]
+    plan = autopar.plan(model, inputs, autopar.Cluster.local(2), fixed={"dp": 2, "microbatches": 4}, time_limit_s=10)
+    assert plan.microbatches == 4
+    one = resize_batch(inputs, 1)  # a micro-batch of one sample: the capture is told which input is the batch
+    captured = capture(model, one, batched=batched_flags(input_tensors(model, inputs)))
+    assert [(i.name, i.batched) for i in captured.inputs] == [("input_ids", True), ("labels", True), ("position_ids", False)]
+    shared = captured.inputs[2]
+    spec = (R, R)
+    assert batch_placement(positions, spec, shared, 4, 2, local_batch=True) == spec
+    assert micro_part(positions, shared, 4, 3) is positions
+    assert micro_part(ids, captured.inputs[0], 4, 3).shape == (2, 16)
+    with pytest.raises(RuntimeMismatchError, match=r"input position_ids has shape \(8, 16\).*\(1, 16\).*re-plan"):
+        batch_placement(positions.expand(8, -1), spec, shared, 4, 2, local_batch=False)
+    with pytest.raises(RuntimeMismatchError, match="input input_ids has batch 8, the plan expects 4; re-plan"):
+        batch_placement(ids, spec, captured.inputs[0], 4, 2, local_batch=False)  # captured at 1 sample, 4 micro-batches
 
 
 def plan_with_layout_random(factory, seed: int, layout: str = "random") -> autopar.Plan:

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.api.data_parallel import data_parallel_placements
 from autopar.api.planner import plan as make_plan
+from autopar.capture.inputs import batched_flags, input_tensors
 from autopar.capture.joint import capture, node_phase
 from autopar.codegen.shard import shard_graph
 from autopar.codegen.stage_split import split_stages
@@ -172,6 +173,8 @@ def parallelize(
             example_targets=resize_batch(example_targets, micro, example_batch(example_inputs)),
             compute_dtype=policy.param_dtype,
             device=device,
+            # told at the examples' batch: at a micro-batch of one sample a shared (1, T) input looks batched
+            batched=batched_flags(input_tensors(model, example_inputs, example_targets)),
         ),
         device,
     )

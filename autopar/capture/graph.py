@@ -26,6 +26,10 @@ class TensorInfo:
     placeholder: str  # node name of its placeholder in the joint graph
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # user inputs: whether dim 0 is the batch, which data-parallel ranks and micro-batches split; False for a
+    # tensor shared by all samples (``position_ids`` of shape (1, T) beside (B, T) ids) or not of samples at all
+    # (a graph's edge list), which each micro-batch takes whole (:func:`autopar.capture.inputs.batched_flags`)
+    batched: bool = True
 
 
 @dataclass
@@ -62,9 +66,10 @@ class CapturedGraph:
     recapture: Callable[[int], CapturedGraph] | None = field(default=None, repr=False, compare=False)
 
     def unbatched_inputs(self) -> list[str]:
-        """The inputs whose dim 0 is not the batch (a graph's edge list beside its node features, ``(40,)``
-        beside ``(16, 8)``): not batches of samples, so micro-batches cannot split them."""
-        return [i.name for i in self.inputs if i.shape and i.shape[0] != self.batch_size]
+        """The inputs that are not batches of samples nor shared by every sample (a graph's edge list beside its
+        node features, ``(40,)`` beside ``(16, 8)``): a micro-batch can neither take a part of them nor take
+        them whole. A shared input (dim 0 of 1 beside the batch) goes whole to every micro-batch."""
+        return [i.name for i in self.inputs if not i.batched and i.shape and i.shape[0] != 1]
 
 
 @dataclass

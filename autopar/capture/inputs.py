@@ -94,6 +94,21 @@ def normalize(example_inputs: Any, example_targets: Any) -> tuple[tuple, dict, t
     return args, kwargs, (example_targets,)
 
 
+def batch_of(tensors: list[Any]) -> int | None:
+    """The batch ``tensors`` hold: dim 0 of the first tensor whose dim 0 is not 1 (1 if every one's is), None
+    without a tensor of one dim or more. A dim 0 of 1 beside the batch is a tensor shared by every sample
+    (``position_ids`` of shape (1, T), a causal mask of (1, 1, T, T)), as broadcasting reads it."""
+    sizes = [int(t.shape[0]) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return next((s for s in sizes if s != 1), 1) if sizes else None
+
+
+def batched_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether its dim 0 is the batch (:func:`batch_of`): the tensors data-parallel ranks and
+    micro-batches split. The others (shared by every sample, or not of samples) are taken whole."""
+    batch = batch_of(tensors)
+    return [t.dim() > 0 and int(t.shape[0]) == batch for t in tensors]
+
+
 def input_tensors(model: nn.Module, inputs: Any, targets: Any = None) -> list[torch.Tensor]:
     """The tensors of one batch in the order of ``CapturedGraph.inputs`` (the joint graph's user placeholders)."""
     args, kwargs, targets = normalize(inputs, targets)

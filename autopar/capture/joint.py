@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,8 @@ from autopar.capture.graph import (
 from autopar.capture.inputs import (
     TARGETS,
     LossWrapper,
+    batch_of,
+    batched_flags,
     hf_no_cache,
     input_name,
     input_tensors,
@@ -221,6 +223,7 @@ def capture(
     example_targets: Any = None,
     compute_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    batched: list[bool] | None = None,
 ) -> CapturedGraph:
     """Trace ``model`` on ``example_inputs`` into a joint forward+backward ATen graph on fake tensors.
 
@@ -238,6 +241,10 @@ def capture(
     or a loss computed in fp32) are then ops of the graph.  ``device``: the
     device the graph's tensors live on (its factory ops name it); by default
     the first real device among the inputs and weights, the CPU for meta ones.
+
+    ``batched``: per input tensor, whether its dim 0 is the batch (``TensorInfo.batched``), for inputs
+    cut from examples where that could be told (at a micro-batch of one sample it cannot); by default
+    :func:`autopar.capture.inputs.batched_flags` of these inputs.
     """
     t0 = time.perf_counter()
     cls = type(model).__name__
@@ -257,7 +264,9 @@ def capture(
     _, grad_nodes, _ = graph_results(gm, len(state.trainable))
     grads = {name: g.name for (name, _), g in zip(state.trainable, grad_nodes, strict=True) if g is not None}
     user = fakes.user_tensors
-    batch = int(user[0].shape[0]) if user and user[0].dim() > 0 else 1
+    batch = batch_of(user) or 1
+    flags = batched_flags(user) if batched is None else batched
+    infos[len(state.all) :] = [replace(i, batched=b) for i, b in zip(infos[len(state.all) :], flags, strict=True)]
     log.info(
         "captured %s: %d nodes, %d params, export %.1fs, joint %.1fs",
         cls,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from autopar.capture.fold import capture_folded, capture_template
+from autopar.capture.inputs import batch_of
 from autopar.capture.joint import CapturedGraph
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
@@ -76,11 +77,8 @@ def _offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, ex
 
 
 def example_batch(example_inputs) -> int | None:
-    """Dim 0 of the first tensor among the example inputs: the batch the user gave."""
-    for x in _flat(example_inputs):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return None
+    """The batch the user gave (:func:`autopar.capture.inputs.batch_of` of the example inputs)."""
+    return batch_of(list(_flat(example_inputs)))
 
 
 def resize_batch(x, batch: int, whole: int | None = None):
@@ -88,7 +86,7 @@ def resize_batch(x, batch: int, whole: int | None = None):
 
     The batch is dim 0 of the tensors whose dim 0 is the examples' batch (``whole``, by default
     :func:`example_batch`'s): a tensor of another length there (a graph's edge list beside its node
-    features) is not a batch of samples and keeps its shape.
+    features, a ``(1, T)`` tensor every sample shares) is not a batch of samples and keeps its shape.
     """
     whole = example_batch(x) if whole is None else whole
     if isinstance(x, torch.Tensor):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.capture.graph import TensorInfo
 from autopar.capture.joint import REDUCTION_SUM, CapturedGraph, ancestors
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,15 @@ def microbatch_weights(
     tensors: list[torch.Tensor],
     microbatches: int,
     dp_group: dist.ProcessGroup | None = None,
+    infos: list[TensorInfo] | None = None,
 ) -> list[float]:
     """``W_k / W`` per micro-batch of the batch ``tensors`` (the inputs in the order of ``CapturedGraph.inputs``).
 
     ``dp_group``: the data-parallel group when ``tensors`` are this rank's part of
     the batch (``local_batch``); the chain's inputs are gathered over it (a
-    collective), so each micro-batch is counted whole.
+    collective), so each micro-batch is counted whole. ``infos``: the inputs as
+    captured; one that is not a batch (``TensorInfo.batched``) is read whole by
+    every micro-batch.
     """
     m = microbatches
     if chain is None or m == 1:
@@ -104,7 +108,9 @@ def microbatch_weights(
     read = {}
     for i in chain.inputs:
         t = tensors[i]
-        if dp_group is not None and t.dim():
+        if infos is not None and not infos[i].batched:
+            read[i] = [t] * m
+        elif dp_group is not None and t.dim():
             ranks = [torch.empty_like(t) for _ in range(dist.get_world_size(dp_group))]
             dist.all_gather(ranks, t.contiguous(), group=dp_group)
             # micro-batch k is the k-th chunk of every rank's part

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.capture.graph import TensorInfo
 from autopar.capture.joint import CapturedGraph, input_tensors
 from autopar.codegen.local_graph import LocalGraph
 from autopar.core.errors import RuntimeMismatchError
@@ -76,7 +77,7 @@ def check_input_count(tensors: list[torch.Tensor], specs: list) -> None:
 def batch_placement(
     t: torch.Tensor,
     spec: Placements,
-    shape: tuple[int, ...],
+    info: TensorInfo,
     microbatches: int,
     dp_size: int,
     local_batch: bool,
@@ -84,9 +85,19 @@ def batch_placement(
     """The placement ``t`` (a whole batch, or with ``local_batch`` this rank's data-parallel part) is cut by.
 
     The graph holds one micro-batch of the global batch (example input
-    ``shape``); a batch of another size is refused, and so is a local batch
-    for a plan that does not split every input by batch over dp.
+    ``info``); a batch of another size is refused, and so is a local batch
+    for a plan that does not split every input by batch over dp. An input
+    that is not a batch (``info.batched`` False: a (1, T) tensor every sample
+    shares) is given whole, on every rank, as the example was.
     """
+    shape = info.shape
+    if not info.batched:
+        if t.shape != shape:
+            raise RuntimeMismatchError(
+                f"input {info.name} has shape {tuple(t.shape)}, the plan expects {shape} (it is not a batch of "
+                "samples: every micro-batch takes it whole); re-plan for these inputs"
+            )
+        return spec
     if local_batch:
         if not spec[0].is_shard(0) and dp_size > 1:
             raise RuntimeMismatchError(
@@ -97,10 +108,16 @@ def batch_placement(
     expected = shape[0] * microbatches // (dp_size if local_batch else 1) if shape else None
     if t.dim() and t.shape[0] != expected:
         raise RuntimeMismatchError(
-            f"an input has batch {t.shape[0]}, the plan expects {expected}"
+            f"input {info.name} has batch {t.shape[0]}, the plan expects {expected}"
             f"{' per data-parallel rank' if local_batch else ''}; re-plan for this batch size"
         )
     return spec
+
+
+def micro_part(t: torch.Tensor, info: TensorInfo, microbatches: int, k: int) -> torch.Tensor:
+    """Micro-batch ``k``'s part of input ``t``: its k-th chunk of the batch, or all of it where it is not a
+    batch (``info.batched``) or has no dim."""
+    return t.chunk(microbatches, 0)[k] if info.batched and t.dim() else t
 
 
 def full_tensor(
@@ -289,7 +306,6 @@ class ParallelModule(RankModule):
         self._state_specs = local.arg_placements[n_params : n_params + n_state]
         self._input_specs = local.arg_placements[n_params + n_state :]
         self._infos = captured.params + captured.buffers
-        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
         self._input_infos = list(captured.inputs)
         whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self._aliases = model_aliases(model)
@@ -324,19 +340,17 @@ class ParallelModule(RankModule):
         tensors = [on_device(t, self.device) for t in self._inputs_of(inputs, targets)]
         check_input_count(tensors, self._input_specs)
         out = [
-            (t, batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch))
-            for t, spec, shape in zip(tensors, self._input_specs, self._input_shapes, strict=True)
+            (t, batch_placement(t, spec, info, self.microbatches, self.dp_size, local_batch))
+            for t, spec, info in zip(tensors, self._input_specs, self._input_infos, strict=True)
         ]
         group = self.mesh.get_group(0) if local_batch and self.dp_size > 1 else None
-        return out, microbatch_weights(self._labels, tensors, self.microbatches, group)
+        return out, microbatch_weights(self._labels, tensors, self.microbatches, group, self._input_infos)
 
     def _micro(self, pairs: list, k: int) -> list[torch.Tensor]:
-        res = []
-        for (t, spec), info in zip(pairs, self._input_infos, strict=True):
-            if t.dim():
-                t = t.chunk(self.microbatches, 0)[k]
-            res.append(_local_part(t, self.mesh, spec, info.dtype, self.device))
-        return res
+        return [
+            _local_part(micro_part(t, info, self.microbatches, k), self.mesh, spec, info.dtype, self.device)
+            for (t, spec), info in zip(pairs, self._input_infos, strict=True)
+        ]
 
     def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
         """Forward and backward on one (global) batch; returns the loss, the same on every rank.

@@ -41,6 +41,7 @@ from autopar.runtime.parallel_module import (
     batch_placement,
     check_input_count,
     full_tensor,
+    micro_part,
     model_aliases,
 )
 from autopar.runtime.pipeline import StageRunner, run_schedule
@@ -98,8 +99,7 @@ class PipelineParallelModule(RankModule):
         self._specs = local.arg_placements
         self._infos = captured.params + captured.buffers
         self._input_specs = local.arg_placements[n_params + n_state :]
-        self._input_shapes = [tuple(i.shape) for i in captured.inputs]
-        self._input_dtypes = [i.dtype for i in captured.inputs]
+        self._input_infos = list(captured.inputs)
         self._inputs_of = lambda inputs, targets: input_tensors(model, inputs, targets)
         held = sorted(
             {a for g in programs for a in (*g.forward_args, *g.backward_args) if a < n_params + n_state}
@@ -172,17 +172,15 @@ class PipelineParallelModule(RankModule):
         tensors = [on_device(t, self.device) for t in self._inputs_of(inputs, targets)]
         check_input_count(tensors, self._input_specs)
         per_mb: list[list[torch.Tensor]] = [[] for _ in range(self.microbatches)]
-        for t, spec, shape, dtype in zip(
-            tensors, self._input_specs, self._input_shapes, self._input_dtypes, strict=True
-        ):
-            spec = batch_placement(t, spec, shape, self.microbatches, self.dp_size, local_batch)
+        for t, spec, info in zip(tensors, self._input_specs, self._input_infos, strict=True):
+            spec = batch_placement(t, spec, info, self.microbatches, self.dp_size, local_batch)
             for k in range(self.microbatches):
-                part = t.chunk(self.microbatches, 0)[k] if t.dim() else t
-                per_mb[k].append(_local_part(part, self.stage_mesh, spec, dtype, self.device))
+                part = micro_part(t, info, self.microbatches, k)
+                per_mb[k].append(_local_part(part, self.stage_mesh, spec, info.dtype, self.device))
         scale = self._scale_args()
         per_mb = [[*mb, *scale] for mb in per_mb]  # the loss scale (fp16) is read like an input
         group = self.stage_mesh.get_group(0) if local_batch and self.dp_size > 1 else None
-        return per_mb, microbatch_weights(self._labels, tensors, self.microbatches, group)
+        return per_mb, microbatch_weights(self._labels, tensors, self.microbatches, group, self._input_infos)
 
     def train_step(self, inputs: Any, targets: Any = None, *, local_batch: bool = False) -> torch.Tensor:
         """Forward and backward of one (global) batch through the pipeline; the loss, the same on every rank."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autopar.capture.inputs import batch_of
 from autopar.capture.joint import model_loss
 from autopar.runtime.precision import LossScaler, PrecisionPolicy, scale_steps
 
@@ -38,11 +39,17 @@ def train(model, inputs, step: Callable[[], torch.Tensor], opt, steps: int, grad
 
 
 def slice_batch(inputs: Any, k: int, parts: int) -> Any:
-    """Slice ``k`` of ``parts`` of every batched tensor of ``inputs`` (dim 0): a micro-batch, or a
-    data-parallel rank's part of the batch."""
+    """Slice ``k`` of ``parts`` of every batched tensor of ``inputs`` (dim 0 the batch,
+    :func:`autopar.capture.inputs.batch_of`): a micro-batch, or a data-parallel rank's part of the batch.
+    Tensors that are not batches (a (1, T) tensor every sample shares) stay whole."""
     if parts == 1:
         return inputs
-    return pytree.tree_map(lambda t: t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() else t, inputs)
+    batch = batch_of(pytree.tree_leaves(inputs))
+
+    def part(t: Any) -> Any:
+        return t.chunk(parts, 0)[k] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+
+    return pytree.tree_map(part, inputs)
 
 
 class _Working:
