@@ -83,6 +83,40 @@ def nanogpt():
     return NanoGPT(), {"idx": ids, "targets": ids}
 
 
+# ------------------------------------------------------------------ LoRA (low-rank adapters on a frozen model, as PEFT lays them out)
+class LoRALinear(nn.Module):
+    """``base(x) + B(A(x)) * alpha / r`` with ``base`` frozen: A drawn as ``nn.Linear`` draws it, B zeros (PEFT's
+    defaults), so the first step trains B alone."""
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+def with_lora(model: nn.Module, targets: tuple[str, ...]) -> nn.Module:
+    """``model`` frozen, each ``nn.Linear`` whose name ends in one of ``targets`` wrapped in a LoRALinear."""
+    model.requires_grad_(False)
+    for name, module in list(model.named_modules()):
+        for child, sub in list(module.named_children()):
+            if isinstance(sub, nn.Linear) and f"{name}.{child}".endswith(targets):
+                setattr(module, child, LoRALinear(sub))
+    return model
+
+
+def nanogpt_lora():
+    """nanoGPT of width 128 fine-tuned with LoRA on its attention's projections: 0.4M frozen weights (the
+    embedding and head tied) beside 12K trained."""
+    ids = _tokens()
+    return with_lora(NanoGPT(width=128), ("c_attn", "c_proj")), {"idx": ids, "targets": ids}
+
+
 # ------------------------------------------------------------------ Meta's reference LLaMA (meta-llama/llama's model.py)
 def _freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
@@ -392,6 +426,7 @@ HANDWRITTEN = {
     f.__name__: f
     for f in (
         nanogpt,
+        nanogpt_lora,
         meta_llama,
         torch_encoder,
         torch_seq2seq,

@@ -563,6 +563,7 @@ def _make_plan(
         model=stats.model,
         fingerprint=stats.fingerprint,
         num_params=stats.num_params,
+        frozen_params=stats.frozen_params,
         cluster=cluster.to_dict(),
         cluster_description=cluster.describe(),
         mesh={

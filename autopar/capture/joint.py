@@ -326,6 +326,12 @@ class _ModelState:
         return cls(canon, trainable, fixed)
 
 
+def frozen_parameter_count(model: nn.Module) -> int:
+    """Elements of the model's parameters that do not train (``requires_grad=False``: a fine-tune's frozen base
+    weights), each tied tensor once: fixed state to the joint graph, held but never stepped."""
+    return sum(p.numel() for _, p in _ModelState.of(model).fixed if isinstance(p, nn.Parameter))
+
+
 class _Fakes:
     """Fake twins, on one device, of the model's state (for export) and of the example inputs.
 

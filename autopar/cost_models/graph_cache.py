@@ -23,7 +23,7 @@ import torch
 
 from autopar.capture.fold import capture_folded, capture_template
 from autopar.capture.inputs import batch_of
-from autopar.capture.joint import CapturedGraph
+from autopar.capture.joint import CapturedGraph, frozen_parameter_count
 from autopar.cost_models.graph_stats import graph_stats
 from autopar.cost_models.step import GraphStats
 
@@ -48,7 +48,7 @@ def captured_with_stats(
         return _last[1], _last[2]
     captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     _offer_recapture(captured, model, example_inputs, loss_fn, example_targets)
-    stats = graph_stats(captured)
+    stats = graph_stats(captured, frozen_parameter_count(model))
     _last = (key, captured, stats)
     return captured, stats
 

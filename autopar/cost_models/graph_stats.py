@@ -7,6 +7,7 @@ costs afterwards reuses it without touching torch.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 
 from autopar.capture.graph import extend_gradient_chain
@@ -24,7 +25,9 @@ def model_fingerprint(names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> st
     return h.hexdigest()[:16]
 
 
-def graph_stats(captured: CapturedGraph) -> GraphStats:
+def graph_stats(captured: CapturedGraph, frozen_params: int = 0) -> GraphStats:
+    """The cost model's numbers of ``captured``; ``frozen_params``: the model's parameters that do not train
+    (:func:`autopar.capture.joint.frozen_parameter_count`), which the graph holds as fixed state."""
     gm = captured.gm
     compute = graph_compute(gm, node_phase, batch_free_nodes(captured))
 
@@ -52,6 +55,8 @@ def graph_stats(captured: CapturedGraph) -> GraphStats:
         peak_transient_bytes=transient,
         param_names=[p.name for p in captured.params],
         param_numels=numels,
+        state_bytes=sum(math.prod(b.shape) * b.dtype.itemsize for b in captured.buffers),
+        frozen_params=frozen_params,
     )
 
 

@@ -65,6 +65,10 @@ class GraphStats:
     peak_transient_bytes: float = 0.0  # largest single op's inputs + outputs at the captured batch
     param_names: list[str] = field(default_factory=list)
     param_numels: list[int] = field(default_factory=list)  # each parameter's elements, in the model's order
+    # the fixed state (buffers, frozen parameters) at its traced dtypes: held whole on every device, never
+    # stepped (a LoRA fine-tune's frozen base weights)
+    state_bytes: float = 0.0
+    frozen_params: int = 0  # elements of the parameters in it (a part of no ``num_params``)
     _phase_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def phase_times(
@@ -286,10 +290,10 @@ def _memory(
         groups = max(1, stats.param_groups)
         buffers += 2 * precision.param_bytes * max(stats.largest_param_numel, psi / groups)
     return MemoryEstimate(
-        params=states.params,
+        params=states.params + stats.state_bytes,
         grads=states.grads,
         optimizer=states.optimizer,
         activations=activations,
         buffers=buffers,
-        peak=states.total + activations + buffers,
+        peak=states.total + stats.state_bytes + activations + buffers,
     )

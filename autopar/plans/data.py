@@ -43,7 +43,7 @@ class PlanData:
 
     model: str
     fingerprint: str  # hash of parameter names and shapes: refuses a plan made for another model
-    num_params: int
+    num_params: int  # elements of the parameters that train
     cluster: dict[str, Any]  # Cluster.to_dict()
     cluster_description: str
     mesh: dict[str, int]  # {"dp": .., "tp": .., "pp": ..}
@@ -62,6 +62,9 @@ class PlanData:
     estimate: Estimate = field(default_factory=Estimate)
     solver: SearchRecord = field(default_factory=SearchRecord)  # how the search found it
     warnings: list[str] = field(default_factory=list)
+    # elements of the parameters that do not train (a fine-tune's frozen base weights): held as fixed state, their
+    # memory in the estimate's params, never stepped
+    frozen_params: int = 0
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:

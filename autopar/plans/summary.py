@@ -196,10 +196,22 @@ def summary_text(plan: PlanData, width: int = 100) -> str:
     return buf.getvalue()
 
 
+def params_line(plan: PlanData) -> str:
+    """``1.23B params``, or with frozen parameters (a LoRA fine-tune) ``8.39M trainable of 6.75B params``."""
+    if not plan.frozen_params:
+        return f"{plan.num_params / 1e9:.3g}B params"
+    total = plan.num_params + plan.frozen_params
+    return f"{_count(plan.num_params)} trainable of {_count(total)} params"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
+
+
 def _config_table(plan: PlanData) -> Table:
     """The cluster, the mesh, what is sharded, ZeRO, recompute, the batch and the search."""
     cfg = Table(
-        title=f"autopar plan: {plan.model} ({plan.num_params / 1e9:.3g}B params)", show_header=False
+        title=f"autopar plan: {plan.model} ({params_line(plan)})", show_header=False
     )
     cfg.add_column("key", style="bold")
     cfg.add_column("value")

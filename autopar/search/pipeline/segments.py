@@ -34,8 +34,9 @@ from autopar.search.sharding.step_memory import Buffer, edge_buffers
 
 
 def pipeline_memory_problem(sp: ShardingProblem, pp: int) -> ShardingProblem:
-    """``sp`` with the parameters' states divided by ``pp``: the memory one stage's MILP must fit."""
-    params = set(sp.param_nodes)
+    """``sp`` with the parameters' states (and the fixed state) divided by ``pp``: the memory one stage's MILP
+    must fit."""
+    params = set(sp.held_nodes)
     grads = set(getattr(sp, "grad_items", ()))  # positions in memory_items
     memory = [[x / pp for x in row] if i in params else row for i, row in enumerate(sp.problem.node_memory)]
     items = sp.problem.memory_items
@@ -222,15 +223,11 @@ def _add_node_figures(
     by_name = {n.name: n for n in captured.gm.graph.nodes}
     backward = set(sp.backward_nodes)
     param_nodes = set(sp.param_nodes)
+    held = param_nodes | set(sp.state_nodes)
     for i, c in enumerate(choice):
         t = p.node_costs[i][c]
         seg = index_seg[i]
-        if i in param_nodes:
-            # ZeRO-1/2's gather of the stepped shard is costed per segment, in buckets (segment_figures)
-            gather = sp.param_comm[i][c] if i in sp.param_comm else 0.0
-            f.opt[seg] += t - gather
-            if gather and sp.strategies[i][c].zero:
-                f.gathered[seg].append(sp.state_parts[i][c][0])
+        if i in held:  # a parameter, or the fixed state (a buffer, a frozen parameter: held, never stepped)
             parts = sp.state_parts.get(i)
             states = sum(parts[c]) if parts else p.node_memory[i][c]
             grads = parts[c][1] if parts else 0.0
@@ -239,6 +236,13 @@ def _add_node_figures(
             node = by_name[sp.nodes[i]]
             for other in sorted({seg_of[u.name] for u in node.users if u.name in seg_of} - {seg}):
                 f.tied[other].append((node.name, graph_segments[seg].name, states, grads))
+            if i not in param_nodes:
+                continue
+            # ZeRO-1/2's gather of the stepped shard is costed per segment, in buckets (segment_figures)
+            gather = sp.param_comm[i][c] if i in sp.param_comm else 0.0
+            f.opt[seg] += t - gather
+            if gather and sp.strategies[i][c].zero:
+                f.gathered[seg].append(sp.state_parts[i][c][0])
             val = node.meta.get("val")
             f.params[seg] += val.numel() if hasattr(val, "numel") else 0
         elif i in backward:
@@ -346,7 +350,7 @@ def _add_activation_memory(
     """
     p = sp.problem
     backward = set(sp.backward_nodes)
-    param_nodes = set(sp.param_nodes)
+    param_nodes = set(sp.held_nodes)  # counted with the states
     not_forward = backward | param_nodes
     turn = max((p.node_intervals[i][0] for i in range(len(choice)) if i not in not_forward), default=-1) + 1
     n_nodes = len(p.node_costs)

@@ -69,6 +69,7 @@ class BuildContext:
     microbatches: int
     recompute: bool  # recompute variants are offered (asked for, and under a memory limit)
     params: set[str]  # placeholders of parameters
+    state: set[str]  # placeholders of the fixed state: buffers and frozen parameters, held for the whole step
     inputs: set[str]  # placeholders of user inputs
     scale: float  # activation bytes per traced byte (the training dtype against the traced one)
     dp_n: int
@@ -129,12 +130,13 @@ class Terms:
     names: list[str] = field(default_factory=list)
     strats: list[list[Strategy]] = field(default_factory=list)
     rows: list[NodeRow] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # "param" | "placeholder" | "op"
+    kinds: list[str] = field(default_factory=list)  # "param" | "state" | "placeholder" | "op"
     gaps: list[tuple[int, int] | None] = field(default_factory=list)  # recompute gap, where offered
     list_ids: list[int] = field(default_factory=list)  # number of the node's strategy list
     intervals: list[tuple[int, int]] = field(default_factory=list)
     backward: list[int] = field(default_factory=list)
     params: list[int] = field(default_factory=list)
+    state: list[int] = field(default_factory=list)
     flops: list[float] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
     items: list[Item] = field(default_factory=list)
@@ -169,6 +171,7 @@ def make_context(
         microbatches=microbatches,
         recompute=request.recompute and request.memory_limit is not None,
         params={p.placeholder for p in captured.params},
+        state={b.placeholder for b in captured.buffers},
         inputs={t.placeholder for t in captured.inputs},
         scale=request.activation_scale,
         dp_n=mesh_shape[dp_dim] if dp_dim is not None else 1,

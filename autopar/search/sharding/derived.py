@@ -27,11 +27,12 @@ def with_microbatches(sp: ShardingProblem, microbatches: int, reopen: bool = Tru
     answer costed at other counts too (a pipeline's) must not take them.
 
     Exactly what :func:`autopar.search.sharding.problem.build_problem` computes with ``microbatches`` (the same floating-point
-    operations), without building again: only the memory of non-parameter nodes depends on it.
+    operations), without building again: only the memory of the nodes the model does not hold for the whole
+    step (its parameters and fixed state) depends on it.
     """
     if microbatches == 1:
         return sp
-    params = set(sp.param_nodes)
+    params = set(sp.held_nodes)
     divided: dict[int, list[float]] = {}  # repeated layers share their rows (one list object): divide each once
 
     def per_microbatch(row: list[float]) -> list[float]:

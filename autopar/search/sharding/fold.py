@@ -22,7 +22,7 @@ of a layer, the same in all of them):
                     the forward, T2 in the backward), layer 1 reads layer 0 (and layer L-3 reads
                     L-2), and each of the L - 4 other copies reads another middle layer, whose
                     choice is the neighbour's: the same matrix at the same strategies.
-    parameter memory  m'_p = w · m_p for p in T1 (live throughout the step)
+    parameter memory  m'_p = w · m_p for p in T1 (live throughout the step; a buffer's or frozen parameter's alike)
 
 The other memory of T1 belongs to layer L-3 (T1 sits just before T2 in the template's
 order), and the L - 4 layers before it, 1 .. L-4, add their items as phantoms: each item
@@ -81,7 +81,7 @@ def fold_problem(sp: ShardingProblem, fold: Fold) -> ShardingProblem:
     middle = [fold.template_layer.get(name, (None,))[0] == MIDDLE for name in sp.nodes]
     weight = [w if m else 1.0 for m in middle]
     p = sp.problem
-    params = set(sp.param_nodes)
+    params = set(sp.held_nodes)  # the parameters' and the fixed state's memory: held throughout
     ghosts = PhantomLayers(layers - 4, *_marks(sp, fold), sp.facts.n_nodes)
     phantoms = float(ghosts.count)
 

@@ -110,6 +110,14 @@ class ShardingProblem:
     held: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = field(default_factory=dict)
     # the ``held`` strategies ``problem`` allows, those of its micro-batch count
     reopened: tuple[tuple[int, int], ...] = ()
+    # the fixed state's nodes (buffers, frozen parameters): like the parameters', their memory is held over the
+    # whole step, the same at any micro-batch count, and counted with the parameters'
+    state_nodes: list[int] = field(default_factory=list)
+
+    @property
+    def held_nodes(self) -> list[int]:
+        """The parameters' and the fixed state's nodes: the memory the model holds for the whole step."""
+        return [*self.param_nodes, *self.state_nodes]
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ def parameter_sourced(sp: ShardingProblem) -> set[str]:
     micro-batch, since each runs the graph once, and is overlapped with the pass
     that reads it, as FSDP prefetches; an activation's move is neither.
     """
-    out = {sp.nodes[i] for i in sp.param_nodes}
+    out = {sp.nodes[i] for i in sp.held_nodes}  # a frozen parameter's moves are a parameter's too
     if sp.facts is None:
         return out
     for name in sp.nodes:  # graph order: a view comes after what it views

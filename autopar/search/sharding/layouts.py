@@ -22,6 +22,7 @@ from autopar.core.mesh import SHARDING_AXES
 from autopar.cost_models.memory import Precision
 from autopar.hardware.cluster import Cluster, MeshShape
 from autopar.search.sharding.answer import placements_of
+from autopar.search.sharding.batch_dims import scaled_dims
 from autopar.search.sharding.filters import keyed, node_key
 from autopar.search.sharding.mesh import solve_mesh
 from autopar.search.sharding.node_strategies import NodeStrategies, Strategy
@@ -81,16 +82,29 @@ def layout_placements(
 
 
 def _batch_carrying(captured: CapturedGraph) -> set[str]:
-    """Forward and backward ops whose (first) output leads with a multiple of the batch: the activations."""
+    """Forward and backward ops whose (first) output's dim 0 scales with the batch: the activations.
+
+    Which dims scale is read off a second capture where the graph has one (:func:`scaled_dims`); without
+    one, a dim 0 that is a multiple of the batch is taken to. The guess alone held a position embedding's
+    (T, H) rows at a micro-batch of 2 (T = 16) to be split over dp: its readers were then laid out
+    Megatron's way over the dp ranks (a LoRA fine-tune's frozen MLP, column- then row-parallel), where the
+    analytic model that costs the layout counts data parallelism.
+    """
     batch = captured.batch_size
+    scaled = scaled_dims(captured)
     params = {p.placeholder for p in captured.params}
     out = set()
     for node in captured.gm.graph.nodes:
         val = node.meta.get("val")
         if node.op != "call_function" or node.name in params or not hasattr(val, "shape") or val.dim() == 0:
             continue
-        lead = int(val.shape[0])
-        if batch > 1 and lead >= batch and lead % batch == 0:
+        dims = scaled.get(node.name) if scaled is not None else None
+        if dims is not None and dims[0] is not None:
+            carries = dims[0][0]
+        else:
+            lead = int(val.shape[0])
+            carries = batch > 1 and lead >= batch and lead % batch == 0
+        if carries:
             out.add(node.name)
     return out
 

@@ -234,11 +234,11 @@ def solve_prepared(
         mp, allowed, restricted, time.perf_counter() + time_limit_s, bound, least_peak, start, target_gap, dividing_only,
         solve_by=solve_by,
     )
-    states = None  # the least memory the parameters' states can take: no micro-batching lowers it
+    states = None  # the least memory the parameters and fixed state can take: no micro-batching lowers it
     solution, m, sp = None, counts[0], mp.sp
     proven = set(unfit)  # counts that cannot fit
     if not least_peak:
-        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.param_nodes)
+        states = sum(_least_memory(restricted or mp.sp.problem, i) for i in mp.sp.held_nodes)
         if states > mp.memory_limit * (1 + MEMORY_RTOL):
             solution = _no_answer(min_peak_memory=states)
     tries = [k for k in counts if k not in proven]
@@ -408,7 +408,7 @@ def _fewest_microbatches(
             proven.add(k)
         m = k
         if states is None and not solution.choice:
-            states = sum(_least_memory(problem, i) for i in sp.param_nodes)
+            states = sum(_least_memory(problem, i) for i in sp.held_nodes)
         if solution.choice:
             fit = (solution, m, sp)
             hi = at - 1

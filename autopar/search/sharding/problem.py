@@ -38,6 +38,8 @@ Node costs c_v and node memory m_v, live over v's interval [t_v, e_v)
         m_v[s] = Σ local bytes of v's outputs / k_mb        (0 for a view)
     input v (:func:`input_row`):
         c_v[s] = 0,  m_v[s] = local bytes / k_mb
+    fixed state v (a buffer or a frozen parameter), live throughout, as its module holds it (:func:`input_row`):
+        c_v[s] = 0,  m_v[s] = local bytes
     parameter p with n = n_p(s) local elements, live throughout (:func:`parameter_row`):
         c_p[s, z] = n (b_g + 2 b_o + b_p) / D^[z>0] / β_mem  +  [z>0] all-gather_d(n b_p)
         m_p[s, z] = n (b_p + (b_o + [z>0] b_copy) / D^[z>0])
@@ -154,18 +156,22 @@ def node_terms(ctx: BuildContext, t: Terms) -> None:
         if ns is None or not ns.strategies:
             continue
         name = node.name
-        kind = "param" if name in ctx.params else ("placeholder" if node.op == "placeholder" else "op")
+        kind = "param" if name in ctx.params else "state" if name in ctx.state else "op"
+        if kind == "op" and node.op == "placeholder":
+            kind = "placeholder"
         gap = facts.recompute_gap.get(name) if ctx.recompute else None
         options = candidate_strategies(ctx, name, ns, gap is not None)
         ids = tuple(map(id, options))
         t.list_ids.append(ctx.memo.list_numbers.setdefault(ids, len(ctx.memo.list_numbers)))
-        interval = (0, facts.n_nodes) if kind == "param" else facts.interval[name]
+        interval = (0, facts.n_nodes) if kind in ("param", "state") else facts.interval[name]
         if gap is not None:
             interval = (interval[0], gap[0])  # after the forward, the recompute items take over
         if name in facts.backward:
             t.backward.append(len(t.names))
         if kind == "param":
             t.params.append(len(t.names))
+        elif kind == "state":
+            t.state.append(len(t.names))
         t.rows.append(node_row(ctx, name, kind, ns, options, ids))
         t.kinds.append(kind)
         t.gaps.append(gap)
@@ -248,8 +254,8 @@ def node_row(
     if row is None:
         if kind == "param":
             row = parameter_row(ctx, options, out_bytes, max(facts.element_size[name], 1))
-        elif kind == "placeholder":
-            row = input_row(ctx, options, out_bytes)
+        elif kind in ("placeholder", "state"):
+            row = input_row(ctx, options, out_bytes, per_microbatch=kind == "placeholder")
         else:
             row = compute_row(ctx, options, out_bytes, in_bytes, facts.flops[name], facts.view[name], attention)
             if routed is not None:
@@ -279,13 +285,15 @@ def parameter_row(ctx: BuildContext, options: list[Strategy], out_bytes: list[fl
     return row
 
 
-def input_row(ctx: BuildContext, options: list[Strategy], out_bytes: list[float]) -> NodeRow:
-    """c_v = 0 and m_v: a user input's (or buffer's) local bytes, one micro-batch of them."""
+def input_row(ctx: BuildContext, options: list[Strategy], out_bytes: list[float], per_microbatch: bool) -> NodeRow:
+    """c_v = 0 and m_v: a user input's local bytes, one micro-batch of them; a buffer's or a frozen
+    parameter's, all of them (every micro-batch reads the same)."""
     row = NodeRow([], [])
     for s in options:
         row.costs.append(0.0)
-        row.memory.append(sum(ctx.local(out_bytes, s.outputs)) / ctx.microbatches)
+        row.memory.append(sum(ctx.local(out_bytes, s.outputs)) / (ctx.microbatches if per_microbatch else 1))
     return row
+
 
 
 def compute_row(
@@ -446,6 +454,7 @@ def _assemble(ctx: BuildContext, t: Terms, memory_limit: float | None) -> Shardi
         microbatches=ctx.microbatches,
         replayed=[i for i, name in enumerate(t.names) if "autopar_recompute_of" in by_name[name].meta],
         list_ids=t.list_ids,
+        state_nodes=t.state,
         held=held,
         reopened=tuple(ij for ij, (_, counts) in held.items() if ctx.microbatches in counts),
     )

@@ -90,6 +90,16 @@ def layout_filter(kind: str, captured: CapturedGraph, mesh_shape: tuple[int, ...
     if kind in CP_LAYOUTS:
         return _cp_layout(kind, captured, mesh_shape, params)
     seed = seed_filter(kind, params, captured.model_name.startswith("GPT2"))
+    if kind in ("dp", "zero3"):
+        # the fixed state (buffers, frozen parameters) whole on every rank, as DDP and FSDP hold buffers and the
+        # analytic data-parallel model counts them: left free, a LoRA fine-tune's frozen MLP was split over the
+        # dp ranks, Megatron's way, costed as data parallelism
+        state = {b.placeholder for b in captured.buffers}
+        plain, plain_key = seed, node_key(seed)
+        seed = keyed(
+            lambda node, s: plain(node, s) and (node not in state or all(p.is_replicate() for p in s.outputs[0])),
+            lambda node: (node in state, plain_key(node)),
+        )
     if kind not in ("ep", "ep_dp", "experts_whole"):
         return seed
     size = 1 if kind == "experts_whole" else mesh_shape[1 if kind == "ep" else 0]

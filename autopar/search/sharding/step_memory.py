@@ -149,8 +149,8 @@ def data_buffer(sp: ShardingProblem, e: int, a: int, b: int, mesh_shape: Sequenc
     makes_partial = any(n.is_partial() and not h.is_partial() for h, n in zip(have, need, strict=True))
     if steps is None or not (steps or makes_partial):
         return None  # a local slice of a replica is a view: no new memory
-    # a parameter (a placeholder) is whole at every micro-batch; the test of the op first keeps this cheap
-    whole = sp.facts.by_name[info.src].op == "placeholder" and iu in sp.param_nodes
+    # a parameter or buffer (a placeholder) is whole at every micro-batch; the test of the op first keeps this cheap
+    whole = sp.facts.by_name[info.src].op == "placeholder" and (iu in sp.param_nodes or iu in sp.state_nodes)
     local = nbytes / shard_factor(tuple(need), mesh_shape) / (1 if whole else sp.microbatches)
     twice = any(kind == "all_gather" and have[d].is_shard() and have[d].dim != 0 for kind, d, _ in steps)
     return local, twice
@@ -274,9 +274,9 @@ def peak_items(
 def step_memory(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> MemoryEstimate:
     """Peak bytes per device of the chosen answer over the step, and what is live at the peak.
 
-    Parameters and optimizer state are live throughout; gradients, activations and
-    buffers (redistributed values, gradients in flight, gathered parameters) over
-    their intervals.  ``grads`` is every gradient (what ZeRO-2 and 3 divide);
+    Parameters, the fixed state (buffers, frozen parameters: counted in ``params``) and
+    optimizer state are live throughout; gradients, activations and buffers
+    (redistributed values, gradients in flight, gathered parameters) over their intervals.  ``grads`` is every gradient (what ZeRO-2 and 3 divide);
     ``activations``, ``buffers`` and ``at_peak`` are taken at the peak.
     """
     return _peak(sp, choice, mesh_shape)[0]
@@ -287,7 +287,8 @@ def _peak(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> 
     p = sp.problem
     params = set(sp.param_nodes)
     parts = [sp.state_parts[i][choice[i]] for i in sp.param_nodes if i in sp.state_parts]
-    states = sum(p.node_memory[i][choice[i]] for i in sp.param_nodes)
+    fixed = sum(p.node_memory[i][choice[i]] for i in sp.state_nodes)
+    states = sum(p.node_memory[i][choice[i]] for i in sp.param_nodes) + fixed
     n = len(p.node_costs)
     kinds = ("grads", "activations", "buffers")
     item_node, intervals, item_memory = p.items()
@@ -295,7 +296,7 @@ def _peak(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> 
     kind = np.where(np.isin(item_node, list(params)), 2, 1)
     kind[[n + j for j in sp.grad_items]] = 0
     keep = memory != 0
-    keep[list(sp.param_nodes)] = False  # a parameter's own item is its state
+    keep[list(sp.held_nodes)] = False  # a parameter's (a buffer's) own item is its state
     buffers = [*edge_buffers(sp, choice, mesh_shape), *gradient_buffers(sp, choice, mesh_shape)]
     starts = np.concatenate([intervals[keep, 0], np.array([b[0] for b in buffers], dtype=np.int64)])
     stops = np.concatenate([intervals[keep, 1], np.array([b[1] for b in buffers], dtype=np.int64)])
@@ -313,7 +314,7 @@ def _peak(sp: ShardingProblem, choice: list[int], mesh_shape: Sequence[int]) -> 
         if total > top * (1 + 1e-12) or at < 0:
             top, at = total, int(times[k])
             best = live[k].tolist()
-    param_bytes = sum(x[0] for x in parts)
+    param_bytes = sum(x[0] for x in parts) + fixed
     optimizer = sum(x[2] for x in parts)
     estimate = MemoryEstimate(
         params=param_bytes,
