@@ -117,6 +117,16 @@ def nanogpt_lora():
     return with_lora(NanoGPT(width=128), ("c_attn", "c_proj")), {"idx": ids, "targets": ids}
 
 
+def nanogpt_last_block():
+    """nanoGPT fine-tuned in its last block and final norm only, the embeddings, the tied head and the blocks
+    below frozen, as a fine-tune of the top layers freezes them: nothing below the last block needs a gradient."""
+    ids = _tokens()
+    model = NanoGPT(layers=2).requires_grad_(False)
+    model.h[-1].requires_grad_(True)
+    model.ln_f.requires_grad_(True)
+    return model, {"idx": ids, "targets": ids}
+
+
 # ------------------------------------------------------------------ Meta's reference LLaMA (meta-llama/llama's model.py)
 def _freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
@@ -427,6 +437,7 @@ HANDWRITTEN = {
     for f in (
         nanogpt,
         nanogpt_lora,
+        nanogpt_last_block,
         meta_llama,
         torch_encoder,
         torch_seq2seq,

@@ -43,6 +43,7 @@ from autopar.search.pipeline.stages import forward_segments, stage_of_nodes, unt
 from autopar.search.sharding.microbatches import microbatch_divides
 from autopar.search.sharding.request import MeshRequest
 from autopar.verify.oracle import check_plans, loss_split_layout, plan_with_pipeline, shell_plan
+from examples.handwritten import nanogpt_last_block
 from examples.models import gpt2_tiny4, gpt2_tiny4_padded, gpt2_tiny4_shared_positions, llama_tiny4
 
 TOL = 1e-5
@@ -435,6 +436,8 @@ def test_pipelines_on_4_processes_train_like_one_device():
     cases += [
         (gpt2_tiny4, _hand(gpt2_tiny4, 4, 2, "1F1B", 4, tp=2, layout="megatron")),
         (llama_tiny4, _hand(llama_tiny4, 4, 2, "interleaved", 2, chunks=2)),
+        # a first stage of frozen layers: no gradient crosses the cut back, and its ranks step no parameter
+        (nanogpt_last_block, _hand(nanogpt_last_block, 4, 2, "1F1B", 2)),
     ]
     # Padded labels: micro-batches of one sequence with the loss split over tp, and ranks fed their own part.
     one_sequence = functools.partial(_hand, gpt2_tiny4_padded, 4, 2, "1F1B", 8, tp=2, layout="flowing")

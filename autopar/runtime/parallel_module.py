@@ -233,12 +233,16 @@ class RankModule(nn.Module):
         the chunks from the parameters before each step and all-gather the
         stepped chunks into the parameters after it.  Build the optimizer this
         way: one over ``pm.parameters()`` would see no gradients for those.
+        A rank that trains nothing (a pipeline stage of frozen layers) gets an
+        optimizer with one empty parameter group (torch refuses an empty list):
+        its ``step()`` does nothing, as the job expects it to be called everywhere.
         """
         if self._zero is None:
-            opt = cls(self.shards.parameters(), *args, **kwargs)
+            params = list(self.shards.parameters())
+            opt = cls(params or [{"params": []}], *args, **kwargs)
         else:
             params = [self._zero.chunk(i) if i in self._zero else p for i, p in enumerate(self.shards)]
-            opt = cls(params, *args, **kwargs)
+            opt = cls(params or [{"params": []}], *args, **kwargs)
             self._zero.attach(opt)
         if self._scaler is not None:
             scale_steps(opt, self._scaler)

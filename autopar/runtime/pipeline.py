@@ -84,10 +84,12 @@ def run_schedule(
         runner = runners[s]
         if kind in (RECV_F, RECV_B):
             exchange.post_receive(kind, runner.graphs, s, mb)
+        # a cut may carry no value one way (no receive is posted then): no gradient flows back into a stage
+        # that trains nothing and reads only the inputs (LoRA's frozen embedding); the schedule lists its send
         elif kind == SEND_F:
-            exchange.send(runner.to_send.pop(mb), peer(s + 1), 0, s, mb)
+            exchange.send(runner.to_send.pop(mb, []), peer(s + 1), 0, s, mb)
         elif kind == SEND_B:
-            exchange.send(runner.to_send_back.pop(mb), peer(s - 1), 1, s - 1, mb)
+            exchange.send(runner.to_send_back.pop(mb, []), peer(s - 1), 1, s - 1, mb)
         elif kind == FORWARD:
             _forward(runners, s, mb, stages, exchange, draws)
         elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
@@ -108,6 +110,8 @@ class _Exchange:
         key = ("f" if kind == RECV_F else "b", s, mb)
         if key in self.pending_recv:
             raise RuntimeError(f"pipeline schedule posts receive {key} twice")
+        if not (g.recv_forward if kind == RECV_F else g.recv_backward):
+            return  # nothing crosses the cut this way (see ``run_schedule``)
         if kind == RECV_F:
             self.pending_recv[key] = self._recv(g.recv_forward, self.peer(s - 1), 0, s - 1, mb)
         else:
