@@ -29,7 +29,7 @@ from autopar.codegen.stage_split import split_stages
 from autopar.codegen.transfer import transfer_name, transfer_placements
 from autopar.core.errors import RuntimeMismatchError
 from autopar.core.mesh import SHARDING_AXES, world_size
-from autopar.cost_models.graph_cache import example_batch, resize_batch
+from autopar.cost_models.graph_cache import example_batch, offer_recapture, resize_batch
 from autopar.cost_models.graph_stats import model_fingerprint
 from autopar.cost_models.memory import precision_spec
 from autopar.cost_models.pipeline import schedule_name
@@ -179,6 +179,8 @@ def parallelize(
         device,
     )
     if not plan.placements:
+        # the batch dims read off a second capture, as at plan time (layouts._batch_carrying)
+        offer_recapture(captured, model, example_inputs, loss_fn, example_targets)
         plan = _agree_on_plan(lambda old=plan: _with_data_parallel_placements(old, captured, cluster))
     shape = (plan.mesh["dp"], plan.mesh.get("tp", 1))
     # made on the graph at the global batch (a data-parallel plan's: at this micro-batch already),

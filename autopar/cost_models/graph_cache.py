@@ -47,13 +47,13 @@ def captured_with_stats(
         log.info("reusing the capture of %s", type(model).__name__)
         return _last[1], _last[2]
     captured = capture_folded(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
-    _offer_recapture(captured, model, example_inputs, loss_fn, example_targets)
+    offer_recapture(captured, model, example_inputs, loss_fn, example_targets)
     stats = graph_stats(captured, frozen_parameter_count(model))
     _last = (key, captured, stats)
     return captured, stats
 
 
-def _offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, example_targets) -> None:
+def offer_recapture(captured: CapturedGraph, model, example_inputs, loss_fn, example_targets) -> None:
     """Give ``captured`` (and its fold's template) the capture of the same model at another batch, made on
     first use and kept: which dims scale with the batch is read off the two. A folded graph's are read off
     its template's (:mod:`autopar.search.sharding.batch_dims`), so only the four traced layers are
