@@ -85,7 +85,7 @@ def run_schedule(
         if kind in (RECV_F, RECV_B):
             exchange.post_receive(kind, runner.graphs, s, mb)
         # a cut may carry no value one way (no receive is posted then): no gradient flows back into a stage
-        # that trains nothing and reads only the inputs (LoRA's frozen embedding); the schedule lists its send
+        # that trains nothing (frozen layers below the trained ones); the schedule lists its send all the same
         elif kind == SEND_F:
             exchange.send(runner.to_send.pop(mb, []), peer(s + 1), 0, s, mb)
         elif kind == SEND_B:

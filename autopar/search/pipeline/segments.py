@@ -350,8 +350,8 @@ def _add_activation_memory(
     """
     p = sp.problem
     backward = set(sp.backward_nodes)
-    param_nodes = set(sp.held_nodes)  # counted with the states
-    not_forward = backward | param_nodes
+    held = set(sp.held_nodes)  # counted with the states
+    not_forward = backward | held
     turn = max((p.node_intervals[i][0] for i in range(len(choice)) if i not in not_forward), default=-1) + 1
     n_nodes = len(p.node_costs)
     skip = {n_nodes + k for k in getattr(sp, "grad_items", ())}  # gradients: counted with the states
@@ -371,7 +371,7 @@ def _add_activation_memory(
     for idx, (v, (s, e), row) in enumerate(
         zip(item_node.tolist(), intervals.tolist(), item_memory, strict=True)
     ):
-        if v in param_nodes or idx in skip:
+        if v in held or idx in skip:
             continue
         if row[choice[v]]:
             count(v, s, e, row[choice[v]])

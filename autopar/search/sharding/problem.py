@@ -156,9 +156,8 @@ def node_terms(ctx: BuildContext, t: Terms) -> None:
         if ns is None or not ns.strategies:
             continue
         name = node.name
-        kind = "param" if name in ctx.params else "state" if name in ctx.state else "op"
-        if kind == "op" and node.op == "placeholder":
-            kind = "placeholder"
+        kind = "param" if name in ctx.params else "state" if name in ctx.state else "placeholder"
+        kind = kind if node.op == "placeholder" else "op"
         gap = facts.recompute_gap.get(name) if ctx.recompute else None
         options = candidate_strategies(ctx, name, ns, gap is not None)
         ids = tuple(map(id, options))
@@ -293,7 +292,6 @@ def input_row(ctx: BuildContext, options: list[Strategy], out_bytes: list[float]
         row.costs.append(0.0)
         row.memory.append(sum(ctx.local(out_bytes, s.outputs)) / (ctx.microbatches if per_microbatch else 1))
     return row
-
 
 
 def compute_row(
